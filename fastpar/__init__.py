@@ -1,0 +1,8 @@
+"""fastpar: 3D-parallel (tensor, pipeline, data) Transformer training that hides communication."""
+import torch  # noqa: F401  (the extension links against torch: import it first)
+
+from . import _C
+from .dist import Coords, Layout, Mesh, init, layout
+
+__version__ = "0.1.0"
+__all__ = ["Coords", "Layout", "Mesh", "__version__", "init", "layout", "_C"]

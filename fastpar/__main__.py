@@ -1,0 +1,5 @@
+import sys
+
+from fastpar.cli import main
+
+sys.exit(main())

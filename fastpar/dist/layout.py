@@ -1,0 +1,126 @@
+"""Rank layout: how global ranks map to (dp, pp, tp) coordinates and process groups.
+
+Pure arithmetic, no processes. The ``order`` string names the dimensions from the innermost
+(consecutive ranks) to the outermost, as Megatron writes it. With the default ``"tp-dp-pp"``
+a rank is ``tp + tp_size * (dp + dp_size * pp)``: tensor-parallel groups are consecutive ranks
+(inside a node, on NVLink), pipeline stages are the outermost cut.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import product
+from typing import NamedTuple
+
+DIMS = ("tp", "dp", "pp")
+
+
+class Coords(NamedTuple):
+    """Where one rank sits in the layout."""
+
+    dp: int
+    pp: int
+    tp: int
+
+
+def _parse_order(order: str) -> tuple[str, ...]:
+    dims = tuple(d.strip() for d in order.split("-")) if isinstance(order, str) else ()
+    if sorted(dims) != sorted(DIMS):
+        raise ValueError(f"order={order!r} must be a '-'-separated permutation of tp, dp, pp "
+                         f"(innermost first), e.g. 'tp-dp-pp'")
+    return dims
+
+
+@dataclass(frozen=True)
+class Layout:
+    """ranks -> (dp, pp, tp); built by :func:`layout`, which validates the sizes."""
+
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    order: str = "tp-dp-pp"
+
+    def __post_init__(self):
+        for name in ("world_size", "tp", "pp", "dp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.tp * self.pp * self.dp != self.world_size:
+            raise ValueError(f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = "
+                             f"{self.tp * self.pp * self.dp} != world_size={self.world_size}")
+        _parse_order(self.order)
+
+    @cached_property
+    def _dims(self) -> tuple[str, ...]:
+        return _parse_order(self.order)
+
+    def size(self, dim: str) -> int:
+        return getattr(self, dim)
+
+    def _stride(self, dim: str) -> int:
+        stride = 1
+        for d in self._dims:
+            if d == dim:
+                return stride
+            stride *= self.size(d)
+        raise ValueError(f"unknown dimension {dim!r}")
+
+    def coords(self, rank: int) -> Coords:
+        """The (dp, pp, tp) coordinates of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} out of range for world_size={self.world_size}")
+        c = {d: (rank // self._stride(d)) % self.size(d) for d in DIMS}
+        return Coords(dp=c["dp"], pp=c["pp"], tp=c["tp"])
+
+    def rank(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
+        """The global rank at the given coordinates (the inverse of :meth:`coords`)."""
+        c = {"dp": dp, "pp": pp, "tp": tp}
+        for d, v in c.items():
+            if not 0 <= v < self.size(d):
+                raise ValueError(f"{d}={v} out of range for {d} size {self.size(d)}")
+        return sum(c[d] * self._stride(d) for d in DIMS)
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """Every group along ``dim``: ranks that share the other two coordinates, sorted."""
+        others = [d for d in DIMS if d != dim]
+        out = []
+        for fixed in product(*(range(self.size(d)) for d in others)):
+            base = dict(zip(others, fixed))
+            out.append(sorted(self.rank(**base, **{dim: i}) for i in range(self.size(dim))))
+        return sorted(out)
+
+    @cached_property
+    def tp_groups(self) -> list[list[int]]:
+        return self.groups("tp")
+
+    @cached_property
+    def pp_groups(self) -> list[list[int]]:
+        return self.groups("pp")
+
+    @cached_property
+    def dp_groups(self) -> list[list[int]]:
+        return self.groups("dp")
+
+    def group_of(self, dim: str, rank: int) -> list[int]:
+        """The ``dim`` group that holds ``rank``."""
+        c = self.coords(rank)._asdict()
+        return [self.rank(**{**c, dim: i}) for i in range(self.size(dim))]
+
+
+def layout(world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
+           order: str = "tp-dp-pp") -> Layout:
+    """Lay ``world_size`` ranks out into tensor-, pipeline- and data-parallel groups.
+
+    ``dp=None`` means ``world_size // (tp * pp)``. Raises ``ValueError`` naming the numbers when
+    the sizes do not multiply to ``world_size``, a size is < 1, or ``order`` is not a permutation.
+    """
+    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    if dp is None:
+        if world_size % (tp * pp):
+            raise ValueError(f"world_size={world_size} is not divisible by tp*pp = {tp}*{pp} = "
+                             f"{tp * pp}")
+        dp = world_size // (tp * pp)
+    return Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, order=order)

@@ -1,0 +1,142 @@
+"""Run a function on N ranks for tests: spawned processes, gloo, a free loopback port each time.
+
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, sets torchrun's environment
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) in each, optionally initialises a gloo
+process group, and calls ``fn(rank, world_size, *args)``. It returns the ranks' return values in
+rank order. A rank that raises fails the run with :class:`RankError`, which carries that rank's
+number and traceback; ranks that do not finish within ``timeout`` seconds are killed and fail
+the run with :class:`RankTimeout`, naming them. No process outlives the call.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+# After one rank fails, the others usually wait on it inside a collective: give them this long to
+# report (their own errors are shown too), then kill them.
+_GRACE_S = 3.0
+
+
+class RankError(AssertionError):
+    """One or more ranks raised; the message holds each failing rank's traceback."""
+
+    def __init__(self, failures: dict[int, str], pids: list[int]):
+        self.failures, self.pids = failures, pids
+        parts = [f"--- rank {r} raised ---\n{tb}" for r, tb in sorted(failures.items())]
+        super().__init__(f"rank(s) {sorted(failures)} failed:\n" + "\n".join(parts))
+
+
+class RankTimeout(AssertionError):
+    """Ranks did not finish within the timeout; they were killed."""
+
+    def __init__(self, stuck: list[int], timeout: float, pids: list[int]):
+        self.stuck, self.pids = stuck, pids
+        super().__init__(f"rank(s) {stuck} did not finish within {timeout:g}s and were killed")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world_size, port, init_pg, args, queue):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    try:
+        import torch.distributed as dist
+
+        if init_pg:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        if dist.is_initialized():
+            # Barrier before destroy: p2p-heavy ranks can abort at exit otherwise.
+            dist.barrier()
+            dist.destroy_process_group()
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        queue.put((rank, "error", traceback.format_exc()))
+        os._exit(1)
+    os._exit(0)  # skip interpreter teardown, which can abort after gloo p2p
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 45.0,
+              init_pg: bool = True, env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; see the module doc.
+
+    ``fn`` and ``args`` must be picklable (a module-level function). ``init_pg=False`` leaves
+    torch.distributed uninitialised so ``fn`` can call ``fastpar.init`` itself. ``env`` adds
+    environment variables to every rank.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()  # unbuffered: a put is on the pipe before the child exits
+    port = free_port()
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    procs = []
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(target=_child, args=(fn, rank, world_size, port, init_pg, args, queue),
+                            daemon=True, name=f"fastpar-rank{rank}")
+            p.start()
+            procs.append(p)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    pids = [p.pid for p in procs]
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    first_failure = None
+    try:
+        while len(results) + len(failures) < world_size:
+            now = time.monotonic()
+            if now > deadline or (first_failure is not None and now > first_failure + _GRACE_S):
+                break
+            if queue.empty():
+                _note_silent_deaths(procs, results, failures)
+                if failures and first_failure is None:
+                    first_failure = now
+                time.sleep(0.01)
+                continue
+            rank, status, payload = queue.get()
+            if status == "ok":
+                results[rank] = payload
+            else:
+                failures[rank] = payload
+                first_failure = first_failure or now
+    finally:
+        _reap(procs)
+    if failures:
+        raise RankError(failures, pids)
+    stuck = [r for r in range(world_size) if r not in results]
+    if stuck:
+        raise RankTimeout(stuck, timeout, pids)
+    return [results[r] for r in range(world_size)]
+
+
+def _note_silent_deaths(procs, results, failures):
+    """A rank that died without reporting (killed, segfault) is a failure too."""
+    for rank, p in enumerate(procs):
+        if rank not in results and rank not in failures and p.exitcode not in (None, 0):
+            failures[rank] = f"process exited with code {p.exitcode} without reporting"
+
+
+def _reap(procs):
+    """Kill whatever is still running and wait for every process, so none is left behind."""
+    for p in procs:
+        p.join(timeout=0.5 if p.is_alive() else 0)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join()
+        p.close()

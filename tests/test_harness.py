@@ -1,0 +1,77 @@
+"""The multi-rank harness: results on success, rank-numbered failures, timeouts, no leftovers."""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fastpar.testing import RankError, RankTimeout, run_ranks
+
+
+def _gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _sum_ranks(rank, world_size, scale):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return (os.getpid(), os.environ["RANK"], t.item() * scale)
+
+
+def _raise_on_rank_one(rank, world_size):
+    if rank == 1:
+        raise KeyError("boom on purpose")
+    time.sleep(600)  # rank 0 would wait forever: the harness must kill it
+
+
+def _hang_on_rank_zero(rank, world_size):
+    if rank == 0:
+        time.sleep(600)
+    return rank
+
+
+def _die_silently(rank, world_size):
+    if rank == 1:
+        os._exit(7)
+    return rank
+
+
+def test_pass_returns_results_in_rank_order_and_leaves_nothing():
+    out = run_ranks(_sum_ranks, 3, 2.0, init_pg=True)
+    assert [o[1] for o in out] == ["0", "1", "2"]
+    assert [o[2] for o in out] == [6.0, 6.0, 6.0]
+    assert all(_gone(pid) for pid, _, _ in out)
+
+
+def test_failure_names_rank_and_traceback_and_kills_the_rest():
+    start = time.monotonic()
+    with pytest.raises(RankError) as err:
+        run_ranks(_raise_on_rank_one, 2, timeout=30)
+    msg = str(err.value)
+    assert "rank 1 raised" in msg and "KeyError: 'boom on purpose'" in msg
+    assert "_raise_on_rank_one" in msg               # the traceback, not only the message
+    assert list(err.value.failures) == [1]
+    assert time.monotonic() - start < 25             # did not wait for the timeout
+    assert all(_gone(pid) for pid in err.value.pids)
+
+
+def test_timeout_names_stuck_ranks_and_kills_them():
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as err:
+        run_ranks(_hang_on_rank_zero, 2, timeout=5, init_pg=False)
+    assert err.value.stuck == [0]
+    assert "rank(s) [0] did not finish within 5s" in str(err.value)
+    assert time.monotonic() - start < 20
+    assert all(_gone(pid) for pid in err.value.pids)
+
+
+def test_rank_that_dies_without_reporting_is_a_failure():
+    with pytest.raises(RankError) as err:
+        run_ranks(_die_silently, 2, timeout=30, init_pg=False)
+    assert "exited with code 7" in err.value.failures[1]
+    assert all(_gone(pid) for pid in err.value.pids)

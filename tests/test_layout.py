@@ -1,0 +1,85 @@
+import itertools
+
+import pytest
+
+import fastpar
+from fastpar import Coords
+
+ORDERS = ["-".join(p) for p in itertools.permutations(["tp", "dp", "pp"])]
+SIZES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 3), (4, 2, 2),
+         (3, 5, 2), (8, 1, 4), (2, 4, 8)]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("tp,pp,dp", SIZES)
+def test_groups_partition_ranks_and_match_coords(tp, pp, dp, order):
+    world = tp * pp * dp
+    lay = fastpar.layout(world, tp=tp, pp=pp, dp=dp, order=order)
+    for dim, groups, size in (("tp", lay.tp_groups, tp), ("pp", lay.pp_groups, pp),
+                              ("dp", lay.dp_groups, dp)):
+        flat = sorted(r for g in groups for r in g)
+        assert flat == list(range(world)), f"{dim}: every rank in exactly one group"
+        assert len(groups) == world // size and all(len(g) == size for g in groups)
+        for g in groups:
+            coords = [lay.coords(r) for r in g]
+            # Members differ only in `dim`, and cover each of its values once.
+            others = {tuple(v for k, v in c._asdict().items() if k != dim) for c in coords}
+            assert len(others) == 1
+            assert sorted(getattr(c, dim) for c in coords) == list(range(size))
+            for r in g:
+                assert lay.group_of(dim, r) == sorted(g, key=lambda x: getattr(lay.coords(x), dim))
+    for r in range(world):
+        assert lay.rank(**lay.coords(r)._asdict()) == r
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_innermost_dimension_is_consecutive(order):
+    lay = fastpar.layout(24, tp=2, pp=3, dp=4, order=order)
+    inner = order.split("-")[0]
+    size = lay.size(inner)
+    assert lay.groups(inner)[0] == list(range(size))
+
+
+def test_32_gpu_example_textbook_order():
+    lay = fastpar.layout(32, tp=4, pp=2, dp=4, order="tp-pp-dp")
+    assert lay.coords(13) == Coords(dp=1, pp=1, tp=1)
+    assert lay.group_of("tp", 13) == [12, 13, 14, 15]
+    assert lay.group_of("pp", 13) == [9, 13]
+    assert lay.group_of("dp", 13) == [5, 13, 21, 29]
+    assert [12, 13, 14, 15] in lay.tp_groups and [9, 13] in lay.pp_groups
+    assert [5, 13, 21, 29] in lay.dp_groups
+
+
+def test_default_order_is_megatron_tp_dp_pp():
+    lay = fastpar.layout(16, tp=2, pp=2)
+    assert lay.dp == 4 and lay.order == "tp-dp-pp"
+    assert lay.tp_groups[0] == [0, 1]
+    assert lay.dp_groups[0] == [0, 2, 4, 6]      # dp is the middle dimension
+    assert lay.pp_groups[0] == [0, 8]            # pp is the outermost
+    assert lay.coords(11) == Coords(dp=1, pp=1, tp=1)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(world_size=8, tp=3), "world_size=8 is not divisible by tp*pp = 3*1 = 3"),
+    (dict(world_size=8, tp=2, pp=2, dp=3), "tp*pp*dp = 2*2*3 = 12 != world_size=8"),
+    (dict(world_size=8, tp=0), "tp=0"),
+    (dict(world_size=8, pp=-2), "pp=-2"),
+    (dict(world_size=8, tp=2, dp=0), "dp=0"),
+    (dict(world_size=0), "world_size=0"),
+    (dict(world_size=4, tp=2.0), "tp=2.0"),
+    (dict(world_size=4, order="tp-pp"), "order='tp-pp'"),
+    (dict(world_size=4, order="tp-dp-dp"), "order='tp-dp-dp'"),
+    (dict(world_size=4, order="tp-dp-ep"), "order='tp-dp-ep'"),
+])
+def test_bad_input_names_the_numbers(kwargs, needle):
+    with pytest.raises(ValueError) as err:
+        fastpar.layout(**kwargs)
+    assert needle in str(err.value)
+
+
+def test_rank_and_coords_out_of_range():
+    lay = fastpar.layout(4, tp=2)
+    with pytest.raises(ValueError, match="rank=4"):
+        lay.coords(4)
+    with pytest.raises(ValueError, match="tp=2"):
+        lay.rank(tp=2)
