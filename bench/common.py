@@ -1,0 +1,61 @@
+"""Shared by the bench scripts: timing, the machine's description, JSON + table output."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict:
+    """What the numbers were measured on, recorded with every row."""
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_it(fn, device: torch.device, warmup: int = 2, iters: int = 10) -> list[float]:
+    """Seconds per call of ``fn`` for ``iters`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def report(name: str, rows: list[dict], columns: list[str]) -> Path:
+    """Print ``rows`` as a table and write them, with the machine, to bench/results/NAME.json."""
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(widths[c]) for c in columns))
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), "time": time.strftime("%Y-%m-%d %H:%M"),
+                                "rows": rows}, indent=2))
+    print(f"wrote {path}")
+    return path
+
+
+def _fmt(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
