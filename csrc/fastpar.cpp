@@ -5,6 +5,9 @@
 #include <string>
 #include <vector>
 
+#include "tp_overlap.h"
+#include "trace.h"
+
 #ifdef FASTPAR_WITH_CUDA
 // Defined in cuda_info.cu.
 int fastpar_cuda_runtime_version();
@@ -65,8 +68,31 @@ int cuda_device_count() {
 
 }  // namespace
 
+// Torch ops (callable as torch.ops.fastpar.*; fake implementations live in fastpar/_ops.py so
+// torch.compile can trace them). Groups are passed by ProcessGroup.group_name.
+TORCH_LIBRARY(fastpar, m) {
+  m.def("matmul_allreduce(Tensor x, Tensor w, str group, int chunks) -> Tensor");
+  m.def("allgather_matmul(Tensor x, Tensor w, str group) -> (Tensor, Tensor)");
+  m.def("matmul_reducescatter(Tensor x, Tensor w, str group) -> Tensor");
+  m.def(
+      "column_linear_backward(Tensor grad_out, Tensor input, Tensor w, str group, "
+      "bool sequence_parallel, bool need_input_grad, bool need_weight_grad) -> (Tensor, Tensor)");
+}
+
+// One implementation for every device: the collectives go through c10d, which picks gloo or NCCL.
+TORCH_LIBRARY_IMPL(fastpar, CompositeExplicitAutograd, m) {
+  m.impl("matmul_allreduce", &fastpar::matmul_allreduce);
+  m.impl("allgather_matmul", &fastpar::allgather_matmul);
+  m.impl("matmul_reducescatter", &fastpar::matmul_reducescatter);
+  m.impl("column_linear_backward", &fastpar::column_linear_backward);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastpar's compiled extension";
+  m.def("trace_enable", &fastpar::trace_enable,
+        "Clear the overlap event log and switch recording on or off.");
+  m.def("trace_take", &fastpar::trace_take,
+        "Return and clear the recorded (event, index, nanoseconds) tuples.");
   m.def("build_info", &build_info, "How this extension was built (torch version, CUDA, archs).");
   m.def("cuda_device_count", &cuda_device_count,
         "CUDA devices visible to the extension's runtime; 0 without CUDA.");

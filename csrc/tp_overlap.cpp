@@ -1,0 +1,179 @@
+// GEMM <-> collective pipelines (see tp_overlap.h). The pattern everywhere: start the
+// collective asynchronously, do the independent GEMM, wait right before the result is used.
+// On CUDA the c10d NCCL backend runs each collective on its own stream, ordered after the
+// current stream with events, and work->wait() orders the current stream after it: no
+// device-wide synchronize. On CPU the gloo backend runs them on its worker threads.
+#include "tp_overlap.h"
+
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <vector>
+
+#include "trace.h"
+
+namespace fastpar {
+namespace {
+
+using Work = c10::intrusive_ptr<c10d::Work>;
+
+c10::intrusive_ptr<c10d::ProcessGroup> resolve(const std::string& group) {
+  return c10d::resolve_process_group(group);
+}
+
+void check_gemm(const char* op, const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D (rows, K), got ", x.sizes());
+  TORCH_CHECK(w.dim() == 2, op, ": w must be 2-D (N, K), got ", w.sizes());
+  TORCH_CHECK(x.size(1) == w.size(1), op, ": x has K=", x.size(1), " but w has K=", w.size(1));
+  TORCH_CHECK(x.device() == w.device(), op, ": x is on ", x.device(), ", w on ", w.device());
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), op, ": x is ", x.scalar_type(), ", w is ",
+              w.scalar_type());
+}
+
+// out = x @ w^T written into `out` (a contiguous block of rows), traced as a GEMM.
+void gemm_into(at::Tensor out, const at::Tensor& x, const at::Tensor& w, int64_t index) {
+  trace_event("gemm_begin", index);
+  at::mm_out(out, x, w.t());
+  trace_event("gemm_end", index);
+}
+
+void wait(Work& work, int64_t index) {
+  work->wait();
+  trace_event("comm_done", index);
+}
+
+}  // namespace
+
+at::Tensor matmul_allreduce(const at::Tensor& x_, const at::Tensor& w, const std::string& group,
+                            int64_t chunks) {
+  check_gemm("matmul_allreduce", x_, w);
+  TORCH_CHECK(chunks >= 1, "matmul_allreduce: chunks must be >= 1, got ", chunks);
+  auto pg = resolve(group);
+  const at::Tensor x = x_.contiguous();
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::empty({rows, w.size(0)}, x.options());
+  chunks = std::max<int64_t>(1, std::min(chunks, rows));
+  std::vector<Work> works;
+  for (int64_t i = 0; i < chunks; ++i) {
+    const int64_t lo = rows * i / chunks, hi = rows * (i + 1) / chunks;
+    at::Tensor block = out.narrow(0, lo, hi - lo);  // contiguous rows: reduced in place
+    gemm_into(block, x.narrow(0, lo, hi - lo), w, i);
+    std::vector<at::Tensor> bufs{block};
+    trace_event("comm_start", i);
+    works.push_back(pg->allreduce(bufs));
+  }
+  for (int64_t i = 0; i < chunks; ++i) wait(works[i], i);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> allgather_matmul(const at::Tensor& x_, const at::Tensor& w,
+                                                    const std::string& group) {
+  check_gemm("allgather_matmul", x_, w);
+  auto pg = resolve(group);
+  const int64_t tp = pg->getSize(), r = pg->getRank(), m = x_.size(0);
+  const int64_t next = (r + 1) % tp, prev = (r + tp - 1) % tp;
+  at::Tensor gathered = at::empty({tp * m, x_.size(1)}, x_.options());
+  at::Tensor out = at::empty({tp * m, w.size(0)}, x_.options());
+  gathered.narrow(0, r * m, m).copy_(x_);
+  for (int64_t s = 0; s < tp; ++s) {
+    // At step s this rank holds block (r - s) and receives block (r - s - 1) from prev.
+    const int64_t cur = (r - s + tp) % tp, incoming = (r - s - 1 + 2 * tp) % tp;
+    std::vector<Work> works;
+    if (s + 1 < tp) {
+      std::vector<at::Tensor> send{gathered.narrow(0, cur * m, m)};
+      std::vector<at::Tensor> recv{gathered.narrow(0, incoming * m, m)};
+      trace_event("comm_start", s);
+      works.push_back(pg->send(send, next, static_cast<int>(s)));
+      works.push_back(pg->recv(recv, prev, static_cast<int>(s)));
+    }
+    gemm_into(out.narrow(0, cur * m, m), gathered.narrow(0, cur * m, m), w, s);
+    for (auto& work : works) work->wait();
+    if (!works.empty()) trace_event("comm_done", s);
+  }
+  return {out, gathered};
+}
+
+at::Tensor matmul_reducescatter(const at::Tensor& x_, const at::Tensor& w,
+                                const std::string& group) {
+  check_gemm("matmul_reducescatter", x_, w);
+  auto pg = resolve(group);
+  const int64_t tp = pg->getSize(), r = pg->getRank();
+  TORCH_CHECK(x_.size(0) % tp == 0, "matmul_reducescatter: rows=", x_.size(0),
+              " not divisible by tp=", tp);
+  const at::Tensor x = x_.contiguous();
+  const int64_t m = x.size(0) / tp, n = w.size(0);
+  const int64_t next = (r + 1) % tp, prev = (r + tp - 1) % tp;
+  // The running sum for block b starts on rank b+1 and travels the ring, gaining one partial
+  // product per rank, so that it ends, complete, on rank b.
+  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor partial[2] = {at::empty({m, n}, x.options()), at::empty({m, n}, x.options())};
+  at::Tensor incoming = at::empty({m, n}, x.options());
+  Work send_work, recv_work;
+  for (int64_t s = 0; s < tp; ++s) {
+    const int64_t b = (r - s - 1 + 2 * tp) % tp;  // == r at the last step
+    at::Tensor acc = (s + 1 == tp) ? out : partial[s % 2];
+    gemm_into(acc, x.narrow(0, b * m, m), w, s);  // overlaps the transfer of step s-1
+    if (s > 0) {
+      wait(recv_work, s - 1);
+      acc.add_(incoming);
+      send_work->wait();
+    }
+    if (s + 1 < tp) {
+      std::vector<at::Tensor> send{acc}, recv{incoming};
+      trace_event("comm_start", s);
+      send_work = pg->send(send, next, static_cast<int>(s));
+      recv_work = pg->recv(recv, prev, static_cast<int>(s));
+    }
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> column_linear_backward(
+    const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& w,
+    const std::string& group, bool sequence_parallel, bool need_input_grad,
+    bool need_weight_grad) {
+  check_gemm("column_linear_backward", input_, w);
+  TORCH_CHECK(grad_out_.dim() == 2 && grad_out_.size(1) == w.size(0),
+              "column_linear_backward: grad_out must be (rows, ", w.size(0), "), got ",
+              grad_out_.sizes());
+  auto pg = resolve(group);
+  const int64_t tp = pg->getSize();
+  const at::Tensor grad_out = grad_out_.contiguous(), input = input_.contiguous();
+  const int64_t rows = grad_out.size(0);
+  TORCH_CHECK(input.size(0) * (sequence_parallel ? tp : 1) == rows,
+              "column_linear_backward: input has ", input.size(0), " rows, grad_out ", rows,
+              " (sequence_parallel=", sequence_parallel, ", tp=", tp, ")");
+  at::Tensor total = input, grad_input, grad_weight;
+  Work gather_work, reduce_work;
+  if (sequence_parallel && need_weight_grad) {  // the wgrad GEMM needs the whole sequence
+    total = at::empty({rows, input.size(1)}, input.options());
+    trace_event("comm_start", 0);
+    gather_work = pg->_allgather_base(total, const_cast<at::Tensor&>(input));
+  }
+  if (need_input_grad) {
+    trace_event("gemm_begin", 0);
+    at::Tensor partial = at::mm(grad_out, w);  // (rows, K): this rank's share of the sum
+    trace_event("gemm_end", 0);
+    if (gather_work) wait(gather_work, 0);
+    trace_event("comm_start", 1);
+    if (sequence_parallel) {
+      grad_input = at::empty({rows / tp, input.size(1)}, input.options());
+      reduce_work = pg->_reduce_scatter_base(grad_input, partial);
+    } else {
+      grad_input = partial;
+      std::vector<at::Tensor> bufs{grad_input};
+      reduce_work = pg->allreduce(bufs);
+    }
+  }
+  if (need_weight_grad) {
+    if (gather_work && !need_input_grad) wait(gather_work, 0);
+    trace_event("gemm_begin", 1);
+    grad_weight = at::mm(grad_out.t(), total);  // (N/tp, K), while the reduction runs
+    trace_event("gemm_end", 1);
+  }
+  if (reduce_work) wait(reduce_work, 1);
+  auto empty = at::empty({0}, input.options());
+  return {need_input_grad ? grad_input : empty, need_weight_grad ? grad_weight : empty};
+}
+
+}  // namespace fastpar
