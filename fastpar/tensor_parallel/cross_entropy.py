@@ -15,7 +15,7 @@ The gradient is local, with ``p = softmax(z)`` kept from the forward:
     dloss/dz_j = p_j - (1 - eps) * 1[j == t] - eps / V
 
 Tokens whose target is ``ignore_index`` get loss 0 and gradient 0, as in ``F.cross_entropy``.
-Arithmetic is fp32; the loss is fp32, the gradient has the logits' dtype.
+Arithmetic is fp32 (fp64 for fp64 logits), as is the loss; the gradient has the logits' dtype.
 """
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         tp, rank = group_size(group), group_rank(group)
         v_local = logits.shape[-1]
         vocab, start = v_local * tp, v_local * rank
-        z = logits.reshape(-1, v_local).float()          # (N, V/tp); may alias logits: no in-place
+        # (N, V/tp) in fp32 (fp64 stays fp64); may alias logits, so never written in place.
+        z = logits.reshape(-1, v_local).to(torch.promote_types(logits.dtype, torch.float32))
         t = target.reshape(-1)                           # (N,)
 
         m = z.max(dim=-1).values                         # (N,)
@@ -73,8 +74,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         eps = ctx.eps
         grad = softmax - eps / ctx.vocab if eps > 0 else softmax.clone()  # (N, V/tp)
         rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, t_local] -= (1 - eps) * owned.float()
-        g = grad_loss.reshape(-1).float().masked_fill(~valid, 0.0)
+        grad[rows, t_local] -= (1 - eps) * owned.to(grad.dtype)
+        g = grad_loss.reshape(-1).to(grad.dtype).masked_fill(~valid, 0.0)
         grad.mul_(g.unsqueeze(-1))
         return grad.to(ctx.dtype).view(ctx.shape), None, None, None, None
 
@@ -82,7 +83,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *,
                                  tp_group: Group = None, ignore_index: int = -100,
                                  label_smoothing: float = 0.0) -> torch.Tensor:
-    """Per-token cross-entropy (shape of ``target``, fp32) from logits sharded on the vocab.
+    """Per-token cross-entropy (shape of ``target``, fp32) from vocab-sharded logits.
 
     ``logits`` (..., V/tp): rank r holds classes ``[r*V/tp, (r+1)*V/tp)``; ``target`` (...):
     full vocabulary ids. Equals ``F.cross_entropy(full_logits.view(-1, V), target.view(-1),

@@ -34,7 +34,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: Group = None,
                  sequence_parallel: bool = False, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, _weight: torch.Tensor | None = None):
         super().__init__()
         tp, rank = group_size(tp_group), group_rank(tp_group)
         if num_embeddings % tp:
@@ -45,10 +45,17 @@ class VocabParallelEmbedding(nn.Module):
         self.sequence_parallel = sequence_parallel
         per_rank = num_embeddings // tp
         self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
-        # Draw the full table as nn.Embedding does, keep our rows: same seed -> same slice.
-        full = torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device)
-        nn.init.normal_(full)
-        self.weight = nn.Parameter(full[self.vocab_start:self.vocab_end].clone())  # (V/tp, D)
+        if _weight is None:  # draw the full table as nn.Embedding does: same seed -> same slice
+            full, requires_grad = torch.empty(num_embeddings, embedding_dim, dtype=dtype,
+                                              device=device), True
+            nn.init.normal_(full)
+        else:  # the (V, D) table to slice, like nn.Embedding's private `_weight`
+            full, requires_grad = _weight.detach(), _weight.requires_grad
+            if full.shape != (num_embeddings, embedding_dim):
+                raise ValueError(f"VocabParallelEmbedding: _weight shape {tuple(full.shape)} "
+                                 f"!= ({num_embeddings}, {embedding_dim})")
+        shard = full[self.vocab_start:self.vocab_end].clone()  # (V/tp, D)
+        self.weight = nn.Parameter(shard, requires_grad=requires_grad)
 
     @classmethod
     def from_embedding(cls, module: nn.Embedding, tp_group: Group = None,
@@ -62,14 +69,8 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"VocabParallelEmbedding.from_embedding: {unsupported} "
                              "is not supported")
         w = module.weight
-        # skip_init: build on the meta device, so no RNG is consumed and no table is drawn.
-        out = nn.utils.skip_init(cls, w.shape[0], w.shape[1], tp_group=tp_group,
-                                 sequence_parallel=sequence_parallel, dtype=w.dtype,
-                                 device=w.device)
-        with torch.no_grad():
-            out.weight.copy_(w[out.vocab_start:out.vocab_end])
-        out.weight.requires_grad_(w.requires_grad)
-        return out
+        return cls(w.shape[0], w.shape[1], tp_group=tp_group,
+                   sequence_parallel=sequence_parallel, _weight=w)
 
     @torch.no_grad()
     def full_weight(self) -> torch.Tensor:
@@ -77,13 +78,12 @@ class VocabParallelEmbedding(nn.Module):
         w = self.weight.detach().contiguous()
         if self.tp_size == 1:
             return w.clone()
-        out = torch.empty((self.num_embeddings, self.embedding_dim), dtype=w.dtype,
-                          device=w.device)
-        dist.all_gather_into_tensor(out, w, group=self.tp_group)
+        out = w.new_empty((self.num_embeddings, self.embedding_dim))
+        dist.all_gather_single(out, w, group=self.tp_group)  # shards in group-rank order
         return out
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids ``(S, B)`` / ``(T,)`` (any shape without SP) -> ``(..., D)``, or ``(S/tp, ..., D)``."""
+        """ids (S, B) or (T,), any shape without SP -> (..., D); under SP (S/tp, ..., D)."""
         self._check(ids)
         if ids.dtype not in (torch.int32, torch.int64):
             ids = ids.long()
@@ -104,9 +104,9 @@ class VocabParallelEmbedding(nn.Module):
         if self.sequence_parallel and self.tp_size > 1:
             if ids.dim() == 0 or ids.shape[0] % self.tp_size:
                 seq = ids.shape[0] if ids.dim() else "none (0-d ids)"
-                raise ValueError(f"VocabParallelEmbedding: sequence length (dim 0 of ids) = "
-                                 f"{seq} is not divisible by tp={self.tp_size} under "
-                                 "sequence parallelism")
+                raise ValueError(f"VocabParallelEmbedding: sequence length={seq} (dim 0 of ids) "
+                                 f"is not divisible by tp={self.tp_size} under sequence "
+                                 "parallelism")
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_size}, "

@@ -11,6 +11,10 @@ import torch.distributed as dist
 
 Group = dist.ProcessGroup | None
 
+# torch 2.13 renamed the tensor-in, tensor-out collectives; keep working on either name.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def group_size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -36,7 +40,7 @@ def _gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     tp, dim = group_size(group), dim % x.dim()
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((tp * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_tensor(out, x, group=group)
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
@@ -52,7 +56,7 @@ def _reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
     check_divisible(x.shape[0], tp, "sequence length (dim 0) for reduce-scatter")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // tp,) + x.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)
+    _reduce_scatter_tensor(out, x, group=group)
     return out
 
 

@@ -1,0 +1,78 @@
+"""Python face of the extension's torch ops (``torch.ops.fastpar.*``).
+
+Registers fake (meta) implementations so torch.compile can trace through them, and gives each op
+a typed wrapper that takes a ProcessGroup instead of its name.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import _C  # noqa: F401  (loading the library registers the ops)
+
+_ops = torch.ops.fastpar
+
+
+def _size(group_name: str) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name).size()
+
+
+@torch.library.register_fake("fastpar::matmul_allreduce")
+def _(x, w, group, chunks):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.register_fake("fastpar::allgather_matmul")
+def _(x, w, group):
+    tp = _size(group)
+    return x.new_empty(tp * x.shape[0], w.shape[0]), x.new_empty(tp * x.shape[0], x.shape[1])
+
+
+@torch.library.register_fake("fastpar::matmul_reducescatter")
+def _(x, w, group):
+    return x.new_empty(x.shape[0] // _size(group), w.shape[0])
+
+
+@torch.library.register_fake("fastpar::column_linear_backward")
+def _(grad_out, x, w, group, sequence_parallel, need_input_grad, need_weight_grad):
+    rows = grad_out.shape[0] // (_size(group) if sequence_parallel else 1)
+    gi = x.new_empty(rows, x.shape[1]) if need_input_grad else x.new_empty(0)
+    gw = x.new_empty(w.shape) if need_weight_grad else x.new_empty(0)
+    return gi, gw
+
+
+def matmul_allreduce(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup,
+                     chunks: int = 4) -> torch.Tensor:
+    """all_reduce(x @ w.T) over ``group``, computed and reduced in ``chunks`` row chunks."""
+    return _ops.matmul_allreduce(x, w, group.group_name, chunks)
+
+
+def allgather_matmul(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup):
+    """(all_gather(x) @ w.T, all_gather(x)) over ``group``, gathered along rows by a ring."""
+    return _ops.allgather_matmul(x, w, group.group_name)
+
+
+def matmul_reducescatter(x: torch.Tensor, w: torch.Tensor,
+                         group: dist.ProcessGroup) -> torch.Tensor:
+    """reduce_scatter(x @ w.T) over ``group`` along rows, by a ring."""
+    return _ops.matmul_reducescatter(x, w, group.group_name)
+
+
+def column_linear_backward(grad_out, x, w, group: dist.ProcessGroup, sequence_parallel: bool,
+                           need_input_grad: bool = True, need_weight_grad: bool = True):
+    """(grad_input, grad_weight) of a column-parallel linear, reductions overlapped; None if unneeded."""
+    gi, gw = _ops.column_linear_backward(grad_out, x, w, group.group_name, sequence_parallel,
+                                         need_input_grad, need_weight_grad)
+    return (gi if need_input_grad else None), (gw if need_weight_grad else None)
+
+
+def trace(enable: bool) -> None:
+    """Clear the overlap event log and switch it on or off (see :func:`trace_events`)."""
+    _C.trace_enable(enable)
+
+
+def trace_events() -> list[tuple[str, int, int]]:
+    """The recorded (event, index, nanoseconds) tuples since :func:`trace`, then cleared."""
+    return _C.trace_take()

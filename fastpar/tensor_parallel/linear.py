@@ -1,0 +1,168 @@
+"""Megatron-style ColumnParallelLinear and RowParallelLinear.
+
+Column: weight shard (out/tp, in), output features split over TP. Row: weight shard (out, in/tp),
+input features split, partial products summed over TP; its bias is whole on every rank and added
+once, after the reduction. Activations are sequence-first (S, B, H) or (T, H); under sequence
+parallelism (SP) the activations outside the pair are split along dim 0.
+
+With ``overlap=True`` the communication runs inside the extension's GEMM <-> collective pipelines
+(:mod:`fastpar.tensor_parallel.overlap`); ``overlap=False`` runs the plain sequence of mappings.
+Both compute the same numbers.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .mappings import (check_divisible, copy_to_tp, gather_from_sp, gather_from_tp, group_rank,
+                       group_size, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp, _gather)
+from .overlap import ColumnLinearOverlap, RowLinearOverlap
+
+
+class _ParallelLinear(nn.Module):
+    """Shared by both layers: sharding, nn.Linear's initialisation, gathering back."""
+
+    shard_dim: int  # dim of the (out, in) weight that is split over TP
+
+    def __init__(self, in_features, out_features, bias, tp_group, sequence_parallel, overlap,
+                 dtype, device):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_group, self.sequence_parallel, self.overlap = tp_group, sequence_parallel, overlap
+        self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
+        name = type(self).__name__
+        check_divisible((out_features, in_features)[self.shard_dim], self.tp_size,
+                        f"{name}: {('out_features', 'in_features')[self.shard_dim]}")
+        # Initialise the full weight exactly as nn.Linear would under this seed, keep the slice.
+        full = torch.empty(out_features, in_features, dtype=dtype, device=device)
+        nn.init.kaiming_uniform_(full, a=math.sqrt(5))
+        self.weight = nn.Parameter(self._slice(full, self.shard_dim).clone())
+        if bias:
+            full_b = torch.empty(out_features, dtype=dtype, device=device)
+            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+            nn.init.uniform_(full_b, -bound, bound)
+            self.bias = nn.Parameter(full_b if self.shard_dim == 1 else self._slice(full_b, 0).clone())
+        else:
+            self.register_parameter("bias", None)
+
+    def _slice(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.chunk(self.tp_size, dim=dim)[self.tp_rank] if self.tp_size > 1 else t
+
+    @classmethod
+    def from_linear(cls, module: nn.Linear, tp_group=None, **kwargs):
+        """Shard an existing nn.Linear: this rank keeps its slice of the weight (and bias)."""
+        layer = cls(module.in_features, module.out_features, module.bias is not None,
+                    tp_group=tp_group, dtype=module.weight.dtype, device="meta", **kwargs)
+        layer.to_empty(device=module.weight.device)
+        with torch.no_grad():
+            layer.weight.copy_(layer._slice(module.weight, cls.shard_dim))
+            layer.weight.requires_grad_(module.weight.requires_grad)
+            if module.bias is not None:
+                b = module.bias if cls.shard_dim == 1 else layer._slice(module.bias, 0)
+                layer.bias.copy_(b)
+                layer.bias.requires_grad_(module.bias.requires_grad)
+        return layer
+
+    @torch.no_grad()
+    def to_linear(self) -> nn.Linear:
+        """Gather the full layer back as an nn.Linear (collective over the TP group)."""
+        w = self.weight.detach()
+        if self.tp_size > 1:
+            w = _gather(w, self.tp_group, self.shard_dim)
+        out = nn.Linear(self.in_features, self.out_features, self.bias is not None,
+                        device=w.device, dtype=w.dtype)
+        out.weight.copy_(w)
+        if self.bias is not None:
+            b = self.bias.detach()
+            out.bias.copy_(_gather(b, self.tp_group, 0) if self.shard_dim == 0 and
+                           self.tp_size > 1 else b)
+        return out
+
+    def _check_width(self, x: torch.Tensor, expected: int) -> None:
+        if x.dim() < 1 or x.shape[-1] != expected:
+            raise ValueError(f"{type(self).__name__}: input has width {tuple(x.shape)[-1:]} "
+                             f"(shape {tuple(x.shape)}) but expects {expected} (tp={self.tp_size})")
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}, "
+                f"overlap={self.overlap}")
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """y = x W^T + b with W split by rows (output features) over the TP group."""
+
+    shard_dim = 0
+
+    def __init__(self, in_features, out_features, bias=True, *, tp_group=None,
+                 gather_output=False, sequence_parallel=False, overlap=True, dtype=None,
+                 device=None):
+        super().__init__(in_features, out_features, bias, tp_group, sequence_parallel, overlap,
+                         dtype, device)
+        self.gather_output = gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_width(x, self.in_features)
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        if self.overlap:
+            rows = x.reshape(-1, x.shape[-1])        # (S*B, in); a sequence shard under SP
+            y = ColumnLinearOverlap.apply(rows, self.weight, self.tp_group,
+                                          self.sequence_parallel)
+            lead = ((x.shape[0] * self.tp_size,) + x.shape[1:-1]) if self.sequence_parallel \
+                else x.shape[:-1]
+            y = y.view(*lead, -1)
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            x = gather_from_sp(x, self.tp_group) if self.sequence_parallel \
+                else copy_to_tp(x, self.tp_group)
+            y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp(y, self.tp_group) if self.gather_output else y   # (S, B, out[/tp])
+
+
+class RowParallelLinear(_ParallelLinear):
+    """y = sum over TP of x_r W_r^T, + b once; W split by columns (input features)."""
+
+    shard_dim = 1
+
+    def __init__(self, in_features, out_features, bias=True, *, tp_group=None,
+                 input_is_parallel=True, sequence_parallel=False, overlap=True, chunks=4,
+                 dtype=None, device=None):
+        super().__init__(in_features, out_features, bias, tp_group, sequence_parallel, overlap,
+                         dtype, device)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel")
+        if chunks < 1:
+            raise ValueError(f"RowParallelLinear: chunks={chunks} must be >= 1")
+        self.input_is_parallel, self.chunks = input_is_parallel, chunks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            self._check_width(x, self.in_features)
+            return F.linear(x, self.weight, self.bias)
+        if not self.input_is_parallel:
+            self._check_width(x, self.in_features)
+            x = scatter_to_tp(x, self.tp_group)
+        self._check_width(x, self.in_features // self.tp_size)
+        if self.sequence_parallel and x.shape[0] % self.tp_size:
+            raise ValueError(f"RowParallelLinear: sequence length (dim 0) {x.shape[0]} is not "
+                             f"divisible by tp={self.tp_size} under sequence parallelism")
+        if self.overlap:
+            rows = x.reshape(-1, x.shape[-1])
+            y = RowLinearOverlap.apply(rows, self.weight, self.tp_group, self.sequence_parallel,
+                                       self.chunks)
+            lead = ((x.shape[0] // self.tp_size,) + x.shape[1:-1]) if self.sequence_parallel \
+                else x.shape[:-1]
+            y = y.view(*lead, -1)
+        else:
+            y = F.linear(x, self.weight)
+            y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel \
+                else reduce_from_tp(y, self.tp_group)
+        if self.bias is None:
+            return y
+        # Under SP each rank adds the bias to its own rows only: its gradient is a partial sum.
+        return y + (copy_to_tp(self.bias, self.tp_group) if self.sequence_parallel else self.bias)

@@ -1,0 +1,132 @@
+"""The extension's GEMM <-> collective ops: results, bad input, and proof that they overlap."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fastpar import ops
+from fastpar.testing import run_ranks
+
+
+def _close(a, b, what):
+    assert a.shape == b.shape, f"{what}: {tuple(a.shape)} != {tuple(b.shape)}"
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), f"{what}: {(a - b).abs().max()}"
+
+
+def _results(rank, tp):
+    g = dist.new_group(list(range(tp)))
+    torch.manual_seed(100 + rank)                  # different data on every rank
+    w = torch.randn(6, 5)
+    for rows, chunks in ((10, 3), (7, 1), (3, 8), (1, 4)):   # uneven, more chunks than rows
+        x = torch.randn(rows, 5)
+        ref = x @ w.t()
+        dist.all_reduce(ref, group=g)
+        _close(ops.matmul_allreduce(x, w, g, chunks), ref, f"matmul_allreduce {rows}/{chunks}")
+    for m in (1, 3):
+        x = torch.randn(m, 5)
+        full = torch.empty(tp * m, 5)
+        dist.all_gather_into_tensor(full, x, group=g)
+        out, gathered = ops.allgather_matmul(x, w, g)
+        assert torch.equal(gathered, full)
+        _close(out, full @ w.t(), f"allgather_matmul m={m}")
+        # A transposed (non-contiguous) weight, as the Row backward passes it.
+        out, _ = ops.allgather_matmul(x, w.t().contiguous().t(), g)
+        _close(out, full @ w.t(), "allgather_matmul strided w")
+        xs = torch.randn(tp * m, 5)
+        ref = torch.empty(m, 6)
+        dist.reduce_scatter_tensor(ref, xs @ w.t(), group=g)
+        _close(ops.matmul_reducescatter(xs, w, g), ref, f"matmul_reducescatter m={m}")
+    # Column backward, all four (sequence_parallel, needed grads) combinations.
+    for sp in (False, True):
+        rows = 4 * tp
+        go = torch.randn(rows, 6)
+        inp = torch.randn(rows // tp if sp else rows, 5)
+        total = torch.empty(rows, 5) if sp else inp
+        if sp:
+            dist.all_gather_into_tensor(total, inp, group=g)
+        partial = go @ w
+        ref_gi = torch.empty(rows // tp, 5) if sp else partial.clone()
+        if sp:
+            dist.reduce_scatter_tensor(ref_gi, partial, group=g)
+        else:
+            dist.all_reduce(ref_gi, group=g)
+        for need_i, need_w in ((True, True), (True, False), (False, True)):
+            gi, gw = ops.column_linear_backward(go, inp, w, g, sp, need_i, need_w)
+            assert (gi is None) != need_i and (gw is None) != need_w
+            if need_i:
+                _close(gi, ref_gi, f"column bwd sp={sp} dgrad")
+            if need_w:
+                _close(gw, go.t() @ total, f"column bwd sp={sp} wgrad")
+    # Fake implementations: shapes without running anything (what torch.compile traces).
+    with FakeTensorMode():
+        fx, fw = torch.empty(4 * tp, 5), torch.empty(6, 5)
+        assert ops.matmul_reducescatter(fx, fw, g).shape == (4, 6)
+        out, gathered = ops.allgather_matmul(fx, fw, g)
+        assert out.shape == (4 * tp * tp, 6) and gathered.shape == (4 * tp * tp, 5)
+    # Bad input: one clear error naming the argument, before any collective.
+    errors = []
+    for bad in (lambda: ops.matmul_allreduce(torch.ones(3, 4), w, g),
+                lambda: ops.matmul_allreduce(torch.ones(3, 5), w, g, 0),
+                lambda: ops.matmul_reducescatter(torch.ones(tp + 1, 5), w, g),
+                lambda: ops.allgather_matmul(torch.ones(3, 5, dtype=torch.float64), w, g)):
+        try:
+            bad()
+        except RuntimeError as e:
+            errors.append(str(e).splitlines()[0])
+    assert len(errors) == 4, errors
+    assert "x has K=4 but w has K=5" in errors[0]
+    assert "chunks must be >= 1" in errors[1]
+    assert f"rows={tp + 1} not divisible by tp={tp}" in errors[2]
+    assert "x is Double, w is Float" in errors[3]
+    return errors
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_ops_match_plain_collectives(tp):
+    out = run_ranks(_results, tp, timeout=90)
+    assert all(o == out[0] for o in out)
+
+
+def _events(fn):
+    ops.trace(True)
+    fn()
+    ev = ops.trace_events()
+    ops.trace(False)
+    return {(name, i): t for name, i, t in ev}
+
+
+def _overlap(rank, tp):
+    g = dist.new_group(list(range(tp)))
+    x, w = torch.randn(512, 256), torch.randn(256, 256)
+    # Chunked GEMM + all-reduce: chunk i's all-reduce is started before GEMM i+1 begins and is
+    # waited for only after GEMM i+1 has ended, i.e. it is in flight while that GEMM runs.
+    ev = _events(lambda: ops.matmul_allreduce(x, w, g, 4))
+    for i in range(3):
+        assert ev[("comm_start", i)] < ev[("gemm_begin", i + 1)], f"chunk {i} started late"
+        assert ev[("comm_done", i)] > ev[("gemm_end", i + 1)], f"chunk {i} waited early"
+    # Ring all-gather + GEMM: step s's transfer is in flight during GEMM s.
+    ev = _events(lambda: ops.allgather_matmul(x[:128], w, g))
+    for s in range(tp - 1):
+        assert ev[("comm_start", s)] < ev[("gemm_begin", s)] < ev[("gemm_end", s)]
+        assert ev[("gemm_end", s)] < ev[("comm_done", s)]
+    # GEMM + ring reduce-scatter: the transfer of step s overlaps the GEMM of step s+1.
+    ev = _events(lambda: ops.matmul_reducescatter(x, w, g))
+    for s in range(tp - 1):
+        assert ev[("comm_start", s)] < ev[("gemm_begin", s + 1)]
+        assert ev[("gemm_end", s + 1)] < ev[("comm_done", s)]
+    # Column backward: the input-grad reduction (1) runs across the weight-grad GEMM (1); under
+    # SP the input all-gather (0) runs across the input-grad GEMM (0).
+    for sp in (False, True):
+        inp = x[:512 // tp] if sp else x
+        ev = _events(lambda: ops.column_linear_backward(x, inp, w, g, sp, True, True))
+        assert ev[("comm_start", 1)] < ev[("gemm_begin", 1)] < ev[("gemm_end", 1)] \
+            < ev[("comm_done", 1)]
+        if sp:
+            assert ev[("comm_start", 0)] < ev[("gemm_begin", 0)] < ev[("gemm_end", 0)] \
+                < ev[("comm_done", 0)]
+    return True
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_collectives_are_in_flight_during_the_next_gemm(tp):
+    assert run_ranks(_overlap, tp, timeout=90) == [True] * tp
