@@ -58,4 +58,6 @@ def report(name: str, rows: list[dict], columns: list[str]) -> Path:
 
 
 def _fmt(v) -> str:
+    if v is None:
+        return ""
     return f"{v:.3f}" if isinstance(v, float) else str(v)
