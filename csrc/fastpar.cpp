@@ -76,7 +76,8 @@ TORCH_LIBRARY(fastpar, m) {
   m.def("matmul_reducescatter(Tensor x, Tensor w, str group) -> Tensor");
   m.def(
       "column_linear_backward(Tensor grad_out, Tensor input, Tensor w, str group, "
-      "bool sequence_parallel, bool need_input_grad, bool need_weight_grad) -> (Tensor, Tensor)");
+      "bool sequence_parallel, bool need_input_grad, bool need_weight_grad, int chunks) -> "
+      "(Tensor, Tensor)");
 }
 
 // One implementation for every device: the collectives go through c10d, which picks gloo or NCCL.

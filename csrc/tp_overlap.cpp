@@ -131,11 +131,12 @@ at::Tensor matmul_reducescatter(const at::Tensor& x_, const at::Tensor& w,
 std::tuple<at::Tensor, at::Tensor> column_linear_backward(
     const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& w,
     const std::string& group, bool sequence_parallel, bool need_input_grad,
-    bool need_weight_grad) {
+    bool need_weight_grad, int64_t chunks) {
   check_gemm("column_linear_backward", input_, w);
   TORCH_CHECK(grad_out_.dim() == 2 && grad_out_.size(1) == w.size(0),
               "column_linear_backward: grad_out must be (rows, ", w.size(0), "), got ",
               grad_out_.sizes());
+  TORCH_CHECK(chunks >= 1, "column_linear_backward: chunks must be >= 1, got ", chunks);
   auto pg = resolve(group);
   const int64_t tp = pg->getSize();
   const at::Tensor grad_out = grad_out_.contiguous(), input = input_.contiguous();
@@ -144,34 +145,52 @@ std::tuple<at::Tensor, at::Tensor> column_linear_backward(
               "column_linear_backward: input has ", input.size(0), " rows, grad_out ", rows,
               " (sequence_parallel=", sequence_parallel, ", tp=", tp, ")");
   at::Tensor total = input, grad_input, grad_weight;
-  Work gather_work, reduce_work;
-  if (sequence_parallel && need_weight_grad) {  // the wgrad GEMM needs the whole sequence
-    total = at::empty({rows, input.size(1)}, input.options());
-    trace_event("comm_start", 0);
-    gather_work = pg->_allgather_base(total, const_cast<at::Tensor&>(input));
-  }
-  if (need_input_grad) {
+  std::vector<Work> reduce_works;
+  Work gather_work;
+  if (need_input_grad && sequence_parallel) {
+    // The wgrad GEMM needs the whole sequence: gather it while the dgrad GEMM computes, then
+    // reduce-scatter the dgrad while the wgrad GEMM computes.
+    if (need_weight_grad) {
+      total = at::empty({rows, input.size(1)}, input.options());
+      trace_event("comm_start", 0);
+      gather_work = pg->_allgather_base(total, const_cast<at::Tensor&>(input));
+    }
     trace_event("gemm_begin", 0);
     at::Tensor partial = at::mm(grad_out, w);  // (rows, K): this rank's share of the sum
     trace_event("gemm_end", 0);
     if (gather_work) wait(gather_work, 0);
+    grad_input = at::empty({rows / tp, input.size(1)}, input.options());
     trace_event("comm_start", 1);
-    if (sequence_parallel) {
-      grad_input = at::empty({rows / tp, input.size(1)}, input.options());
-      reduce_work = pg->_reduce_scatter_base(grad_input, partial);
-    } else {
-      grad_input = partial;
-      std::vector<at::Tensor> bufs{grad_input};
-      reduce_work = pg->allreduce(bufs);
+    reduce_works.push_back(pg->_reduce_scatter_base(grad_input, partial));
+  } else if (need_input_grad) {
+    // Row chunks of the dgrad: each is all-reduced in place while the next chunk, and then the
+    // wgrad GEMM, compute.
+    grad_input = at::empty({rows, input.size(1)}, input.options());
+    chunks = std::max<int64_t>(1, std::min(chunks, rows));
+    for (int64_t i = 0; i < chunks; ++i) {
+      const int64_t lo = rows * i / chunks, hi = rows * (i + 1) / chunks;
+      at::Tensor block = grad_input.narrow(0, lo, hi - lo);
+      trace_event("gemm_begin", i);
+      at::mm_out(block, grad_out.narrow(0, lo, hi - lo), w);
+      trace_event("gemm_end", i);
+      std::vector<at::Tensor> bufs{block};
+      trace_event("comm_start", i);
+      reduce_works.push_back(pg->allreduce(bufs));
     }
+  } else if (sequence_parallel && need_weight_grad) {
+    total = at::empty({rows, input.size(1)}, input.options());
+    trace_event("comm_start", 0);
+    gather_work = pg->_allgather_base(total, const_cast<at::Tensor&>(input));
+    wait(gather_work, 0);
   }
   if (need_weight_grad) {
-    if (gather_work && !need_input_grad) wait(gather_work, 0);
-    trace_event("gemm_begin", 1);
-    grad_weight = at::mm(grad_out.t(), total);  // (N/tp, K), while the reduction runs
-    trace_event("gemm_end", 1);
+    const int64_t index = sequence_parallel ? 1 : chunks;
+    trace_event("gemm_begin", index);
+    grad_weight = at::mm(grad_out.t(), total);  // (N/tp, K), while the reductions run
+    trace_event("gemm_end", index);
   }
-  if (reduce_work) wait(reduce_work, 1);
+  const int64_t first = sequence_parallel ? 1 : 0;
+  for (size_t i = 0; i < reduce_works.size(); ++i) wait(reduce_works[i], first + i);
   auto empty = at::empty({0}, input.options());
   return {need_input_grad ? grad_input : empty, need_weight_grad ? grad_weight : empty};
 }

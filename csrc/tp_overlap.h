@@ -25,12 +25,13 @@ at::Tensor matmul_reducescatter(const at::Tensor& x, const at::Tensor& w,
                                 const std::string& group);
 
 // ColumnParallelLinear backward: the input-gradient all-reduce (reduce-scatter under sequence
-// parallelism) runs while the weight-gradient GEMM computes; under SP the input all-gather
-// runs while the input-gradient GEMM computes. Returns (grad_input, grad_weight); a gradient
-// that is not needed comes back as an empty tensor.
+// parallelism) runs while the weight-gradient GEMM computes; without SP the input gradient is
+// computed in `chunks` row chunks, each all-reduced while the next computes; under SP the input
+// all-gather runs while the input-gradient GEMM computes. Returns (grad_input, grad_weight); a
+// gradient that is not needed comes back as an empty tensor.
 std::tuple<at::Tensor, at::Tensor> column_linear_backward(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& w,
     const std::string& group, bool sequence_parallel, bool need_input_grad,
-    bool need_weight_grad);
+    bool need_weight_grad, int64_t chunks);
 
 }  // namespace fastpar

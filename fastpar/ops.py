@@ -36,7 +36,7 @@ def _(x, w, group):
 
 
 @torch.library.register_fake("fastpar::column_linear_backward")
-def _(grad_out, x, w, group, sequence_parallel, need_input_grad, need_weight_grad):
+def _(grad_out, x, w, group, sequence_parallel, need_input_grad, need_weight_grad, chunks):
     rows = grad_out.shape[0] // (_size(group) if sequence_parallel else 1)
     gi = x.new_empty(rows, x.shape[1]) if need_input_grad else x.new_empty(0)
     gw = x.new_empty(w.shape) if need_weight_grad else x.new_empty(0)
@@ -61,10 +61,11 @@ def matmul_reducescatter(x: torch.Tensor, w: torch.Tensor,
 
 
 def column_linear_backward(grad_out, x, w, group: dist.ProcessGroup, sequence_parallel: bool,
-                           need_input_grad: bool = True, need_weight_grad: bool = True):
+                           need_input_grad: bool = True, need_weight_grad: bool = True,
+                           chunks: int = 4):
     """(grad_input, grad_weight) of a column-parallel linear, reductions overlapped; None if unneeded."""
     gi, gw = _ops.column_linear_backward(grad_out, x, w, group.group_name, sequence_parallel,
-                                         need_input_grad, need_weight_grad)
+                                         need_input_grad, need_weight_grad, chunks)
     return (gi if need_input_grad else None), (gw if need_weight_grad else None)
 
 

@@ -114,16 +114,18 @@ def _overlap(rank, tp):
     for s in range(tp - 1):
         assert ev[("comm_start", s)] < ev[("gemm_begin", s + 1)]
         assert ev[("gemm_end", s + 1)] < ev[("comm_done", s)]
-    # Column backward: the input-grad reduction (1) runs across the weight-grad GEMM (1); under
-    # SP the input all-gather (0) runs across the input-grad GEMM (0).
-    for sp in (False, True):
-        inp = x[:512 // tp] if sp else x
-        ev = _events(lambda: ops.column_linear_backward(x, inp, w, g, sp, True, True))
-        assert ev[("comm_start", 1)] < ev[("gemm_begin", 1)] < ev[("gemm_end", 1)] \
-            < ev[("comm_done", 1)]
-        if sp:
-            assert ev[("comm_start", 0)] < ev[("gemm_begin", 0)] < ev[("gemm_end", 0)] \
-                < ev[("comm_done", 0)]
+    # Column backward without SP: each dgrad chunk's all-reduce runs across the next dgrad chunk
+    # GEMM, and the last one across the weight-grad GEMM (index 3).
+    ev = _events(lambda: ops.column_linear_backward(x, x, w, g, False, True, True, 3))
+    for i in range(3):
+        assert ev[("comm_start", i)] < ev[("gemm_begin", i + 1)]
+        assert ev[("gemm_end", i + 1)] < ev[("comm_done", i)]
+    # Under SP the input all-gather (0) runs across the dgrad GEMM (0), and the dgrad
+    # reduce-scatter (1) across the weight-grad GEMM (1).
+    ev = _events(lambda: ops.column_linear_backward(x, x[:512 // tp], w, g, True, True, True))
+    for i in (0, 1):
+        assert ev[("comm_start", i)] < ev[("gemm_begin", i)] < ev[("gemm_end", i)] \
+            < ev[("comm_done", i)]
     return True
 
 

@@ -28,8 +28,11 @@ class _ParallelLinear(nn.Module):
     shard_dim: int  # dim of the (out, in) weight that is split over TP
 
     def __init__(self, in_features, out_features, bias, tp_group, sequence_parallel, overlap,
-                 dtype, device):
+                 chunks, dtype, device):
         super().__init__()
+        if chunks < 1:
+            raise ValueError(f"{type(self).__name__}: chunks={chunks} must be >= 1")
+        self.chunks = chunks  # row chunks of the overlapped GEMM + all-reduce
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.sequence_parallel, self.overlap = tp_group, sequence_parallel, overlap
         self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
@@ -98,10 +101,10 @@ class ColumnParallelLinear(_ParallelLinear):
     shard_dim = 0
 
     def __init__(self, in_features, out_features, bias=True, *, tp_group=None,
-                 gather_output=False, sequence_parallel=False, overlap=True, dtype=None,
-                 device=None):
+                 gather_output=False, sequence_parallel=False, overlap=True, chunks=4,
+                 dtype=None, device=None):
         super().__init__(in_features, out_features, bias, tp_group, sequence_parallel, overlap,
-                         dtype, device)
+                         chunks, dtype, device)
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +114,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.overlap:
             rows = x.reshape(-1, x.shape[-1])        # (S*B, in); a sequence shard under SP
             y = ColumnLinearOverlap.apply(rows, self.weight, self.tp_group,
-                                          self.sequence_parallel)
+                                          self.sequence_parallel, self.chunks)
             lead = ((x.shape[0] * self.tp_size,) + x.shape[1:-1]) if self.sequence_parallel \
                 else x.shape[:-1]
             y = y.view(*lead, -1)
@@ -133,12 +136,10 @@ class RowParallelLinear(_ParallelLinear):
                  input_is_parallel=True, sequence_parallel=False, overlap=True, chunks=4,
                  dtype=None, device=None):
         super().__init__(in_features, out_features, bias, tp_group, sequence_parallel, overlap,
-                         dtype, device)
+                         chunks, dtype, device)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel")
-        if chunks < 1:
-            raise ValueError(f"RowParallelLinear: chunks={chunks} must be >= 1")
-        self.input_is_parallel, self.chunks = input_is_parallel, chunks
+        self.input_is_parallel = input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -12,11 +12,11 @@ from .. import ops
 
 class ColumnLinearOverlap(torch.autograd.Function):
     """Forward: x @ w.T (under SP: ring all-gather fused with the GEMM). Backward: the input-grad
-    all-reduce / reduce-scatter overlaps the weight-grad GEMM."""
+    all-reduce (in row chunks) / reduce-scatter overlaps the weight-grad GEMM."""
 
     @staticmethod
-    def forward(ctx, x, w, group, sequence_parallel):
-        ctx.group, ctx.sp = group, sequence_parallel
+    def forward(ctx, x, w, group, sequence_parallel, chunks):
+        ctx.group, ctx.sp, ctx.chunks = group, sequence_parallel, chunks
         ctx.save_for_backward(x, w)
         if sequence_parallel:
             # The gathered input is not kept: backward gathers it again while it computes.
@@ -27,8 +27,9 @@ class ColumnLinearOverlap(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         gx, gw = ops.column_linear_backward(g.contiguous(), x, w, ctx.group, ctx.sp,
-                                            ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return gx, gw, None, None
+                                            ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                            ctx.chunks)
+        return gx, gw, None, None, None
 
 
 class RowLinearOverlap(torch.autograd.Function):
