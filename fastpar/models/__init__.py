@@ -1,0 +1,7 @@
+"""Floor 4: a GPT-style model built from the parallel layers."""
+from .config import PRESETS, GPTConfig, get_config
+from .gpt import GPT
+from .layers import Norm, ParallelAttention, ParallelMLP, ParallelTransformerLayer
+
+__all__ = ["GPT", "GPTConfig", "Norm", "PRESETS", "ParallelAttention", "ParallelMLP",
+           "ParallelTransformerLayer", "get_config"]

@@ -1,0 +1,115 @@
+"""GPTConfig: the shape of a GPT-style model, validated once, with named presets."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+_NORMS = ("rmsnorm", "layernorm")
+_ACTIVATIONS = ("swiglu", "gelu")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256            # tokens; the byte-level tokenizer uses 256
+    n_layers: int = 4                # Transformer blocks
+    d_model: int = 128               # hidden size
+    n_heads: int = 4                 # query heads
+    n_kv_heads: int | None = None    # key/value heads (grouped-query attention); None = n_heads
+    d_ff: int | None = None          # MLP inner size; None = 4*d_model (gelu) or ~8/3*d (swiglu)
+    max_seq_len: int = 256           # longest sequence (rotary tables are built for it)
+    norm: str = "rmsnorm"            # "rmsnorm" | "layernorm"
+    activation: str = "swiglu"       # "swiglu" | "gelu"
+    rotary: bool = True              # rotary position embedding; else learned absolute positions
+    rotary_base: float = 10000.0
+    dropout: float = 0.0             # on attention output and MLP output (residual branches)
+    tie_embeddings: bool = False     # the head reuses the token embedding
+    bias: bool = False               # biases in the linear layers
+    norm_eps: float = 1e-5
+    pad_vocab_to: int = 128          # the vocabulary is padded to a multiple of this (for TP)
+    init_seed: int = 0               # every module's weights come from (init_seed, its position)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "max_seq_len",
+                     "pad_vocab_to"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig: {name}={getattr(self, name)} must be >= 1")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"GPTConfig: d_model={self.d_model} is not divisible by "
+                             f"n_heads={self.n_heads}")
+        if self.kv_heads < 1 or self.n_heads % self.kv_heads:
+            raise ValueError(f"GPTConfig: n_heads={self.n_heads} is not a multiple of "
+                             f"n_kv_heads={self.n_kv_heads}")
+        if self.norm not in _NORMS:
+            raise ValueError(f"GPTConfig: norm={self.norm!r} is not one of {_NORMS}")
+        if self.activation not in _ACTIVATIONS:
+            raise ValueError(f"GPTConfig: activation={self.activation!r} is not one of "
+                             f"{_ACTIVATIONS}")
+        if self.rotary and self.head_dim % 2:
+            raise ValueError(f"GPTConfig: rotary needs an even head_dim, got {self.head_dim}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig: dropout={self.dropout} must be in [0, 1)")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.d_ff is not None:
+            return self.d_ff
+        if self.activation == "gelu":
+            return 4 * self.d_model
+        return 64 * ((8 * self.d_model // 3 + 63) // 64)   # swiglu: ~8/3 d, a multiple of 64
+
+    @property
+    def padded_vocab(self) -> int:
+        m = self.pad_vocab_to
+        return m * ((self.vocab_size + m - 1) // m)
+
+    def check_tp(self, tp: int) -> None:
+        """Raise ValueError naming the sizes that tensor parallelism of degree ``tp`` cannot split."""
+        for name, value in (("n_heads", self.n_heads), ("n_kv_heads", self.kv_heads),
+                            ("d_ff", self.ffn_dim), ("padded vocab", self.padded_vocab)):
+            if value % tp:
+                raise ValueError(f"GPTConfig: {name}={value} is not divisible by tp={tp}")
+
+    def num_params(self) -> int:
+        """Parameters of the full model (padded vocabulary), for FLOP and memory estimates."""
+        d, f, hd = self.d_model, self.ffn_dim, self.head_dim
+        attn = d * (self.n_heads * hd) * 2 + d * (self.kv_heads * hd) * 2
+        mlp = d * f * (3 if self.activation == "swiglu" else 2)
+        layer = attn + mlp + 2 * d
+        emb = self.padded_vocab * d
+        pos = 0 if self.rotary else self.max_seq_len * d
+        return self.n_layers * layer + emb * (1 if self.tie_embeddings else 2) + pos + d
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def replace(self, **changes) -> "GPTConfig":
+        return replace(self, **changes)
+
+
+PRESETS: dict[str, GPTConfig] = {
+    # Trains on a CPU in minutes: byte vocabulary, no dropout.
+    "tiny": GPTConfig(vocab_size=256, n_layers=4, d_model=128, n_heads=4, max_seq_len=256),
+    "small": GPTConfig(vocab_size=256, n_layers=8, d_model=256, n_heads=8, max_seq_len=512),
+    "gpt2-124m": GPTConfig(vocab_size=50257, n_layers=12, d_model=768, n_heads=12,
+                           max_seq_len=1024, norm="layernorm", activation="gelu", rotary=False,
+                           tie_embeddings=True, bias=True),
+    "1b": GPTConfig(vocab_size=32000, n_layers=22, d_model=2048, n_heads=32, n_kv_heads=4,
+                    d_ff=5632, max_seq_len=2048),
+    "7b": GPTConfig(vocab_size=32000, n_layers=32, d_model=4096, n_heads=32, d_ff=11008,
+                    max_seq_len=4096),
+    "70b": GPTConfig(vocab_size=32000, n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8,
+                     d_ff=28672, max_seq_len=4096),
+}
+
+
+def get_config(name: str, **overrides) -> GPTConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
+    return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]

@@ -1,0 +1,142 @@
+"""GPT: a decoder-only Transformer built from the tensor-parallel layers.
+
+Blocks live in an ``nn.ModuleDict`` keyed by their layer index, and the embedding / final norm /
+head are optional, so a pipeline stage is the same class built with a range of layers. Every
+module's weights come from a seed derived from ``config.init_seed`` and its position, so the
+same config gives the same full model whatever the (tp, pp) layout.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding, copy_to_tp,
+                               gather_from_sp, vocab_parallel_cross_entropy)
+from ..tensor_parallel.mappings import group_rank, group_size
+from .config import GPTConfig
+from .layers import Norm, ParallelTransformerLayer, rotary_tables
+
+RECOMPUTE = ("none", "full", "selective")
+
+
+@contextlib.contextmanager
+def _seeded(seed: int):
+    """Initialise under a fixed seed without disturbing the caller's RNG stream."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+class GPT(nn.Module):
+    """The model, or one pipeline stage of it (``layers``, ``pre_process``, ``post_process``)."""
+
+    def __init__(self, config: GPTConfig, *, tp_group=None, sequence_parallel=False,
+                 overlap=True, layers=None, pre_process=True, post_process=True,
+                 recompute="none", device=None):
+        super().__init__()
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
+        tp = group_size(tp_group)
+        config.check_tp(tp)
+        layers = range(config.n_layers) if layers is None else layers
+        if any(not 0 <= i < config.n_layers for i in layers):
+            raise ValueError(f"layers {list(layers)} outside 0..{config.n_layers - 1}")
+        self.config, self.tp_group, self.sp = config, tp_group, sequence_parallel
+        self.pre_process, self.post_process, self.recompute = pre_process, post_process, recompute
+        seed = config.init_seed * 1_000_003
+        kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
+        if pre_process:
+            with _seeded(seed):
+                self.embed = VocabParallelEmbedding(config.padded_vocab, config.d_model,
+                                                    device=device, **kw)
+            if not config.rotary:
+                with _seeded(seed + 1):
+                    self.pos_embed = nn.Embedding(config.max_seq_len, config.d_model,
+                                                  device=device)
+        self.layers = nn.ModuleDict()
+        for i in layers:
+            with _seeded(seed + 100 + i):
+                self.layers[str(i)] = ParallelTransformerLayer(config, overlap=overlap,
+                                                               **kw).to(device)
+        if post_process:
+            self.norm = Norm(config, **kw).to(device)
+            if not config.tie_embeddings:
+                with _seeded(seed + 2):
+                    self.head = ColumnParallelLinear(config.d_model, config.padded_vocab,
+                                                     bias=False, overlap=overlap, device=device,
+                                                     **kw)
+            elif not pre_process:
+                raise ValueError("tie_embeddings needs the embedding and the head on one stage")
+        self._scale_init()
+        if config.rotary:
+            cos, sin = rotary_tables(config, device)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def _scale_init(self):
+        """GPT-2's scales on top of the layers' own init: embeddings N(0, 0.02); the projections
+        that write into the residual stream shrunk by 1/sqrt(2 n_layers). Elementwise, so every
+        shard stays the slice of the full model."""
+        if self.pre_process:
+            self.embed.weight.mul_(0.02)
+            if not self.config.rotary:
+                self.pos_embed.weight.mul_(0.02)
+        for layer in self.layers.values():
+            for proj in (layer.attn.o, layer.mlp.down):
+                proj.weight.mul_((2 * self.config.n_layers) ** -0.5)
+
+    def embed_tokens(self, tokens):
+        """(B, S) ids -> (S, B, D) hidden, or (S/tp, B, D) under sequence parallelism."""
+        x = self.embed(tokens.t().contiguous())
+        if not self.config.rotary:
+            S = tokens.shape[1]
+            pos = self.pos_embed.weight[:S]
+            if self.sp:
+                tp, r = group_size(self.tp_group), group_rank(self.tp_group)
+                pos = copy_to_tp(pos, self.tp_group).chunk(tp, 0)[r]
+            x = x + pos[:, None, :]
+        return F.dropout(x, self.config.dropout, self.training)
+
+    def logits(self, x):
+        """(S[/tp], B, D) -> (B, S, V/tp) logits over this rank's vocabulary shard; padding -inf."""
+        x = self.norm(x)
+        if self.config.tie_embeddings:
+            x = gather_from_sp(x, self.tp_group) if self.sp else copy_to_tp(x, self.tp_group)
+            z = F.linear(x, self.embed.weight)
+        else:
+            z = self.head(x)                                          # (S, B, Vp/tp)
+        cfg = self.config
+        if cfg.padded_vocab != cfg.vocab_size:
+            shard = z.shape[-1]
+            ids = torch.arange(shard, device=z.device) + shard * group_rank(self.tp_group)
+            z = z.masked_fill(ids >= cfg.vocab_size, float("-inf"))  # never predicted
+        return z.transpose(0, 1)
+
+    def forward(self, x, targets=None):
+        """Tokens (B, S) on the first stage, hidden (S[/tp], B, D) on the others. Returns the mean
+        loss over non-ignored targets if ``targets`` (B, S) is given on the last stage, else the
+        logits (B, S, V/tp) on the last stage, else the hidden state for the next stage."""
+        if self.pre_process:
+            if x.dim() != 2 or x.shape[1] > self.config.max_seq_len:
+                raise ValueError(f"GPT: tokens must be (B, S) with S <= max_seq_len="
+                                 f"{self.config.max_seq_len}, got {tuple(x.shape)}")
+            x = self.embed_tokens(x)
+        rope = (self.rope_cos, self.rope_sin) if self.config.rotary else None
+        for layer in self.layers.values():
+            if self.recompute == "full" and self.training:
+                x = checkpoint(layer, x, rope, use_reentrant=False)
+            else:
+                x = layer(x, rope, self.recompute == "selective" and self.training)
+        if not self.post_process:
+            return x
+        z = self.logits(x)
+        if targets is None:
+            return z
+        loss = vocab_parallel_cross_entropy(z, targets, tp_group=self.tp_group)   # (B, S)
+        valid = (targets != -100).sum().clamp(min=1)
+        return loss.sum() / valid

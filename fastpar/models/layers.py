@@ -1,0 +1,128 @@
+"""The parallel Transformer block: norm, attention (heads split over TP), MLP (Column -> Row).
+
+Activations are sequence-first: (S, B, D), or (S/tp, B, D) between blocks under sequence
+parallelism (SP). Replicated parameters that see only a sequence shard under SP (the norms) pass
+through ``copy_to_tp`` so their gradients are summed over the TP group.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp
+from ..tensor_parallel.mappings import group_size
+from .config import GPTConfig
+
+
+class Norm(nn.Module):
+    """RMSNorm or LayerNorm over the last dim, replicated over TP."""
+
+    def __init__(self, config: GPTConfig, tp_group=None, sequence_parallel=False):
+        super().__init__()
+        d = config.d_model
+        self.kind, self.eps = config.norm, config.norm_eps
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d)) if config.norm == "layernorm" else None
+
+    def forward(self, x):
+        w, b = self.weight, self.bias
+        if self.sequence_parallel:
+            w = copy_to_tp(w, self.tp_group)
+            b = copy_to_tp(b, self.tp_group) if b is not None else None
+        if self.kind == "rmsnorm":
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+        return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
+
+
+def rotary_tables(config: GPTConfig, device=None):
+    """cos, sin of shape (max_seq_len, head_dim / 2)."""
+    hd = config.head_dim
+    inv = 1.0 / config.rotary_base ** (torch.arange(0, hd, 2, device=device).float() / hd)
+    angles = torch.outer(torch.arange(config.max_seq_len, device=device).float(), inv)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate pairs (x[..., :hd/2], x[..., hd/2:]) of x (B, h, S, hd) by the position's angle."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention; query and key/value heads split over TP; torch SDPA."""
+
+    def __init__(self, config: GPTConfig, tp_group=None, sequence_parallel=False, overlap=True):
+        super().__init__()
+        tp = group_size(tp_group)
+        config.check_tp(tp)
+        hd, self.config = config.head_dim, config
+        self.heads, self.kv_heads = config.n_heads // tp, config.kv_heads // tp
+        col = dict(bias=config.bias, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                   overlap=overlap)
+        self.q = ColumnParallelLinear(config.d_model, config.n_heads * hd, **col)
+        self.k = ColumnParallelLinear(config.d_model, config.kv_heads * hd, **col)
+        self.v = ColumnParallelLinear(config.d_model, config.kv_heads * hd, **col)
+        self.o = RowParallelLinear(config.n_heads * hd, config.d_model, bias=config.bias,
+                                   tp_group=tp_group, sequence_parallel=sequence_parallel,
+                                   overlap=overlap)
+        self.dropout = config.dropout
+
+    def core(self, q, k, v):
+        """softmax(q k^T / sqrt(hd)) v, causal; (B, h, S, hd). The part selective recompute redoes."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=self.kv_heads != self.heads)
+
+    def forward(self, x, rope=None, recompute_core=False):
+        hd = self.config.head_dim
+        q, k, v = self.q(x), self.k(x), self.v(x)              # (S, B, heads/tp * hd)
+        S, B = q.shape[:2]
+        q = q.view(S, B, self.heads, hd).permute(1, 2, 0, 3)    # (B, h, S, hd)
+        k = k.view(S, B, self.kv_heads, hd).permute(1, 2, 0, 3)
+        v = v.view(S, B, self.kv_heads, hd).permute(1, 2, 0, 3)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if recompute_core:
+            y = torch.utils.checkpoint.checkpoint(self.core, q, k, v, use_reentrant=False)
+        else:
+            y = self.core(q, k, v)
+        y = y.permute(2, 0, 1, 3).reshape(S, B, self.heads * hd)   # (S, B, h/tp * hd)
+        return F.dropout(self.o(y), self.dropout, self.training)
+
+
+class ParallelMLP(nn.Module):
+    """SwiGLU (gate, up: Column; down: Row) or GELU (fc1: Column; fc2: Row)."""
+
+    def __init__(self, config: GPTConfig, tp_group=None, sequence_parallel=False, overlap=True):
+        super().__init__()
+        d, f = config.d_model, config.ffn_dim
+        col = dict(bias=config.bias, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                   overlap=overlap)
+        self.swiglu = config.activation == "swiglu"
+        self.up = ColumnParallelLinear(d, f, **col)
+        self.gate = ColumnParallelLinear(d, f, **col) if self.swiglu else None
+        self.down = RowParallelLinear(f, d, bias=config.bias, tp_group=tp_group,
+                                      sequence_parallel=sequence_parallel, overlap=overlap)
+        self.dropout = config.dropout
+
+    def forward(self, x):
+        h = F.silu(self.gate(x)) * self.up(x) if self.swiglu else F.gelu(self.up(x),
+                                                                          approximate="tanh")
+        return F.dropout(self.down(h), self.dropout, self.training)
+
+
+class ParallelTransformerLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, config: GPTConfig, tp_group=None, sequence_parallel=False, overlap=True):
+        super().__init__()
+        kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
+        self.norm1, self.norm2 = Norm(config, **kw), Norm(config, **kw)
+        self.attn = ParallelAttention(config, overlap=overlap, **kw)
+        self.mlp = ParallelMLP(config, overlap=overlap, **kw)
+
+    def forward(self, x, rope=None, recompute_core=False):
+        x = x + self.attn(self.norm1(x), rope, recompute_core)
+        return x + self.mlp(self.norm2(x))
