@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "multi_tensor.h"
 #include "tp_overlap.h"
 #include "trace.h"
 
@@ -78,6 +79,9 @@ TORCH_LIBRARY(fastpar, m) {
       "column_linear_backward(Tensor grad_out, Tensor input, Tensor w, str group, "
       "bool sequence_parallel, bool need_input_grad, bool need_weight_grad, int chunks) -> "
       "(Tensor, Tensor)");
+  m.def("multi_tensor_pack(Tensor[] tensors, Tensor(a!) out, float scale) -> ()");
+  m.def("multi_tensor_unpack(Tensor flat, Tensor(a!)[] tensors, float scale) -> ()");
+  m.def("multi_tensor_scale(Tensor(a!)[] tensors, float scale) -> ()");
 }
 
 // One implementation for every device: the collectives go through c10d, which picks gloo or NCCL.
@@ -86,6 +90,9 @@ TORCH_LIBRARY_IMPL(fastpar, CompositeExplicitAutograd, m) {
   m.impl("allgather_matmul", &fastpar::allgather_matmul);
   m.impl("matmul_reducescatter", &fastpar::matmul_reducescatter);
   m.impl("column_linear_backward", &fastpar::column_linear_backward);
+  m.impl("multi_tensor_pack", &fastpar::multi_tensor_pack);
+  m.impl("multi_tensor_unpack", &fastpar::multi_tensor_unpack);
+  m.impl("multi_tensor_scale", &fastpar::multi_tensor_scale);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

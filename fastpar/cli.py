@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from importlib import metadata
 
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command")
     info = sub.add_parser("info", help="versions, the extension's build, devices and backends")
     info.add_argument("--json", action="store_true", help="print the information as JSON")
+    _add_train(sub)
     args = parser.parse_args(argv)
     if args.version:
         import fastpar
@@ -72,8 +74,52 @@ def main(argv: list[str] | None = None) -> int:
         data = collect_info()
         print(json.dumps(data, indent=2)) if args.json else _print_info(data)
         return 0
+    if args.command == "train":
+        return _train(args)
     parser.print_help()
     return 2
+
+
+def _add_train(sub) -> None:
+    from .train.config import TrainConfig
+
+    p = sub.add_parser("train", help="train a GPT with any mix of TP, PP and DP",
+                       description="Train a GPT. Without torchrun it starts its own ranks "
+                                   "(--nproc, default tp*pp*dp) and restarts failed ones.")
+    defaults = TrainConfig()
+    for name, value in vars(defaults).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            p.add_argument(flag, action="store_true", default=value)
+        elif name in ("dp", "data", "peak_tflops"):
+            p.add_argument(flag, type=float if name == "peak_tflops" else
+                           (int if name == "dp" else str), default=value)
+        else:
+            p.add_argument(flag, type=type(value), default=value)
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks to start on this machine (default tp*pp*dp, dp=2 if not given)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart failed workers this many times, resuming from the checkpoint")
+
+
+def _train(args) -> int:
+    from .train.config import TrainConfig
+    from .train.launch import launch
+
+    opts = {k: v for k, v in vars(args).items()
+            if k not in ("command", "version", "nproc", "max_restarts")}
+    try:
+        cfg = TrainConfig(**opts)
+        # Default: all ranks of the torchrun job, else tp*pp*dp here (dp=2 when not given).
+        nproc = args.nproc or int(os.environ.get("WORLD_SIZE", 0)) or \
+            cfg.tp * cfg.pp * (cfg.dp or 2)
+        if args.max_restarts < 0:
+            raise ValueError(f"--max-restarts={args.max_restarts} must be >= 0")
+        launch(cfg, nproc, args.max_restarts)
+    except ValueError as e:
+        print(f"fastpar train: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -77,3 +77,35 @@ def trace(enable: bool) -> None:
 def trace_events() -> list[tuple[str, int, int]]:
     """The recorded (event, index, nanoseconds) tuples since :func:`trace`, then cleared."""
     return _C.trace_take()
+
+
+# Multi-tensor pack / unpack / scale: in-place ops (they return nothing), so the fakes do nothing.
+@torch.library.register_fake("fastpar::multi_tensor_pack")
+def _(tensors, out, scale):
+    return None
+
+
+@torch.library.register_fake("fastpar::multi_tensor_unpack")
+def _(flat, tensors, scale):
+    return None
+
+
+@torch.library.register_fake("fastpar::multi_tensor_scale")
+def _(tensors, scale):
+    return None
+
+
+def multi_tensor_pack(tensors: list[torch.Tensor], out: torch.Tensor, scale: float = 1.0) -> None:
+    """Write ``tensors`` one after another into the flat ``out``, converted and times ``scale``."""
+    _ops.multi_tensor_pack(list(tensors), out, float(scale))
+
+
+def multi_tensor_unpack(flat: torch.Tensor, tensors: list[torch.Tensor],
+                        scale: float = 1.0) -> None:
+    """Fill ``tensors`` from consecutive slices of ``flat``, converted and times ``scale``."""
+    _ops.multi_tensor_unpack(flat, list(tensors), float(scale))
+
+
+def multi_tensor_scale(tensors: list[torch.Tensor], scale: float) -> None:
+    """Multiply every tensor of the list by ``scale`` in place."""
+    _ops.multi_tensor_scale(list(tensors), float(scale))

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import kernels
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp
 from ..tensor_parallel.mappings import group_size
 from .config import GPTConfig
@@ -31,9 +32,10 @@ class Norm(nn.Module):
         if self.sequence_parallel:
             w = copy_to_tp(w, self.tp_group)
             b = copy_to_tp(b, self.tp_group) if b is not None else None
+        # Fused Triton kernels on CUDA, their torch references elsewhere.
         if self.kind == "rmsnorm":
-            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
-        return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
+            return kernels.rms_norm(x, w, self.eps)
+        return kernels.layer_norm(x, w, b, self.eps)
 
 
 def rotary_tables(config: GPTConfig, device=None):
@@ -108,8 +110,8 @@ class ParallelMLP(nn.Module):
         self.dropout = config.dropout
 
     def forward(self, x):
-        h = F.silu(self.gate(x)) * self.up(x) if self.swiglu else F.gelu(self.up(x),
-                                                                          approximate="tanh")
+        h = kernels.swiglu(self.gate(x), self.up(x)) if self.swiglu else \
+            F.gelu(self.up(x), approximate="tanh")
         return F.dropout(self.down(h), self.dropout, self.training)
 
 

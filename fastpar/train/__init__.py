@@ -1,6 +1,8 @@
-"""Floor 5: training data, checkpoints (and, next, the trainer)."""
+"""Floor 5: the trainer, its data, checkpoints and metrics."""
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig
 from .data import BatchSampler, ByteTokenizer, load_tokens, write_token_file
+from .trainer import train
 
-__all__ = ["BatchSampler", "ByteTokenizer", "latest_checkpoint", "load_checkpoint",
-           "load_tokens", "save_checkpoint", "write_token_file"]
+__all__ = ["BatchSampler", "ByteTokenizer", "TrainConfig", "latest_checkpoint",
+           "load_checkpoint", "load_tokens", "save_checkpoint", "train", "write_token_file"]

@@ -53,8 +53,10 @@ def _barrier():
         dist.barrier()
 
 
-def save_checkpoint(root, step: int, modules, optimizer, mesh, manifest: dict) -> Path:
-    """Write ``root/step_{step}`` (see the module docstring); collective over the world."""
+def save_checkpoint(root, step: int, modules, optimizer, mesh, manifest: dict,
+                    rank_tensors: dict | None = None) -> Path:
+    """Write ``root/step_{step}`` (see the module docstring); collective over the world.
+    ``rank_tensors``: this rank's own tensors (e.g. a ZeRO optimizer shard), kept per rank."""
     root = Path(root)
     tmp, final = root / f"step_{step}.tmp", root / f"step_{step}"
     rank = mesh.rank if mesh is not None else 0
@@ -80,6 +82,9 @@ def save_checkpoint(root, step: int, modules, optimizer, mesh, manifest: dict) -
         save_file(tensors, str(tmp / f"model_tp{tp}_pp{pp}.safetensors"))
         (tmp / f"index_tp{tp}_pp{pp}.json").write_text(json.dumps(index))
     save_file({"cpu": torch.get_rng_state()}, str(tmp / f"rng_rank{rank}.safetensors"))
+    if rank_tensors:
+        save_file({k: v.detach().contiguous().cpu() for k, v in rank_tensors.items()},
+                  str(tmp / f"rank{rank}.safetensors"))
     _barrier()
     if rank == 0:
         (tmp / "manifest.json").write_text(json.dumps(dict(manifest, step=step), indent=2))
@@ -97,6 +102,15 @@ def latest_checkpoint(root) -> Path | None:
     done = [p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
             and (p / "manifest.json").exists()]
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
+def read_rank_tensors(path, rank: int) -> dict:
+    """The ``rank_tensors`` that rank ``rank`` saved (empty if none)."""
+    f = Path(path) / f"rank{rank}.safetensors"
+    if not f.exists():
+        return {}
+    with safe_open(str(f), framework="pt") as st:
+        return {k: st.get_tensor(k) for k in st.keys()}
 
 
 def read_manifest(path) -> dict:

@@ -67,6 +67,18 @@ def load_tokens(path: str | None = None, max_bytes: int | None = DEFAULT_MAX_BYT
     return tokens
 
 
+def check_data(path: str | None) -> None:
+    """Fail fast (ValueError) on a data path that is missing or holds no bytes."""
+    if path is None:
+        return
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"data path {path!r} does not exist")
+    files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()]
+    if not any(f.stat().st_size for f in files):
+        raise ValueError(f"data {path!r} is empty")
+
+
 class BatchSampler:
     """The (inputs, targets) of one data-parallel rank's share of each step's global batch."""
 

@@ -1,0 +1,100 @@
+"""Asynchronous bucket collectives, the stream they are issued on, and an opt-in event log.
+
+On CUDA every bucket collective (and the packing or scaling just before it) is issued on a
+dedicated comm stream that first waits for the compute stream, so backward keeps computing while
+the bucket travels; the compute stream waits for the comm stream again only when the reduced
+gradients are used. On CPU the collectives run on gloo's worker threads and the stream is a
+no-op. A group of size 1 (or ``None``) communicates nothing.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+Group = dist.ProcessGroup | None
+
+# torch 2.13 renamed the tensor-in, tensor-out collectives; keep working on either name.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_size(group: Group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_reduce_async(buf: torch.Tensor, group: Group):
+    """Start a sum all-reduce of ``buf`` in place; returns the work (None without peers)."""
+    if group_size(group) == 1:
+        return None
+    return dist.all_reduce(buf, group=group, async_op=True)
+
+
+def reduce_scatter_async(out: torch.Tensor, buf: torch.Tensor, group: Group):
+    """Start a sum reduce-scatter: ``out`` gets this rank's 1/size block of ``buf``."""
+    if group_size(group) == 1:
+        out.copy_(buf[: out.numel()])
+        return None
+    return _reduce_scatter_tensor(out, buf, group=group, async_op=True)
+
+
+def all_gather_async(out: torch.Tensor, shard: torch.Tensor, group: Group):
+    """Start an all-gather of every rank's ``shard`` into ``out``, in group-rank order."""
+    if group_size(group) == 1:
+        out[: shard.numel()].copy_(shard)
+        return None
+    return _all_gather_tensor(out, shard, group=group, async_op=True)
+
+
+class CommStream:
+    """Where bucket collectives are issued: a side CUDA stream on GPU, nothing special on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @contextmanager
+    def issue(self):
+        """Run the block on the comm stream, after everything queued so far on compute."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def join(self) -> None:
+        """Make the compute stream wait for everything issued on the comm stream."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+
+class EventLog:
+    """(event, bucket, nanoseconds) tuples of one wrapper, recorded only while enabled.
+
+    Events: ``launch`` (a bucket's collective is started), ``done`` (its wait returned),
+    ``backward_end`` (the autograd engine finished computing gradients).
+    """
+
+    def __init__(self):
+        self.enabled = False
+        self._events: list[tuple[str, int, int]] = []
+
+    def enable(self, on: bool = True) -> None:
+        """Clear the log and switch recording on or off."""
+        self._events = []
+        self.enabled = on
+
+    def record(self, name: str, index: int = -1) -> None:
+        if self.enabled:
+            self._events.append((name, index, time.perf_counter_ns()))
+
+    def take(self) -> list[tuple[str, int, int]]:
+        """The recorded events since the last take, oldest first."""
+        out, self._events = self._events, []
+        return out

@@ -1,0 +1,136 @@
+"""DataParallel: torch DDP's semantics, gradients reduced in buckets while backward still runs.
+
+    model = DataParallel(model, dp_group=mesh.dp_group)
+    loss_fn(model(x), y).backward()      # every .grad is now the mean over the dp group
+    optimizer.step()
+
+Gradient accumulation: run the first micro-batches inside ``model.no_sync()`` (nothing is
+communicated), the last one outside. A pipeline schedule, whose backwards are interleaved with
+other work, calls ``set_requires_gradient_sync(i == last, wait_in_backward=False)`` before each
+micro-batch's backward: the last micro-batch's backward (or its several input- and
+weight-gradient calls) starts each bucket's reduction as soon as the bucket is complete, which
+overlaps the cool-down, and ``finish_gradient_sync()`` after the schedule waits for them. What
+counts is the setting while the backward runs. A schedule that sets ``.grad`` by hand (from
+``torch.autograd.grad``) calls ``reduce_gradients()`` instead, after its last micro-batch.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+from .buckets import BucketSpec, assign_buckets
+from .checks import broadcast_state, check_options, check_params, check_same_params, resolve_group
+from .comm import EventLog, group_rank, group_size
+from .reducer import GradReducer
+
+# As torch DDP: the first bucket closes at 1 MiB, so the first reduction starts right away.
+_FIRST_BUCKET_BYTES = 2**20
+
+
+class DataParallel(nn.Module):
+    """Replicate ``module`` over ``dp_group``; after backward each gradient is the group mean.
+
+    Args:
+        module: the replica (a plain, tensor-parallel or pipeline-stage module).
+        dp_group: the data-parallel process group (``mesh.dp_group``). ``None``: the default
+            group if torch.distributed is initialised, else a single process (no communication).
+        bucket_cap_mb: the most MiB one bucket communicates (a larger parameter gets a bucket of
+            its own). Buckets follow reverse registration order and are split by dtype; the
+            first one closes as soon as it holds 1 MiB, as in torch DDP.
+        overlap: start each bucket's reduction as soon as its last gradient is ready (during
+            backward). ``False``: reduce everything after backward. Same numbers either way.
+        reduce_dtype: dtype of the communication, e.g. ``torch.float32`` for a bf16 model (the
+            mean computed in fp32) or ``torch.bfloat16`` for an fp32 one (half the traffic). ``None``: the parameters' dtype, and
+            then each ``.grad`` is a view into its bucket (nothing is packed).
+        find_unused_parameters: allow parameters that get no gradient in a step (they count as
+            zero; a parameter that no rank used keeps its ``.grad``). ``False``: such a
+            parameter is an error, raised on every rank after the step's reduction.
+
+    The constructor checks its arguments locally (``ValueError``), then compares the parameter
+    shapes across the group with one small collective and broadcasts dp rank 0's parameters and
+    buffers. Frozen parameters are not reduced.
+    """
+
+    def __init__(self, module: nn.Module, *, dp_group=None, bucket_cap_mb: float = 25,
+                 overlap: bool = True, reduce_dtype: torch.dtype | None = None,
+                 find_unused_parameters: bool = False):
+        super().__init__()
+        check_options(module, bucket_cap_mb, reduce_dtype)
+        group = resolve_group(dp_group)
+        named = check_params(module, reduce_dtype)
+        device = named[0][1].device
+        if group_size(group) > 1:
+            check_same_params(module, group, device)
+            broadcast_state(module, group)
+        self.module = module
+        self.dp_group, self.dp_size, self.dp_rank = group, group_size(group), group_rank(group)
+        self.bucket_cap_mb, self.overlap, self.reduce_dtype = bucket_cap_mb, overlap, reduce_dtype
+        self.find_unused_parameters = find_unused_parameters
+        params = [p for _, p in named]
+        self.bucket_specs: list[BucketSpec] = assign_buckets(
+            [(p.numel(), p.dtype) for p in params], int(bucket_cap_mb * 2**20),
+            pad_to=self.dp_size, reduce_dtype=reduce_dtype,
+            first_cap_bytes=min(int(bucket_cap_mb * 2**20), _FIRST_BUCKET_BYTES))
+        self.events = EventLog()
+        self._reducer = GradReducer(params, [n for n, _ in named], self.bucket_specs, group,
+                                    self.dp_size, reduce_dtype=reduce_dtype, overlap=overlap,
+                                    find_unused=find_unused_parameters, events=self.events,
+                                    device=device)
+
+    def forward(self, *args, **kwargs):
+        self._reducer.finish()        # a deferred reduction must land before the next step
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Backwards inside only accumulate gradients locally: no communication at all."""
+        before = self._reducer.sync
+        self._reducer.sync = False
+        try:
+            yield
+        finally:
+            self._reducer.sync = before
+
+    def set_requires_gradient_sync(self, requires: bool, *, wait_in_backward: bool = True) -> None:
+        """Whether the next backwards reduce gradients (the last micro-batch) or only accumulate.
+
+        ``wait_in_backward=False``: a reducing backward starts complete buckets and returns
+        without waiting; buckets keep starting in later backward calls (split input/weight
+        gradients) and :meth:`finish_gradient_sync` starts the rest and waits.
+        """
+        self._reducer.sync = bool(requires)
+        self._reducer.wait_in_backward = bool(wait_in_backward)
+
+    def reduce_gradients(self) -> None:
+        """Start reducing the gradients accumulated so far without a reducing backward (after a
+        pipeline step whose micro-batches ran with sync off); finish_gradient_sync() waits."""
+        r = self._reducer
+        if r.in_flight:
+            return
+        r.in_flight, r._armed, r.wait_in_backward = True, False, False
+        r._on_backward_end()
+
+    def finish_gradient_sync(self) -> None:
+        """Start what is left of a reduction begun with ``wait_in_backward=False``, wait for it
+        and deliver the averaged gradients (a no-op when no reduction is under way)."""
+        self._reducer.finish()
+
+    def reduce_gradients(self, *, wait: bool = True) -> None:
+        """Average the gradients accumulated so far over the group, now, outside backward.
+
+        For schedules that fill ``.grad`` themselves (no hooks fire), or that ran every
+        micro-batch without sync. ``wait=False`` returns with the reductions in flight:
+        :meth:`finish_gradient_sync` waits for them.
+        """
+        self._reducer.reduce_now(wait)
+
+    @property
+    def requires_gradient_sync(self) -> bool:
+        return self._reducer.sync
+
+    def extra_repr(self) -> str:
+        return (f"dp={self.dp_size}, buckets={len(self.bucket_specs)}, "
+                f"bucket_cap_mb={self.bucket_cap_mb}, overlap={self.overlap}, "
+                f"reduce_dtype={self.reduce_dtype}")

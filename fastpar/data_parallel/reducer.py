@@ -1,0 +1,252 @@
+"""The gradient reducer behind DataParallel: flat bucket buffers, hooks, launch order, waiting.
+
+Life of one synchronised backward:
+  1. a parameter's gradient is accumulated -> its post-accumulate-grad hook marks it ready (and,
+     on the first hook of the backward, queues ``_on_backward_end`` with the autograd engine);
+  2. the bucket's last gradient arrives -> its collective is started asynchronously, in bucket
+     order (the same order on every rank); with ``overlap=False`` nothing starts before step 3;
+  3. the engine has finished -> ``finish``: buckets not started yet (parameters that got no
+     gradient) are started, with a small all-reduce of which parameters each rank used; then
+     everything is waited for, the averaged gradients are handed to ``.grad``, and unused
+     parameters are checked.
+With ``wait_in_backward=False`` (pipeline schedules) step 3 is skipped: buckets keep starting
+from hooks across any number of backward calls, and the schedule calls ``finish`` itself.
+``reduce_now`` starts everything at once, for gradients computed outside hooks.
+
+When the bucket dtype is the parameters' dtype, each ``.grad`` is a view into the bucket's flat
+buffer: nothing is packed and the average is computed in place. With another ``reduce_dtype``
+the gradients are packed into (and unpacked from) the buffer by the extension's multi-tensor ops.
+Sharded (ZeRO-1) buckets are reduce-scattered into ``shard`` instead of all-reduced.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+
+from .. import ops
+from .buckets import BucketSpec
+from .comm import CommStream, EventLog, all_reduce_async, reduce_scatter_async
+
+
+class _Bucket:
+    """One bucket's parameters, flat buffer and in-flight work."""
+
+    def __init__(self, spec: BucketSpec, params: list[nn.Parameter], reduce_dtype, device):
+        self.spec = spec
+        self.params = [params[i] for i in spec.indices]
+        dtype = reduce_dtype or spec.dtype
+        self.as_views = dtype == spec.dtype
+        self.buffer = torch.zeros(spec.padded_numel, dtype=dtype, device=device)
+        self.views = [self.buffer[o:o + n].view(p.shape) for o, n, p in
+                      zip(spec.offsets, spec.numels, self.params)] if self.as_views else None
+        self.shard: torch.Tensor | None = None    # reduce-scatter output when sharded
+        self.missing: list[tuple[int, bool]] = []  # (position, had no .grad) of unused params
+        self.reset()
+        if self.as_views:                         # keep gradients that exist already
+            for k, p in enumerate(self.params):
+                if p.grad is not None:
+                    self.adopt(k)
+
+    def reset(self) -> None:
+        self.pending = len(self.params)
+        self.arrived = [False] * len(self.params)
+        self.work = None
+        self.missing = []
+
+    def adopt(self, k: int) -> None:
+        """Make parameter k's ``.grad`` the view into the buffer (copying it in if it is not)."""
+        p, view = self.params[k], self.views[k]
+        if p.grad is not view:
+            view.copy_(p.grad)
+            p.grad = view
+
+    def fill_missing(self, k: int) -> None:
+        """Parameter k got no gradient since the last reduction: contribute what .grad holds."""
+        p = self.params[k]
+        self.missing.append((k, p.grad is None))
+        if self.as_views:
+            view = self.views[k]
+            if p.grad is None:
+                view.zero_()
+            elif p.grad is not view:
+                view.copy_(p.grad)
+        elif p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+class GradReducer:
+    """Reduces the gradients of ``params`` over ``group`` in buckets; see the module doc."""
+
+    def __init__(self, params: list[nn.Parameter], names: list[str], specs: list[BucketSpec],
+                 group, world: int, *, reduce_dtype, overlap: bool, find_unused: bool,
+                 events: EventLog, device: torch.device):
+        self.params, self.names, self.group, self.world = params, names, group, world
+        self.overlap, self.find_unused, self.events = overlap, find_unused, events
+        self.stream = CommStream(device)
+        self.buckets = [_Bucket(s, params, reduce_dtype, device) for s in specs]
+        self.where = {i: (b, k) for b, s in enumerate(specs) for k, i in enumerate(s.indices)}
+        self.sync = True              # False inside no_sync(): gradients only accumulate
+        self.wait_in_backward = True  # False: a pipeline schedule calls finish() itself
+        self.sharded = False
+        self.in_flight = False        # started and not yet finished
+        self.reduced = False          # a reduction finished since the optimizer last stepped
+        self.unused: set[int] = set()  # parameters no rank used in the last reduction
+        self._touched = [False] * len(params)
+        self._armed = False
+        self._next = 0
+        self._used_counts = None
+        self._used_work = None
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(_hook(self, i))
+
+    def enable_sharding(self) -> None:
+        """Reduce-scatter every bucket into a 1/world shard instead of all-reducing it."""
+        if self.in_flight:
+            raise RuntimeError("cannot switch to sharded reduction while a reduction is running")
+        for bucket in self.buckets:
+            bucket.shard = bucket.buffer.new_zeros(bucket.spec.padded_numel // self.world)
+        self.sharded = True
+
+    # -- 1, 2: hooks --------------------------------------------------------------------------
+    def on_grad(self, i: int) -> None:
+        b, k = self.where[i]
+        bucket = self.buckets[b]
+        if b < self._next:
+            raise RuntimeError(
+                f"DataParallel: the gradient of {self.names[i]!r} was accumulated after its "
+                f"bucket's reduction had started, so this step's gradients are not valid; with "
+                f"wait_in_backward=False call finish_gradient_sync() (or run the wrapper's "
+                f"forward) before backwards that are not part of the reduction")
+        if bucket.as_views:
+            bucket.adopt(k)
+        self._touched[i] = True
+        if not self.sync:
+            return
+        self.in_flight = True
+        if self.wait_in_backward and not self._armed:
+            self._armed = True
+            Variable._execution_engine.queue_callback(self._on_backward_end)
+        if bucket.arrived[k]:
+            return
+        bucket.arrived[k] = True
+        bucket.pending -= 1
+        if bucket.pending == 0 and self.overlap:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._launch(self._next)
+
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        with self.stream.issue():
+            if bucket.as_views:
+                if self.world > 1:
+                    bucket.buffer.div_(self.world)   # the sum is then the mean, as in DDP
+            else:
+                ops.multi_tensor_pack([p.grad for p in bucket.params], bucket.buffer,
+                                      1.0 / self.world)
+            self.events.record("launch", b)
+            if self.sharded:
+                bucket.work = reduce_scatter_async(bucket.shard, bucket.buffer, self.group)
+            else:
+                bucket.work = all_reduce_async(bucket.buffer, self.group)
+        self._next = b + 1
+
+    # -- 3: the autograd engine has finished ---------------------------------------------------
+    def _on_backward_end(self) -> None:
+        self.events.record("backward_end")
+        self._armed = False
+        self.finish()
+
+    def launch_all(self) -> None:
+        """Start every bucket not started yet, whatever its gradients, and the used-map."""
+        for b in range(self._next, len(self.buckets)):
+            bucket = self.buckets[b]
+            for k, i in enumerate(bucket.spec.indices):
+                p = bucket.params[k]
+                if not self._touched[i] or p.grad is None:
+                    bucket.fill_missing(k)
+                elif bucket.as_views:
+                    bucket.adopt(k)          # a gradient assigned to .grad by hand
+            self._launch(b)
+        if self.world > 1 and self._used_counts is None:
+            self._used_counts = torch.tensor(self._touched, dtype=torch.int32,
+                                             device=self.buckets[0].buffer.device)
+            with self.stream.issue():
+                self._used_work = all_reduce_async(self._used_counts, self.group)
+
+    def reduce_now(self, wait: bool) -> None:
+        """Reduce what the gradients hold now (set by hooks or by hand), outside any backward."""
+        if self._armed:
+            raise RuntimeError("reduce_gradients() cannot run inside a backward")
+        for i, p in enumerate(self.params):
+            self._touched[i] = self._touched[i] or p.grad is not None
+        self.in_flight = True
+        self.launch_all()
+        if wait:
+            self.finish()
+
+    # -- 4 ------------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Start what is left, wait for every bucket, give each parameter its mean gradient."""
+        if not self.in_flight or self._armed:
+            return
+        self.launch_all()
+        for b, bucket in enumerate(self.buckets):
+            if bucket.work is not None:
+                bucket.work.wait()
+            self.events.record("done", b)
+        if self._used_work is not None:
+            self._used_work.wait()
+        self.stream.join()
+        counts = (self._used_counts.tolist() if self._used_counts is not None
+                  else [int(t) for t in self._touched])
+        self.unused = {i for i, c in enumerate(counts) if c == 0}
+        for bucket in self.buckets:
+            self._deliver(bucket)
+            bucket.reset()
+        self._touched = [False] * len(self.params)
+        self._next, self._used_counts, self._used_work = 0, None, None
+        self.in_flight, self.reduced = False, True
+        partial = [i for i, c in enumerate(counts) if c < self.world]
+        if partial and not self.find_unused:
+            self.unused = set()
+            raise RuntimeError(_unused_message(self.names, partial, counts, self.world))
+
+    def _deliver(self, bucket: _Bucket) -> None:
+        """Point .grad at the reduced values; globally unused parameters keep what they had."""
+        idx = bucket.spec.indices
+        if self.sharded:
+            return                                   # the optimizer reads bucket.shard
+        if bucket.as_views:
+            for k, had_none in bucket.missing:
+                if idx[k] not in self.unused:
+                    bucket.params[k].grad = bucket.views[k]
+            return
+        ops.multi_tensor_unpack(bucket.buffer, [p.grad for p in bucket.params], 1.0)
+        for k, had_none in bucket.missing:
+            if had_none and idx[k] in self.unused:
+                bucket.params[k].grad = None
+
+
+def _hook(reducer: GradReducer, i: int):
+    """A post-accumulate-grad hook that does not keep the reducer alive."""
+    ref = weakref.ref(reducer)
+
+    def hook(_param):
+        r = ref()
+        if r is not None:
+            r.on_grad(i)
+    return hook
+
+
+def _unused_message(names, partial, counts, world) -> str:
+    shown = ", ".join(f"{names[i]!r} (used on {counts[i]} of {world} ranks)" for i in partial[:8])
+    more = f" and {len(partial) - 8} more" if len(partial) > 8 else ""
+    return (f"DataParallel: parameters got no gradient in this step on some data-parallel ranks: "
+            f"{shown}{more}. Every trainable parameter must get a gradient in each step; pass "
+            f"find_unused_parameters=True to allow this, or freeze them (requires_grad_(False)).")

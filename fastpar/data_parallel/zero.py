@@ -1,0 +1,258 @@
+"""ZeRO-1: each data-parallel rank keeps the optimizer state of its 1/dp shard of the parameters.
+
+    model = DataParallel(model, dp_group=mesh.dp_group)
+    opt = DistributedOptimizer(model, torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
+    loss.backward(); opt.step(); opt.zero_grad()
+
+Every bucket's flat buffer (padded to a multiple of dp) is cut into dp equal shards. Backward
+reduce-scatters each bucket, so rank r receives the mean gradient of shard r only. The optimizer
+(torch's own, e.g. AdamW) steps 1-D pieces of that shard, one per parameter it overlaps, held in
+a flat master buffer per bucket (fp32 for half/bf16 parameters); its state is therefore about
+1/dp of the plain optimizer's. The updated shards are then all-gathered and unpacked into the
+parameters with the extension's multi-tensor op; with ``overlap_param_gather=True`` that waits,
+bucket by bucket, until a module's forward first needs its parameters. The optimizer updates
+elementwise, so the result equals plain data parallelism with the same optimizer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import ops
+from .comm import all_gather_async
+from .data_parallel import DataParallel
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """The part of one parameter inside this rank's shard of bucket ``bucket``."""
+
+    param: int         # index among the model's trainable parameters
+    bucket: int
+    lo: int            # [lo, hi) in the shard
+    hi: int
+    start: int         # the piece's first element within the flattened parameter
+
+
+class DistributedOptimizer:
+    """Shard ``optimizer_class``'s state over ``model``'s dp group (ZeRO-1); see the module doc.
+
+    ``param_groups``: like a torch optimizer's, a list of dicts with ``"params"`` (parameters of
+    the model) and per-group options; parameters left out go to a last group with the defaults.
+    ``defaults`` are passed to ``optimizer_class``. The wrapped torch optimizer is
+    ``.optimizer`` (give it to an LR scheduler).
+    """
+
+    def __init__(self, model: DataParallel, optimizer_class=torch.optim.AdamW,
+                 param_groups: list[dict] | None = None, *, overlap_param_gather: bool = False,
+                 **defaults):
+        if not isinstance(model, DataParallel):
+            raise ValueError(f"DistributedOptimizer needs a fastpar DataParallel model, got "
+                             f"{type(model).__name__}")
+        if not (isinstance(optimizer_class, type) and
+                issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise ValueError(f"optimizer_class must be a torch.optim.Optimizer subclass, got "
+                             f"{optimizer_class!r}")
+        reducer = model._reducer
+        for name, p in zip(reducer.names, reducer.params):
+            if not p.is_contiguous():
+                raise ValueError(f"DistributedOptimizer: parameter {name!r} is not contiguous")
+        if reducer.sharded:
+            raise ValueError("this DataParallel model already has a DistributedOptimizer")
+        group_of = _group_index(reducer.params, param_groups)
+        self.model, self.overlap_param_gather = model, overlap_param_gather
+        self._reducer, self._world, self._rank = reducer, model.dp_size, model.dp_rank
+        reducer.enable_sharding()
+        self._pieces = [pc for b in range(len(reducer.buckets)) for pc in self._cut(b)]
+        self._master, self._grads = self._shard_buffers()
+        self._shard_params = [nn.Parameter(self._master[pc.bucket][pc.lo:pc.hi])
+                              for pc in self._pieces]
+        groups = [{**opts, "params": []} for opts in _group_options(param_groups)]
+        for pc, sp in zip(self._pieces, self._shard_params):
+            groups[group_of[pc.param]]["params"].append(sp)
+        self.optimizer = optimizer_class([g for g in groups if g["params"]], **defaults)
+        self._full = [b.buffer.new_empty(b.spec.padded_numel, dtype=b.spec.dtype)
+                      for b in reducer.buckets]
+        self._gathers: dict[int, object] = {}
+        self._prepared = False          # shard pieces hold this reduction's gradients
+        model.module.register_state_dict_pre_hook(lambda *_a, **_kw: self.finish_param_sync())
+        if overlap_param_gather:
+            self._register_gather_hooks()
+
+    # -- layout -------------------------------------------------------------------------------
+    def _cut(self, b: int) -> list[_Piece]:
+        spec = self._reducer.buckets[b].spec
+        lo, hi = spec.shard(self._rank, self._world)
+        out = []
+        for i, off, n in zip(spec.indices, spec.offsets, spec.numels):
+            a, z = max(off, lo), min(off + n, hi)
+            if a < z:
+                out.append(_Piece(param=i, bucket=b, lo=a - lo, hi=z - lo, start=a - off))
+        return out
+
+    @torch.no_grad()
+    def _shard_buffers(self):
+        """Master shards packed from the parameters, and the optimizer's gradient shards."""
+        masters, grads = [], []
+        for b, bucket in enumerate(self._reducer.buckets):
+            dtype = torch.float32 if bucket.spec.dtype in _LOW else bucket.spec.dtype
+            master = bucket.shard.new_zeros(bucket.shard.numel(), dtype=dtype)
+            ops.multi_tensor_pack([self._flat(pc) for pc in self._pieces if pc.bucket == b],
+                                  master)
+            masters.append(master)
+            grads.append(bucket.shard if bucket.shard.dtype == dtype else torch.zeros_like(master))
+        return masters, grads
+
+    def _flat(self, pc: _Piece) -> torch.Tensor:
+        p = self._reducer.params[pc.param]
+        return p.detach().view(-1)[pc.start:pc.start + pc.hi - pc.lo]
+
+    # -- stepping -----------------------------------------------------------------------------
+    def step(self, closure=None):
+        """One optimizer step on this rank's shard, then the parameters are all-gathered."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._prepare_grads()
+        self.optimizer.step()
+        self._reducer.reduced, self._prepared = False, False
+        self._launch_gathers()
+        if not self.overlap_param_gather:
+            self.finish_param_sync()
+        return loss
+
+    @torch.no_grad()
+    def _prepare_grads(self) -> None:
+        """Wait for the reduce-scatters and hand each shard piece its mean gradient."""
+        self.model.finish_gradient_sync()
+        self.finish_param_sync()
+        if self._prepared:
+            return
+        if not self._reducer.reduced:
+            raise RuntimeError("DistributedOptimizer.step: no gradient reduction since the last "
+                               "step (did backward run outside no_sync()?)")
+        for g, bucket in zip(self._grads, self._reducer.buckets):
+            if g is not bucket.shard:
+                g.copy_(bucket.shard)
+        unused = self._reducer.unused
+        for pc, sp in zip(self._pieces, self._shard_params):
+            sp.grad = None if pc.param in unused else self._grads[pc.bucket][pc.lo:pc.hi]
+        self._prepared = True
+
+    @torch.no_grad()
+    def _launch_gathers(self) -> None:
+        # Last bucket first: it holds the first layers, which the next forward needs first.
+        for b in reversed(range(len(self._master))):
+            with self._reducer.stream.issue():
+                shard = self._master[b].to(self._full[b].dtype)
+                work = all_gather_async(self._full[b], shard, self.model.dp_group)
+            self._gathers[b] = (work, shard)     # the shard must live until the gather ends
+
+    @torch.no_grad()
+    def finish_param_sync(self, buckets=None) -> None:
+        """Wait for the parameter all-gathers (of ``buckets``, default all) and unpack them."""
+        for b in list(self._gathers) if buckets is None else buckets:
+            item = self._gathers.pop(b, None)
+            if item is None:
+                continue
+            if item[0] is not None:
+                item[0].wait()
+            self._reducer.stream.join()
+            ops.multi_tensor_unpack(self._full[b],
+                                    [p.detach() for p in self._reducer.buckets[b].params])
+
+    def _register_gather_hooks(self) -> None:
+        where = {id(p): b for b, bucket in enumerate(self._reducer.buckets) for p in bucket.params}
+        for module in self.model.module.modules():
+            mine = sorted({where[id(p)] for p in module.parameters(recurse=False)
+                           if id(p) in where})
+            if mine:
+                module.register_forward_pre_hook(
+                    lambda _m, _a, mine=mine: self.finish_param_sync(mine))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's gradients (as ``model.zero_grad``)."""
+        self.model.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, groups=(),
+                        counted=None) -> torch.Tensor:
+        """Clip the mean gradient by its global norm; returns that norm (before clipping).
+
+        Call after backward, before :meth:`step`. The shards are reduced over the dp group and
+        then over each of ``groups`` (e.g. the tp and pp groups of a 3D layout); ``counted(p)``
+        says whether this rank counts parameter ``p`` (e.g. parameters replicated over TP only
+        on tp rank 0). Without them the norm is that of this model replica.
+        """
+        self._prepare_grads()
+        keep = [pc.param not in self._reducer.unused and
+                (counted is None or counted(self._reducer.params[pc.param]))
+                for pc in self._pieces]
+        grads = [self._grads[pc.bucket][pc.lo:pc.hi] for pc, k in zip(self._pieces, keep) if k]
+        inf = norm_type == float("inf")
+        local = torch.zeros((), dtype=torch.float32, device=self._master[0].device)
+        if grads:
+            norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
+            local = norms.max() if inf else norms.pow(norm_type).sum()
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        for group in ([self.model.dp_group] if self._world > 1 else []) + list(groups):
+            dist.all_reduce(local, op=op, group=group)
+        total = local if inf else local.pow(1.0 / norm_type)
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1.0:
+            ops.multi_tensor_scale([g for g in self._grads if g.numel()], coef)
+        return total
+
+    # -- introspection ------------------------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank (moments, step counters, fp32 master copies)."""
+        state = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
+                    for t in s.values() if torch.is_tensor(t))
+        masters = sum(m.numel() * m.element_size() for m, b in
+                      zip(self._master, self._reducer.buckets) if m.dtype != b.spec.dtype)
+        return state + masters
+
+    def state_dict(self) -> dict:
+        """This rank's shard of the optimizer state (load it on the same layout)."""
+        return {"optimizer": self.optimizer.state_dict(), "dp_rank": self._rank,
+                "dp_size": self._world, "master": [m.clone() for m in self._master]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state.get("dp_rank"), state.get("dp_size")) != (self._rank, self._world):
+            raise ValueError(f"state of dp rank {state.get('dp_rank')} of {state.get('dp_size')} "
+                             f"cannot load on dp rank {self._rank} of {self._world}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            for m, saved in zip(self._master, state["master"]):
+                m.copy_(saved)
+        self._launch_gathers()
+        self.finish_param_sync()
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+
+def _group_options(param_groups) -> list[dict]:
+    opts = [{k: v for k, v in g.items() if k != "params"} for g in (param_groups or [])]
+    return opts + [{}]
+
+
+def _group_index(params, param_groups) -> list[int]:
+    """For each trainable parameter, the index of its group (the last one: the defaults)."""
+    index = {id(p): len(param_groups or []) for p in params}
+    for g, group in enumerate(param_groups or []):
+        if not isinstance(group, dict) or "params" not in group:
+            raise ValueError(f"param_groups[{g}] must be a dict with a 'params' list")
+        for p in group["params"]:
+            if id(p) not in index:
+                raise ValueError(f"param_groups[{g}] holds a tensor that is not a trainable "
+                                 f"parameter of the model")
+            index[id(p)] = g
+    return [index[id(p)] for p in params]

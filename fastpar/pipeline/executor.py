@@ -1,0 +1,260 @@
+"""One executor for every schedule: it walks this rank's action list, nothing else decides order.
+
+``F`` runs a chunk's stage on a micro-batch (the last stage adds ``loss_fn``, scaled by 1/M so the
+gradients are those of the mean loss over the batch); ``B`` runs its backward, or only the input
+gradient when the schedule has ``W``; ``W`` the deferred weight gradients (:mod:`.backward`). A
+run of communication actions is one ``batch_isend_irecv`` batch, posted without waiting: the
+schedule places each receive in the round its message is sent, so receives are posted long before
+they are needed, and a compute action waits only for the one message it consumes. On CUDA the
+batches go out from a dedicated stream; on CPU gloo's threads move the data.
+
+A micro-batch's activations (its stage input, output and autograd graph) are dropped as soon as its
+last backward action has run, so 1F1B holds at most ``pp`` of them and GPipe ``M``; ``step``
+records the peak it saw in :attr:`PipelineExecutor.peak_activations`.
+
+Shapes: the first step sends each stage's output shape and dtype down the pipeline once
+(:mod:`.shapes`) to size the receive buffers, and carries errors found in the batch to every rank
+on the way; later steps must use the same micro-batch shape.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import p2p
+from .backward import Capture, backward_input, backward_weight, deferrable
+from .schedule import Schedule
+from .shapes import batch_error, exchange_shapes
+from .simulate import Event
+
+
+@dataclass
+class _Live:
+    x: torch.Tensor | None               # the stage input (requires grad past stage 0)
+    out: torch.Tensor | None             # the stage output, or the scaled loss on the last stage
+    captured: list = field(default_factory=list)    # split backward: (module, output) from F
+    pending: list = field(default_factory=list)     # split backward: what W still has to do
+
+
+@dataclass
+class _Step:
+    xs: list | None
+    ts: list | None
+    live: dict = field(default_factory=dict)         # (micro-batch, chunk) -> _Live
+    recvs: dict = field(default_factory=dict)        # message -> (buffer, works)
+    grads: dict = field(default_factory=dict)        # (micro-batch, chunk) -> input gradient
+    sends: list = field(default_factory=list)        # (works, tensor, message)
+    losses: list = field(default_factory=list)
+    peak: int = 0
+    events: list = field(default_factory=list)
+    arrived: float | None = None                     # when the current action's input arrived
+
+
+class PipelineExecutor:
+    """Runs ``schedule`` on this rank's ``stages`` (one module per chunk, in chunk order).
+
+    ``pp_group``: the pipeline group (``mesh.pp_group``), or None for a single process.
+    ``loss_fn(output, target)`` runs on the last stage. ``grads_ready(chunk, stage)`` is called
+    once per step per chunk right after that chunk's last gradient is in ``.grad`` (often in the
+    cool-down, while other chunks and ranks still compute): the place for data-parallel code to
+    start reducing that chunk's gradients. ``timeout`` bounds each wait (default: the process
+    group's timeout). ``overlap=False`` waits for each batch of sends and receives right after
+    posting it (the strict model every schedule is validated under, so it cannot deadlock): the
+    same numbers, no communication behind compute. ``record=True`` keeps each step's measured
+    timeline in ``events`` (compute only: an action's time starts when its input has arrived;
+    CPU clocks, so on CUDA it shows launch times unless the caller synchronises).
+    """
+
+    def __init__(self, stages: list[nn.Module], schedule: Schedule, pp_group=None, *,
+                 loss_fn: Callable, grads_ready: Callable | None = None,
+                 timeout: float | timedelta | None = None, overlap: bool = True,
+                 record: bool = False):
+        if not isinstance(schedule, Schedule):
+            raise ValueError(f"PipelineExecutor: schedule must be a Schedule (build_schedule), "
+                             f"got {type(schedule).__name__}")
+        size = dist.get_world_size(pp_group) if pp_group is not None else 1
+        self.rank = dist.get_rank(pp_group) if pp_group is not None else 0
+        if schedule.pp_size != size:
+            raise ValueError(f"PipelineExecutor: the schedule is for pp_size="
+                             f"{schedule.pp_size}, the pipeline group has {size} ranks")
+        stages = list(stages)
+        if len(stages) != schedule.virtual_stages:
+            raise ValueError(f"PipelineExecutor: {len(stages)} stage module(s) on pp rank "
+                             f"{self.rank}, the schedule has virtual_stages="
+                             f"{schedule.virtual_stages} (one module per chunk)")
+        for c, st in enumerate(stages):
+            want = schedule.stage_index(self.rank, c)
+            got = (getattr(st, "stage_index", want), getattr(st, "num_stages", schedule.num_stages))
+            if got != (want, schedule.num_stages):
+                raise ValueError(f"PipelineExecutor: chunk {c} on pp rank {self.rank} must be "
+                                 f"stage {want} of {schedule.num_stages}, got stage {got[0]} of "
+                                 f"{got[1]}")
+        if not callable(loss_fn):
+            raise ValueError("PipelineExecutor: loss_fn must be callable as "
+                             "loss_fn(output, target)")
+        self.stages, self.schedule, self.pp_group = stages, schedule, pp_group
+        self.loss_fn, self.grads_ready, self.record = loss_fn, grads_ready, record
+        self.overlap = overlap
+        self.timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+        params = [p for st in stages for p in st.parameters()]
+        self.device = params[0].device if params else torch.device("cpu")
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._peers = [dist.get_global_rank(pp_group, r) if pp_group is not None else 0
+                       for r in range(size)]
+        self._split = [deferrable(st) for st in stages] if schedule.split_backward else None
+        self._meta: dict = {}                   # ("in" | "out", stage) -> (shape, dtype)
+        acts = schedule.actions[self.rank]
+        done = "W" if schedule.split_backward else "B"
+        self._chunk_done = {max(i for i, a in enumerate(acts) if a.kind == done and a.chunk == c): c
+                            for c in range(schedule.virtual_stages)}
+        self.peak_activations = 0
+        self.events: list[Event] = []
+
+    # -- one training step --------------------------------------------------------------------
+    def step(self, inputs: torch.Tensor | None = None,
+             targets: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run one step on a batch; returns the mean micro-batch loss on the rank holding the
+        last stage, None elsewhere. Gradients accumulate into ``.grad`` (zero them between
+        steps). ``inputs`` is needed where stage 0 lives, ``targets`` where the last stage does."""
+        s = self.schedule
+        has_first = any(s.stage_index(self.rank, c) == 0 for c in range(s.virtual_stages))
+        has_last = self.rank == (s.num_stages - 1) % s.pp_size
+        xs, x_err = self._split_batch(inputs, has_first, 1)
+        ts, t_err = self._split_batch(targets, has_last, 3)
+        if not self._meta:
+            self._meta = exchange_shapes(self.stages, s, self.rank, self._peers, self.pp_group,
+                                         self.device, self.timeout, xs, x_err, t_err)
+        elif x_err or t_err:
+            raise batch_error(*(x_err or t_err))
+        if has_first and xs[0].shape != self._meta[("in", 0)][0]:
+            raise ValueError(f"pipeline step: micro-batch shape {tuple(xs[0].shape)} differs "
+                             f"from the first step's {tuple(self._meta[('in', 0)][0])}; the "
+                             f"shapes are fixed at the first step, build a new PipelineExecutor")
+        st = _Step(xs, ts)
+        start = time.perf_counter()
+        acts, i = s.actions[self.rank], 0
+        while i < len(acts):
+            if not acts[i].is_compute:
+                j = i
+                while j < len(acts) and not acts[j].is_compute:
+                    j += 1
+                self._post(st, acts[i:j])
+                i = j
+                continue
+            a = acts[i]
+            st.arrived, t0 = None, time.perf_counter()
+            {"F": self._forward, "B": self._backward, "W": self._weight}[a.kind](st, a)
+            if self.record:                         # compute time only, not the wait for input
+                t0 = st.arrived or t0
+                st.events.append(Event(self.rank, a, t0 - start, time.perf_counter() - start))
+            if i in self._chunk_done and self.grads_ready is not None:
+                self.grads_ready(a.chunk, self.stages[a.chunk])
+            st.sends = [x for x in st.sends if not all(w.is_completed() for w in x[0])]
+            i += 1
+        for works, _, msg in st.sends:
+            p2p.wait(works, self._where(msg, "sending"), self.timeout)
+        self.peak_activations, self.events = st.peak, st.events
+        return torch.stack(st.losses).mean() if has_last else None
+
+    def _split_batch(self, t, needed: bool, code: int):
+        if not needed:
+            return None, None
+        m = self.schedule.num_microbatches
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return None, (code, ())
+        if t.shape[0] % m:
+            return None, (code + 1, (t.shape[0], m))
+        return list(t.split(t.shape[0] // m)), None
+
+    # -- compute ------------------------------------------------------------------------------
+    def _forward(self, st: _Step, a) -> None:
+        s = self.schedule.stage_index(self.rank, a.chunk)
+        if s == 0:
+            x = st.xs[a.microbatch]
+        else:
+            x = self._take(st, ("F", a.microbatch, s))
+            x.requires_grad_(x.is_floating_point())
+        captured = []
+        if self._split is not None:
+            with Capture(self._split[a.chunk][0]) as cap:
+                y = self.stages[a.chunk](x)
+            captured = cap.outputs
+        else:
+            y = self.stages[a.chunk](x)
+        if s == self.schedule.num_stages - 1:
+            loss = self.loss_fn(y, st.ts[a.microbatch])
+            st.losses.append(loss.detach())
+            y = loss / self.schedule.num_microbatches
+        st.live[(a.microbatch, a.chunk)] = _Live(x, y, captured)
+        st.peak = max(st.peak, len(st.live))
+
+    def _backward(self, st: _Step, a) -> None:
+        s = self.schedule.stage_index(self.rank, a.chunk)
+        key = (a.microbatch, a.chunk)
+        live = st.live[key]
+        grad = None if s == self.schedule.num_stages - 1 else self._take(st, ("B", a.microbatch, s))
+        x = live.x
+        if self._split is None:
+            torch.autograd.backward(live.out, grad)
+            dx = x.grad
+            del st.live[key]                    # frees this micro-batch's activations
+        else:
+            dx, live.pending = backward_input(live.out, grad, x, live.captured,
+                                              self._split[a.chunk][1])
+            live.x, live.out, live.captured = None, None, []    # W needs only `pending`
+        if s > 0:
+            st.grads[key] = dx if dx is not None else torch.zeros_like(x)
+
+    def _weight(self, st: _Step, a) -> None:
+        backward_weight(st.live.pop((a.microbatch, a.chunk)).pending)
+
+    # -- communication ------------------------------------------------------------------------
+    def _post(self, st: _Step, batch) -> None:
+        s, ops, msgs = self.schedule, [], []
+        for a in batch:
+            msg = s.message(self.rank, a)
+            peer = self._peers[s.peer(self.rank, a)]
+            tag = p2p.message_tag(*msg, s.num_stages)
+            if a.kind == "SEND_F":
+                t = st.live[(a.microbatch, a.chunk)].out.detach().contiguous()
+            elif a.kind == "SEND_B":
+                t = st.grads.pop((a.microbatch, a.chunk)).contiguous()
+            else:
+                shape, dtype = self._meta[("in" if a.kind == "RECV_F" else "out", msg[2])]
+                t = torch.empty(shape, dtype=dtype, device=self.device)
+            op = dist.isend if a.kind.startswith("SEND") else dist.irecv
+            ops.append(dist.P2POp(op, t, peer, self.pp_group, tag))
+            msgs.append(msg)
+        posted = p2p.post(ops, self._stream)
+        for op, msg, works in zip(ops, msgs, posted):
+            send = op.op is dist.isend
+            if not self.overlap:                # a gloo work must be waited on only once
+                p2p.wait(works, self._where(msg, "sending" if send else "receiving"),
+                         self.timeout)
+                works = []
+            if send:
+                st.sends.append((works, op.tensor, msg))
+            else:
+                st.recvs[msg] = (op.tensor, works)
+
+    def _take(self, st: _Step, msg) -> torch.Tensor:
+        buf, works = st.recvs.pop(msg)
+        p2p.wait(works, self._where(msg, "receiving"), self.timeout)
+        st.arrived = time.perf_counter()
+        return buf
+
+    def _where(self, msg, doing: str) -> str:
+        """'pipeline stage 1 (pp rank 1) receiving <message> from stage 0 (pp rank 0, ...)'."""
+        kind, m, receiver = msg
+        sender = receiver - 1 if kind == "F" else receiver + 1
+        here, there = (receiver, sender) if doing == "receiving" else (sender, receiver)
+        peer = there % self.schedule.pp_size
+        return (f"pipeline stage {here} (pp rank {self.rank}) {doing} "
+                f"{p2p.describe(kind, m, receiver)} {'from' if doing == 'receiving' else 'to'} "
+                f"stage {there} (pp rank {peer}, global rank {self._peers[peer]})")

@@ -1,0 +1,165 @@
+"""The schedules: one function per schedule, each giving one rank's compute order.
+
+``build_schedule(name, pp_size, num_microbatches, virtual_stages)`` calls the schedule's function
+for every rank, and :func:`make_schedule` adds the communication: the receive a compute action
+needs goes right before it, the send it produces right after it, so the sends of one action and
+the receives of the next share one ``batch_isend_irecv`` batch (Megatron's
+``send_forward_recv_backward`` and friends fall out of this rule). The executor may still post
+receives earlier than they are listed (see :mod:`.executor`).
+
+References: GPipe (Huang et al. 2019); 1F1B (PipeDream-Flush, Narayanan et al. 2021); interleaved
+1F1B (Megatron-LM, Narayanan et al. 2021, sec. 2.2); ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline
+Parallelism", sec. 3).
+"""
+from __future__ import annotations
+
+from .schedule import Action, Schedule, ScheduleError
+
+
+def gpipe(rank: int, pp: int, m: int, v: int) -> list[Action]:
+    """All forwards, then all backwards. Every micro-batch's activation is alive at once."""
+    return [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
+
+
+def one_f_one_b(rank: int, pp: int, m: int, v: int) -> list[Action]:
+    """Warm-up forwards, then one forward / one backward, then the cool-down backwards.
+
+    Rank r runs min(pp - r - 1, m) warm-up forwards, so at most pp - r micro-batches are alive.
+    """
+    warmup = min(pp - rank - 1, m)
+    order = [Action("F", i) for i in range(warmup)]
+    for i in range(m - warmup):                    # steady state
+        order += [Action("F", warmup + i), Action("B", i)]
+    order += [Action("B", i) for i in range(m - warmup, m)]   # cool-down
+    return order
+
+
+def interleaved(rank: int, pp: int, m: int, v: int) -> list[Action]:
+    """Megatron's interleaved 1F1B: v chunks per rank, micro-batches in rounds of pp.
+
+    Virtual micro-batch k (0 <= k < m*v) is micro-batch (k // (pp*v)) * pp + k % pp on chunk
+    (k % (pp*v)) // pp going forward; backwards visit the chunks in reverse. Warm-up is
+    (pp - rank - 1) * 2 + (v - 1) * pp virtual forwards (capped at m*v), then 1F1B on virtual
+    micro-batches, then the cool-down.
+    """
+    group = pp * v
+
+    def act(kind: str, k: int) -> Action:
+        chunk = (k % group) // pp
+        return Action(kind, (k // group) * pp + k % pp, chunk if kind == "F" else v - 1 - chunk)
+
+    total = m * v
+    warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    order = [act("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [act("F", warmup + k), act("B", k)]
+    order += [act("B", k) for k in range(total - warmup, total)]
+    return order
+
+
+def zero_bubble_h1(rank: int, pp: int, m: int, v: int) -> list[Action]:
+    """ZB-H1: 1F1B's F/B order with the weight gradient W split off and deferred.
+
+    Rank r keeps up to r weight gradients waiting (rank 0 none, the last rank pp - 1): its B's
+    return the input gradient upstream sooner, and the waiting W's fill the gaps of the
+    cool-down. Live micro-batches (F run, W not yet) stay at most (pp - r) + r = pp per rank,
+    1F1B's peak.
+    """
+    warmup = min(pp - rank - 1, m)
+    lag = rank
+    order = [Action("F", i) for i in range(warmup)]
+    waiting: list[int] = []                        # micro-batches whose W has not run yet
+    for i in range(m - warmup):                    # steady state: F, B, and W once r are waiting
+        order += [Action("F", warmup + i), Action("B", i)]
+        waiting.append(i)
+        if len(waiting) > lag:
+            order.append(Action("W", waiting.pop(0)))
+    for i in range(m - warmup, m):                 # cool-down: each B followed by one W
+        order.append(Action("B", i))
+        waiting.append(i)
+        order.append(Action("W", waiting.pop(0)))
+    order += [Action("W", i) for i in waiting]     # the rest fill the tail
+    return order
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved,
+             "zb-h1": zero_bubble_h1}
+
+
+def check_args(name: str, pp_size: int, num_microbatches: int, virtual_stages: int) -> None:
+    """Raise ValueError, with the numbers, for a configuration no schedule can run."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    for arg, value in (("pp_size", pp_size), ("num_microbatches", num_microbatches),
+                       ("virtual_stages", virtual_stages)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: {arg}={value!r} must be an integer >= 1")
+    if name == "interleaved":
+        if num_microbatches < pp_size or num_microbatches % pp_size:
+            raise ValueError(f"interleaved: num_microbatches={num_microbatches} must be a "
+                             f"multiple of pp_size={pp_size} (micro-batches go in rounds of "
+                             f"pp_size); use {max(1, -(-num_microbatches // pp_size)) * pp_size}")
+        if pp_size == 1 and virtual_stages > 1:
+            raise ValueError(f"interleaved: virtual_stages={virtual_stages} needs pp_size > 1 "
+                             f"(chunks interleave across ranks); pp_size=1 takes virtual_stages=1")
+    elif virtual_stages != 1:
+        raise ValueError(f"{name}: virtual_stages={virtual_stages} needs the 'interleaved' "
+                         f"schedule; {name!r} runs one stage per rank (virtual_stages=1)")
+
+
+def build_schedule(name: str, pp_size: int, num_microbatches: int,
+                   virtual_stages: int = 1) -> Schedule:
+    """The validated :class:`Schedule` ``name`` ("gpipe", "1f1b", "interleaved", "zb-h1").
+
+    ``schedule.actions[rank]`` is each rank's ordered action list; bad arguments raise
+    ``ValueError`` naming the numbers.
+    """
+    check_args(name, pp_size, num_microbatches, virtual_stages)
+    fn = SCHEDULES[name]
+    compute = [fn(rank, pp_size, num_microbatches, virtual_stages) for rank in range(pp_size)]
+    return make_schedule(name, compute, pp_size, num_microbatches, virtual_stages)
+
+
+def make_schedule(name: str, compute: list[list[Action]], pp_size: int, num_microbatches: int,
+                  virtual_stages: int = 1) -> Schedule:
+    """A :class:`Schedule` from each rank's compute order (F / B / W), communication added.
+
+    The communication is placed by playing the compute orders in lockstep rounds: in each round
+    every rank runs its next compute action if its input has arrived, then every rank posts one
+    batch holding the sends of what it just produced and the receives of what its neighbours just
+    produced. A message is thus received in the round it is sent (receives are posted as early as
+    they can be), and the batches of one round pair up exactly, so the schedule cannot deadlock
+    even when each batch blocks until complete. A compute order that waits on itself raises
+    :class:`ScheduleError`.
+    """
+    if len(compute) != pp_size:
+        raise ValueError(f"{name}: compute orders for {len(compute)} ranks, pp_size={pp_size}")
+    last = pp_size * virtual_stages - 1
+    actions: list[list[Action]] = [[] for _ in range(pp_size)]
+    pos, arrived = [0] * pp_size, set()
+    while any(pos[r] < len(compute[r]) for r in range(pp_size)):
+        produced, ran = [], False                  # (rank, action) whose output goes out now
+        for rank in range(pp_size):
+            if pos[rank] == len(compute[rank]):
+                continue
+            a = compute[rank][pos[rank]]
+            stage = a.chunk * pp_size + rank
+            needs = (("F", a.microbatch, stage) if a.kind == "F" and stage > 0 else
+                     ("B", a.microbatch, stage) if a.kind == "B" and stage < last else None)
+            if needs is not None and needs not in arrived:
+                continue
+            actions[rank].append(a)
+            pos[rank], ran = pos[rank] + 1, True
+            if (a.kind == "F" and stage < last) or (a.kind == "B" and stage > 0):
+                produced.append((rank, a))
+        if not ran:
+            raise ScheduleError(f"schedule {name!r} deadlocks: " + "; ".join(
+                f"rank {r} waits at {compute[r][pos[r]]!r}" for r in range(pp_size)
+                if pos[r] < len(compute[r])))
+        for rank, a in produced:                   # the round's batches
+            stage = a.chunk * pp_size + rank
+            to = stage + 1 if a.kind == "F" else stage - 1
+            actions[rank].append(Action("SEND_" + a.kind, a.microbatch, a.chunk))
+            actions[to % pp_size].append(Action("RECV_" + a.kind, a.microbatch, to // pp_size))
+            arrived.add((a.kind, a.microbatch, to))
+    return Schedule(name, pp_size, num_microbatches, virtual_stages, actions)

@@ -1,0 +1,171 @@
+"""Time a schedule's action lists with a cost model: step time, bubble, a Gantt chart, a trace.
+
+The simulator reads the same :class:`~fastpar.pipeline.schedule.Schedule` the executor runs. Each
+rank runs its compute actions in order; an F or B that needs a neighbour's activation or gradient
+starts when that message has arrived, ``comm`` after the neighbour's compute that produced it
+ended. Communication runs beside compute (its own stream / gloo's threads), so sends cost the
+sender nothing.
+
+Costs are per micro-batch per stage: a scalar, or a sequence indexed by stage (``pp * v`` stages;
+with interleaving a stage is one chunk, so its cost is a rank's cost divided by ``v``). In a
+schedule that does not split off W, a backward costs ``b + w``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+from .schedule import Action, Schedule
+
+_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#8172b3"}
+
+
+class Event(NamedTuple):
+    """One compute action on one rank, from ``start`` to ``end`` (simulated or measured)."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+def _per_stage(name: str, value, num_stages: int) -> list[float]:
+    if isinstance(value, (int, float)):
+        values = [float(value)] * num_stages
+    else:
+        values = [float(x) for x in value]
+        if len(values) != num_stages:
+            raise ValueError(f"simulate: {name} has {len(values)} per-stage costs, the schedule "
+                             f"has {num_stages} stages (pp_size * virtual_stages)")
+    if any(x < 0 for x in values):
+        raise ValueError(f"simulate: {name}={value!r} must be >= 0")
+    return values
+
+
+@dataclass
+class Simulation:
+    """What :func:`simulate` found: times, bubble and the timeline of every compute action."""
+
+    schedule: Schedule
+    step_time: float
+    busy: list[float]                      # compute time per rank
+    bubble_fraction: float                 # idle / step time, averaged over ranks
+    peak_activations: list[int]            # per rank
+    events: list[Event] = field(repr=False)
+
+    def gantt(self, path: str | Path, title: str | None = None) -> Path:
+        """Draw the timeline as a PNG (needs matplotlib)."""
+        return plot_gantt(self.events, path, self.schedule.pp_size,
+                          title or f"{self.schedule!r}: bubble {self.bubble_fraction:.1%}")
+
+    def chrome_trace(self, path: str | Path | None = None, unit_us: float = 1000.0) -> dict:
+        """The timeline as a Chrome-trace dict (opens in Perfetto); one cost unit = ``unit_us``."""
+        return chrome_trace(self.events, path, unit_us, name=self.schedule.name)
+
+
+def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0) -> Simulation:
+    """Time ``schedule`` with forward ``f``, input-gradient ``b``, weight-gradient ``w`` and
+    per-message ``comm`` costs (see the module doc). Returns a :class:`Simulation`."""
+    s = schedule
+    cost = {"F": _per_stage("f", f, s.num_stages), "B": _per_stage("b", b, s.num_stages),
+            "W": _per_stage("w", w, s.num_stages)}
+    if not s.split_backward:
+        cost["B"] = [x + y for x, y in zip(cost["B"], cost["W"])]
+    if not isinstance(comm, (int, float)) or comm < 0:
+        raise ValueError(f"simulate: comm={comm!r} must be a number >= 0")
+    clock = [0.0] * s.pp_size
+    pos = [0] * s.pp_size
+    arrival: dict = {}                     # message -> time it is at its receiver
+    last_end = [0.0] * s.pp_size
+    events: list[Event] = []
+    while True:
+        moved = False
+        for rank in range(s.pp_size):
+            acts = s.actions[rank]
+            while pos[rank] < len(acts):
+                a = acts[pos[rank]]
+                if a.kind.startswith("SEND"):
+                    arrival[s.message(rank, a)] = last_end[rank] + comm
+                elif a.kind.startswith("RECV"):
+                    pass                   # posted; the compute that needs it waits below
+                else:
+                    need = _needs(s, rank, a)
+                    if need is not None and need not in arrival:
+                        break              # its sender has not got that far yet
+                    start = max(clock[rank], arrival.get(need, 0.0))
+                    end = start + cost[a.kind][s.stage_index(rank, a.chunk)]
+                    events.append(Event(rank, a, start, end))
+                    clock[rank] = last_end[rank] = end
+                pos[rank] += 1
+                moved = True
+        if all(pos[r] == len(s.actions[r]) for r in range(s.pp_size)):
+            break
+        if not moved:                      # validated schedules never get here
+            raise RuntimeError(f"simulate: {s!r} made no progress")
+    step = max(clock) if clock else 0.0
+    busy = [sum(e.end - e.start for e in events if e.rank == r) for r in range(s.pp_size)]
+    bubble = sum((step - x) / step for x in busy) / len(busy) if step > 0 else 0.0
+    return Simulation(s, step, busy, bubble, list(s.peak_activations), events)
+
+
+def _needs(s: Schedule, rank: int, a: Action):
+    """The message a compute action waits for, or None."""
+    stage = s.stage_index(rank, a.chunk)
+    if a.kind == "F" and stage > 0:
+        return ("F", a.microbatch, stage)
+    if a.kind == "B" and stage < s.num_stages - 1:
+        return ("B", a.microbatch, stage)
+    return None
+
+
+def chrome_trace(events: Sequence[Event], path: str | Path | None = None,
+                 unit_us: float = 1000.0, name: str = "pipeline") -> dict:
+    """Chrome-trace JSON (the ``traceEvents`` format Perfetto and chrome://tracing open):
+    one row per pipeline rank, one slice per compute action. Written to ``path`` if given."""
+    trace = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": name}}]
+    ranks = sorted({e.rank for e in events})
+    trace += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
+               "args": {"name": f"pp rank {r}"}} for r in ranks]
+    for e in events:
+        a = e.action
+        trace.append({"name": repr(a), "cat": a.kind, "ph": "X", "pid": 0, "tid": e.rank,
+                      "ts": e.start * unit_us, "dur": (e.end - e.start) * unit_us,
+                      "args": {"microbatch": a.microbatch, "chunk": a.chunk}})
+    out = {"traceEvents": trace, "displayTimeUnit": "ms"}
+    if path is not None:
+        Path(path).write_text(json.dumps(out))
+    return out
+
+
+def plot_gantt(events: Sequence[Event], path: str | Path, pp_size: int,
+               title: str = "") -> Path:
+    """One row per rank, one box per compute action (F blue, B orange, W purple), as a PNG."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError("the Gantt chart needs matplotlib: pip install matplotlib") from e
+    end = max((e.end for e in events), default=1.0)
+    fig, ax = plt.subplots(figsize=(min(24.0, 4 + 0.25 * len(events) / max(pp_size, 1)),
+                                    0.6 * pp_size + 1.2))
+    for e in events:
+        a = e.action
+        ax.barh(e.rank, e.end - e.start, left=e.start, height=0.8, color=_COLORS[a.kind],
+                edgecolor="white", linewidth=0.5)
+        label = f"{a.microbatch}" + (f".{a.chunk}" if a.chunk else "")
+        ax.text((e.start + e.end) / 2, e.rank, label, ha="center", va="center", fontsize=6,
+                color="white")
+    ax.set_yticks(range(pp_size), [f"rank {r}" for r in range(pp_size)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, end)
+    ax.set_xlabel("time")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
+    ax.legend(handles, list(_COLORS), loc="upper right", fontsize=7, ncol=3)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

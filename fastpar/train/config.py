@@ -1,0 +1,91 @@
+"""TrainConfig: everything a training run needs, validated before any process group exists."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..models import GPTConfig, get_config
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+RECOMPUTE = ("none", "full", "selective")
+
+
+@dataclass
+class TrainConfig:
+    model: str = "tiny"                 # a preset of fastpar.models.PRESETS
+    tp: int = 1                         # tensor-parallel size
+    pp: int = 1                         # pipeline-parallel size
+    dp: int | None = None               # data-parallel size; None = world / (tp * pp)
+    schedule: str = "1f1b"              # pipeline schedule when pp > 1
+    virtual_stages: int = 1             # model chunks per pipeline rank (interleaved)
+    global_batch_size: int = 16         # sequences per optimizer step, over all DP ranks
+    micro_batch_size: int = 4           # sequences per micro-batch
+    seq_len: int = 128                  # tokens per sequence
+    steps: int = 200                    # optimizer steps
+    lr: float = 3e-3                    # peak learning rate
+    min_lr: float = 3e-4                # floor of the cosine decay
+    warmup_steps: int = 20              # linear warm-up
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0              # clip by the true global norm; 0 disables
+    seed: int = 0                       # model init and data order
+    data: str | None = None             # text file, folder, or uint16 .bin; None = stdlib corpus
+    out: str = "runs/fastpar"           # metrics, plot, config, checkpoints
+    save_every: int = 0                 # steps between checkpoints; 0 = only at the end
+    resume: bool = False                # continue from the latest checkpoint in OUT
+    zero1: bool = False                 # shard optimizer state over the DP group
+    recompute: str = "none"             # activation checkpointing: none | full | selective
+    sequence_parallel: bool = False     # sequence parallelism inside TP
+    log_every: int = 10                 # steps between log lines
+    peak_tflops: float | None = None    # per device, for MFU; None = not reported
+
+    def __post_init__(self):
+        get_config(self.model)          # an unknown model raises here
+        for name in ("tp", "pp", "virtual_stages", "global_batch_size", "micro_batch_size",
+                     "seq_len", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
+        if self.dp is not None and self.dp < 1:
+            raise ValueError(f"--dp={self.dp} must be >= 1")
+        if self.steps < 0:
+            raise ValueError(f"--steps={self.steps} must be >= 0")
+        if self.save_every < 0:
+            raise ValueError(f"--save-every={self.save_every} must be >= 0")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule={self.schedule!r} is not one of {SCHEDULES}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"--recompute={self.recompute!r} is not one of {RECOMPUTE}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ValueError(f"--virtual-stages={self.virtual_stages} needs "
+                             f"--schedule interleaved, not {self.schedule!r}")
+
+    @property
+    def model_config(self) -> GPTConfig:
+        return get_config(self.model, max_seq_len=max(self.seq_len, get_config(self.model)
+                                                      .max_seq_len), init_seed=self.seed)
+
+    def check_layout(self, world_size: int) -> int:
+        """Check the config against the world; returns dp. Raises ValueError naming the numbers."""
+        tp, pp = self.tp, self.pp
+        if world_size % (tp * pp):
+            raise ValueError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}")
+        dp = self.dp or world_size // (tp * pp)
+        if tp * pp * dp != world_size:
+            raise ValueError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} != world size "
+                             f"{world_size}")
+        mc = self.model_config
+        mc.check_tp(tp)
+        if mc.n_layers < pp * self.virtual_stages:
+            raise ValueError(f"model {self.model!r} has {mc.n_layers} layers, fewer than "
+                             f"pp x virtual stages = {pp} x {self.virtual_stages}")
+        if self.global_batch_size % (self.micro_batch_size * dp):
+            raise ValueError(f"global batch {self.global_batch_size} is not divisible by "
+                             f"micro-batch size x dp = {self.micro_batch_size} x {dp}")
+        if self.sequence_parallel and self.seq_len % tp:
+            raise ValueError(f"--seq-len={self.seq_len} is not divisible by tp={tp} under "
+                             f"sequence parallelism")
+        return dp
+
+    def num_microbatches(self, dp: int) -> int:
+        return self.global_batch_size // (self.micro_batch_size * dp)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

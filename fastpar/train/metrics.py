@@ -1,0 +1,84 @@
+"""Per-step metrics: ``OUT/metrics.jsonl``, a progress bar and log lines, ``OUT/loss.png``."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def flops_per_token(num_params: int, n_layers: int, d_model: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the weights plus attention's 12 L d S (PaLM's count)."""
+    return 6 * num_params + 12 * n_layers * d_model * seq_len
+
+
+class Metrics:
+    """Writes one JSON object per step; on the first rank only (``enabled``)."""
+
+    def __init__(self, out: str, enabled: bool, total_steps: int, start_step: int = 0,
+                 log_every: int = 10, peak_flops: float | None = None, resume: bool = False):
+        self.enabled, self.log_every, self.peak_flops = enabled, log_every, peak_flops
+        self.path = Path(out) / "metrics.jsonl"
+        self.bar = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            self.path.write_text("")
+        else:   # drop the steps after the checkpoint we resume from: they will be redone
+            kept = [line for line in self._read() if line["step"] <= start_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                        leave=True)
+
+    def _read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def log(self, step: int, loss: float, lr: float, tokens: int, step_time: float,
+            flops_per_step: float, world_size: int) -> dict:
+        row = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens / step_time,
+               "step_time_s": step_time}
+        if self.peak_flops:
+            row["mfu"] = flops_per_step / step_time / (self.peak_flops * world_size)
+        if torch.cuda.is_available():
+            row["max_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        if not self.enabled:
+            return row
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.4f}")
+        if step % self.log_every == 0 or step == 1:
+            extra = f" mfu {row['mfu']:.1%}" if "mfu" in row else ""
+            mem = f" mem {row['max_memory_gb']:.1f}GB" if "max_memory_gb" in row else ""
+            self.bar.write(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
+                           f"{row['tokens_per_s']:.0f} tok/s | {step_time * 1e3:.0f} ms{extra}{mem}")
+        return row
+
+    def close(self) -> Path | None:
+        """Finish the bar and draw ``loss.png`` from the whole metrics file; returns its path."""
+        if not self.enabled:
+            return None
+        self.bar.close()
+        rows = self._read()
+        if not rows:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        png = self.path.with_name("loss.png")
+        fig.savefig(png, dpi=100)
+        plt.close(fig)
+        return png

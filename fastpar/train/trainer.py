@@ -1,0 +1,248 @@
+"""The training loop: GPT over any (tp, pp, dp) layout, one function per concern.
+
+    from fastpar.train import TrainConfig, train
+    train(TrainConfig(model="tiny", tp=2, steps=100))     # under torchrun, or one process
+
+Every layout runs the same math: the global batch of step s is fixed by (seed, s); each DP rank
+takes its share, cut into micro-batches; gradients are averaged over the DP group, the loss is the
+mean over the whole global batch; gradients are clipped by the true global norm.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fastpar
+from ..data_parallel import DataParallel, DistributedOptimizer
+from ..models import GPT
+from ..pipeline import PipelineExecutor, build_schedule, partition
+from ..tensor_parallel import vocab_parallel_cross_entropy
+from .checkpoint import latest_checkpoint, load_checkpoint, read_manifest, read_rank_tensors, \
+    save_checkpoint, shard_specs
+from .config import TrainConfig
+from .data import BatchSampler, load_tokens
+from .metrics import Metrics, flops_per_token
+from .schedule import lr_at
+
+
+def _stage_ranges(cfg: TrainConfig) -> list[range]:
+    """Layers of each of the pp * v stages, balanced by cost (embedding and head counted)."""
+    mc = cfg.model_config
+    n, stages = mc.n_layers, cfg.pp * cfg.virtual_stages
+    if stages == 1:
+        return [range(n)]
+    layer = 1.0
+    embed = 0.1 * mc.padded_vocab * mc.d_model / (12 * mc.d_model ** 2)   # relative to a layer
+    return partition([embed] + [layer] * n + [2 * embed], cfg.pp, cfg.virtual_stages)
+
+
+class _Stage(nn.Module):
+    """A GPT chunk as the pipeline executor sees it (stage index, forward(x) -> y)."""
+
+    def __init__(self, gpt: GPT, stage_index: int, num_stages: int):
+        super().__init__()
+        self.gpt, self.stage_index, self.num_stages = gpt, stage_index, num_stages
+
+    def forward(self, x):
+        return self.gpt(x)
+
+
+def build_model(cfg: TrainConfig, mesh) -> list[GPT]:
+    """This rank's model chunks (one per virtual stage)."""
+    mc, ranges = cfg.model_config, _stage_ranges(cfg)
+    chunks = []
+    for c in range(cfg.virtual_stages):
+        s = c * cfg.pp + mesh.pp_rank
+        chunks.append(GPT(mc, tp_group=mesh.tp_group, sequence_parallel=cfg.sequence_parallel,
+                          layers=ranges[s], pre_process=s == 0,
+                          post_process=s == len(ranges) - 1, recompute=cfg.recompute,
+                          device=mesh.device))
+    return chunks
+
+
+def _param_groups(chunks, weight_decay):
+    decay = [p for m in chunks for p in m.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for m in chunks for p in m.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": rest, "weight_decay": 0.0}]
+
+
+def _global_grad_norm(chunks, mesh) -> torch.Tensor:
+    """sqrt of the sum of squares of the whole model's gradient: TP shards summed, parameters
+    replicated over TP counted once, pipeline stages summed."""
+    sharded, replicated = [], []
+    for p, _, dim, _, _ in shard_specs(chunks, mesh.tp_size, mesh.tp_rank).values():
+        if p.grad is not None:
+            (sharded if dim is not None else replicated).append(p.grad)
+    sq = torch.zeros((), device=mesh.device)
+    if sharded:
+        sq = sq + torch.stack(torch._foreach_norm(sharded)).square().sum()
+    if replicated and mesh.tp_rank == 0:
+        sq = sq + torch.stack(torch._foreach_norm(replicated)).square().sum()
+    dist.all_reduce(sq, group=mesh.tp_group)
+    dist.all_reduce(sq, group=mesh.pp_group)
+    return sq.sqrt()
+
+
+def _clip(chunks, mesh, max_norm: float, opt) -> float:
+    if isinstance(opt, DistributedOptimizer):      # the reduced gradients live in its shards
+        sharded = {id(p) for p, _, dim, _, _ in
+                   shard_specs(chunks, mesh.tp_size, mesh.tp_rank).values() if dim is not None}
+        return float(opt.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"),
+                                         groups=[mesh.tp_group, mesh.pp_group],
+                                         counted=lambda p: id(p) in sharded or mesh.tp_rank == 0))
+    norm = _global_grad_norm(chunks, mesh)
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        grads = [p.grad for m in chunks for p in m.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, coef)
+    return norm.item()
+
+
+def _loss_fn(tp_group):
+    def loss_fn(logits, targets):
+        return vocab_parallel_cross_entropy(logits, targets, tp_group=tp_group).mean()
+    return loss_fn
+
+
+def check_resume(cfg: TrainConfig) -> Path | None:
+    """The checkpoint to resume from; a checkpoint of another model shape is refused here."""
+    if not cfg.resume:
+        return None
+    path = latest_checkpoint(Path(cfg.out) / "checkpoints")
+    if path is None:
+        return None
+    saved = read_manifest(path).get("model_config", {})
+    now = cfg.model_config.to_dict()
+    diff = {k: (saved.get(k), now[k]) for k in ("vocab_size", "n_layers", "d_model", "n_heads",
+                                                 "n_kv_heads", "d_ff", "norm", "activation")
+            if saved.get(k) != now[k]}
+    if diff:
+        raise ValueError(f"checkpoint {path} is of another model shape: "
+                         + ", ".join(f"{k} {a} (saved) != {b}" for k, (a, b) in diff.items()))
+    return path
+
+
+def train(cfg: TrainConfig) -> list[dict]:
+    """Run ``cfg`` on this process's rank; returns the per-step metrics (all ranks)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dp = cfg.check_layout(world)               # every check before any collective
+    tokens = load_tokens(cfg.data)
+    resume_from = check_resume(cfg)
+    mesh = fastpar.init(tp=cfg.tp, pp=cfg.pp, dp=dp)
+    torch.manual_seed(cfg.seed)
+    chunks = build_model(cfg, mesh)
+    ddp = DataParallel(nn.ModuleList(chunks), dp_group=mesh.dp_group) if dp > 1 else None
+    groups = _param_groups(chunks, cfg.weight_decay)
+    adam = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    if cfg.zero1 and ddp is not None:
+        opt = DistributedOptimizer(ddp, torch.optim.AdamW, groups, **adam)
+        torch_opt = opt.optimizer
+    else:
+        opt = torch_opt = torch.optim.AdamW(groups, foreach=True, **adam)
+    sampler = BatchSampler(tokens, cfg.seq_len, cfg.global_batch_size, cfg.seed,
+                           mesh.dp_rank, dp)
+    M = cfg.num_microbatches(dp)
+    pipe = None
+    if cfg.pp > 1:
+        sched = build_schedule(cfg.schedule, cfg.pp, M, cfg.virtual_stages)
+        stages = [_Stage(g, c * cfg.pp + mesh.pp_rank, cfg.pp * cfg.virtual_stages)
+                  for c, g in enumerate(chunks)]
+        pipe = PipelineExecutor(stages, sched, mesh.pp_group, loss_fn=_loss_fn(mesh.tp_group))
+    start = 0
+    if resume_from is not None:
+        manifest = load_checkpoint(resume_from, chunks, None if cfg.zero1 else torch_opt, mesh)
+        start = manifest["data_step"]
+        if isinstance(opt, DistributedOptimizer):
+            _load_zero(opt, resume_from, manifest, mesh, dp)
+    out = Path(cfg.out)
+    if mesh.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(
+            {"train": cfg.to_dict(), "model": cfg.model_config.to_dict(), "world_size": world,
+             "dp": dp}, indent=2))
+    mc = cfg.model_config
+    flops = flops_per_token(mc.num_params(), mc.n_layers, mc.d_model, cfg.seq_len)
+    step_tokens = cfg.global_batch_size * cfg.seq_len
+    metrics = Metrics(cfg.out, mesh.rank == 0, cfg.steps, start, cfg.log_every,
+                      cfg.peak_tflops * 1e12 if cfg.peak_tflops else None, resume=start > 0)
+    rows = []
+    for step in range(start + 1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
+        for g in torch_opt.param_groups:
+            g["lr"] = lr
+        x, y = sampler.batch(step)
+        x, y = x.to(mesh.device), y.to(mesh.device)
+        if pipe is None:
+            loss = _accumulate(chunks[0], ddp, x, y, M, mesh)
+        else:
+            if ddp is not None:
+                ddp.set_requires_gradient_sync(False)
+            local = pipe.step(x, y)
+            loss = local.detach() if local is not None else torch.zeros((), device=mesh.device)
+            if ddp is not None:
+                ddp.reduce_gradients()
+                ddp.finish_gradient_sync()
+            dist.all_reduce(loss, group=mesh.pp_group)   # only the last stage holds it
+        dist.all_reduce(loss, group=mesh.dp_group)
+        loss = loss.item() / dp
+        _clip(chunks, mesh, cfg.grad_clip, opt)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rows.append(metrics.log(step, loss, lr, step_tokens, time.perf_counter() - t0,
+                                flops * step_tokens, world))
+        if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
+            zero = _zero_tensors(opt) if isinstance(opt, DistributedOptimizer) else None
+            save_checkpoint(out / "checkpoints", step, chunks, None if zero else torch_opt,
+                            mesh, {"data_step": step, "model_config": mc.to_dict(),
+                                   "layout": {"tp": cfg.tp, "pp": cfg.pp, "dp": dp},
+                                   "zero1": zero is not None}, rank_tensors=zero)
+    metrics.close()
+    return rows
+
+
+def _zero_tensors(opt: DistributedOptimizer) -> dict:
+    """A ZeRO-1 optimizer's shard of the state as flat named tensors (no pickling)."""
+    sd = opt.state_dict()
+    out = {f"master.{b}": m for b, m in enumerate(sd["master"])}
+    for idx, state in sd["optimizer"]["state"].items():
+        for key, t in state.items():
+            out[f"state.{idx}.{key}"] = torch.as_tensor(t).reshape(-1)
+    return out
+
+
+def _load_zero(opt: DistributedOptimizer, path, manifest, mesh, dp) -> None:
+    if not manifest.get("zero1"):
+        return          # saved without ZeRO: the moments start afresh, the weights are loaded
+    if manifest["layout"] != {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": dp}:
+        raise ValueError(f"checkpoint {path} holds ZeRO-1 optimizer shards of layout "
+                         f"{manifest['layout']}; resume it with that layout")
+    flat = read_rank_tensors(path, mesh.rank)
+    sd = opt.state_dict()
+    state: dict = {}
+    for name, t in flat.items():
+        if name.startswith("state."):
+            _, idx, key = name.split(".", 2)
+            state.setdefault(int(idx), {})[key] = t.reshape(()) if key == "step" else t
+    masters = [flat[f"master.{b}"] for b in range(len(sd["master"]))]
+    sd["optimizer"]["state"] = state
+    opt.load_state_dict({**sd, "master": masters})
+
+
+def _accumulate(model: GPT, ddp, x, y, M: int, mesh) -> torch.Tensor:
+    """Forward and backward of M micro-batches; gradients reduced over DP on the last one."""
+    total = torch.zeros((), device=mesh.device)
+    for i, (xm, ym) in enumerate(zip(x.chunk(M), y.chunk(M))):
+        if ddp is not None:
+            ddp.set_requires_gradient_sync(i == M - 1)
+        loss = model(xm, ym) / M
+        loss.backward()
+        total += loss.detach()
+    return total

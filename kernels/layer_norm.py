@@ -1,0 +1,179 @@
+"""LayerNorm over the last dim (Ba et al. 2016), forward and backward.
+
+For a row ``x`` of N elements, weight ``w`` (N,) and an optional bias ``b`` (N,):
+
+    mean = sum(x) / N,  rstd = 1 / sqrt(sum((x - mean)^2) / N + eps)   (kept per row, fp32)
+    xhat = (x - mean) * rstd,  y = xhat * w + b
+
+With the upstream gradient ``dy`` and ``g = dy * w``:
+
+    dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+    dw = sum over rows of dy * xhat,  db = sum over rows of dy
+
+The variance is taken around the mean (two passes over registers), not as E[x^2] - E[x]^2, so
+rows with a large offset keep their precision. dw and db are reduced in two stages: fp32 partial
+rows, one per program, then a sum. Arithmetic is fp32. Reference: Triton tutorial
+``05-layer-norm.py``; Liger-Kernel ``ops/layer_norm.py``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .dispatch import impl_for
+from .launch import (block_n, check_float, reduction_programs, row_stride, rows, rows_per_block,
+                     warps_for)
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,           # x, y (M, N); w, b (N,)
+    mean_ptr, rstd_ptr,                   # (M,) fp32 each
+    M, N,                                 # sizes
+    stride_x, stride_y,                   # row strides (last dim is contiguous)
+    eps,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    mask = row_ok[:, None] & col_ok[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / N                                          # (BLOCK_M,)
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    y = xc * rstd[:, None] * tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + r64 * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + rows, mean, mask=row_ok)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr,     # dy, x (M, N); w (N,); mean, rstd (M,) fp32
+    dx_ptr, dw_part_ptr, db_part_ptr,             # dx (M, N); dw, db partials (programs, N) fp32
+    M, N,                                         # sizes
+    stride_dy, stride_x, stride_dx,               # row strides
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # Program p owns row blocks p, p + P, p + 2P, ... and sums their dw, db in registers.
+    for start in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy * w[None, :]
+        c1 = tl.sum(g * xhat, axis=1) / N                                   # (BLOCK_M,)
+        c2 = tl.sum(g, axis=1) / N
+        dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + r64 * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
+                 mask=mask)
+        dw += tl.sum(dy * xhat, axis=0)
+        db += tl.sum(dy, axis=0)
+    tl.store(dw_part_ptr + pid * N + cols, dw, mask=col_ok)
+    tl.store(db_part_ptr + pid * N + cols, db, mask=col_ok)
+
+
+def _check(x, weight, bias):
+    check_float("layer_norm", x=x, weight=weight, bias=bias)
+    n = x.shape[-1:] if x.dim() else None
+    if weight.shape != n or (bias is not None and bias.shape != n):
+        raise ValueError(f"layer_norm: weight {tuple(weight.shape)} and bias "
+                         f"{None if bias is None else tuple(bias.shape)} must have the shape of "
+                         f"the last dim of x {tuple(x.shape)}")
+
+
+def layer_norm_forward(x, weight, bias, eps):
+    """``(y, mean, rstd)``: y like x (contiguous); mean, rstd (M,) fp32 over the M rows."""
+    _check(x, weight, bias)
+    x2 = rows(x)
+    M, N = x2.shape
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    mean = torch.empty((M,), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M:
+        BLOCK_N = block_n(N)
+        BLOCK_M = rows_per_block(BLOCK_N)
+        w = weight.contiguous()
+        _layer_norm_fwd_kernel[(triton.cdiv(M, BLOCK_M),)](
+            x2, w, w if bias is None else bias.contiguous(), y, mean, rstd, M, N,
+            row_stride(x2), N, eps,
+            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            num_warps=warps_for(BLOCK_M * BLOCK_N))
+    return y.view(x.shape), mean, rstd
+
+
+def layer_norm_backward(dy, x, weight, mean, rstd):
+    """``(dx, dw, db)`` for upstream ``dy`` (shape of x); db is fp32 (cast by the caller)."""
+    x2, dy2 = rows(x), rows(dy)
+    M, N = x2.shape
+    dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    BLOCK_N = block_n(N)
+    BLOCK_M = rows_per_block(BLOCK_N)
+    programs = reduction_programs(x.device, triton.cdiv(M, BLOCK_M))
+    dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
+    db_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
+    if M:
+        _layer_norm_bwd_kernel[(programs,)](
+            dy2, x2, weight.contiguous(), mean, rstd, dx, dw_part, db_part, M, N,
+            row_stride(dy2), row_stride(x2), N,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=warps_for(BLOCK_M * BLOCK_N))
+    else:
+        dw_part.zero_(), db_part.zero_()
+    return dx.view(x.shape), dw_part.sum(0).to(weight.dtype), db_part.sum(0)
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """LayerNorm with the Triton kernels; saves x, the weight, mean and rstd (M,)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, mean, rstd = layer_norm_forward(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        dx, dw, db = layer_norm_backward(dy, x, weight, mean, rstd)
+        db = None if ctx.bias_dtype is None else db.to(ctx.bias_dtype)
+        return dx, dw, db, None
+
+
+def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         eps: float = 1e-5) -> torch.Tensor:
+    """The same math in torch: fp32 arithmetic (fp64 stays fp64), result in x's dtype."""
+    ct = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(ct)
+    mean = xf.mean(-1, keepdim=True)
+    xc = xf - mean
+    y = xc * torch.rsqrt(xc.square().mean(-1, keepdim=True) + eps) * weight.to(ct)
+    if bias is not None:
+        y = y + bias.to(ct)
+    return y.to(x.dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               eps: float = 1e-5) -> torch.Tensor:
+    """LayerNorm of ``x`` (..., N) with ``weight`` and optional ``bias`` (N,), in x's dtype;
+    Triton on CUDA (see :func:`fastpar.kernels.impl_for`), the torch reference elsewhere."""
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    if impl_for(*tensors) == "triton":
+        return LayerNormFunction.apply(x, weight, bias, eps)
+    return layer_norm_reference(x, weight, bias, eps)

@@ -1,0 +1,103 @@
+"""Rank checks for ZeRO-1 (DistributedOptimizer) against plain data parallelism with torch's AdamW.
+
+Run inside the ranks of tests/test_dp_data_parallel.py (one spawn per world size serves every
+data-parallel check).
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fastpar.data_parallel import DataParallel, DistributedOptimizer
+
+CAP_MB = 2000 / 2**20
+
+
+def _mlp(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(10, 30, dtype=dtype), nn.GELU(), nn.Linear(30, 17, dtype=dtype),
+                         nn.GELU(), nn.Linear(17, 5, dtype=dtype))
+
+
+def _batch(step, world, rank, dtype=torch.float32):
+    g = torch.Generator().manual_seed(500 + step)
+    x, y = torch.randn(4 * world, 10, generator=g), torch.randn(4 * world, 5, generator=g)
+    return x.chunk(world)[rank].to(dtype), y.chunk(world)[rank].to(dtype)
+
+
+def _state_bytes(opt):
+    return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+
+
+def _zero_equals_plain_dp(rank, world):
+    for overlap_gather in (False, True):
+        plain, sharded = DataParallel(_mlp(), bucket_cap_mb=CAP_MB), \
+            DataParallel(_mlp(), bucket_cap_mb=CAP_MB)
+        no_decay = [sharded.module[i].bias for i in (0, 2, 4)]
+        opt = torch.optim.AdamW([{"params": [p for n, p in plain.named_parameters()
+                                             if n.endswith("weight")]},
+                                 {"params": [p for n, p in plain.named_parameters()
+                                             if n.endswith("bias")], "weight_decay": 0.0}],
+                                lr=1e-2, weight_decay=0.1)
+        zero = DistributedOptimizer(sharded, torch.optim.AdamW,
+                                    [{"params": no_decay, "weight_decay": 0.0}],
+                                    overlap_param_gather=overlap_gather, lr=1e-2,
+                                    weight_decay=0.1)
+        for step in range(4):
+            x, y = _batch(step, world, rank)
+            for model, o in ((plain, opt), (sharded, zero)):
+                F.mse_loss(model(x), y).backward()
+                o.step()
+                o.zero_grad()
+        zero.finish_param_sync()
+        for (n, p), q in zip(plain.named_parameters(), sharded.parameters()):
+            assert torch.allclose(p, q, atol=1e-6, rtol=0), f"{n}: {(p - q).abs().max()}"
+        ratio = zero.state_bytes() / _state_bytes(opt)
+        assert ratio < 1 / world + 0.05, f"ZeRO state is {ratio:.3f} of plain AdamW's"
+    # Clipping the sharded gradients equals torch's clip_grad_norm_ on the full mean gradient.
+    x, y = _batch(9, world, rank)
+    for model in (plain, sharded):
+        F.mse_loss(model(x), y).backward()
+    want = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
+    got = zero.clip_grad_norm_(0.05)
+    assert torch.allclose(got, want, rtol=1e-5), (got, want)
+    opt.step()
+    zero.step()
+    zero.finish_param_sync()            # overlap_param_gather: else the next forward waits
+    for p, q in zip(plain.parameters(), sharded.parameters()):
+        assert torch.allclose(p, q, atol=1e-6, rtol=0)
+    with pytest.raises(RuntimeError, match="no gradient reduction since the last step"):
+        zero.step()
+
+
+def _zero_low_precision_and_unused(rank, world):
+    # bf16 parameters: fp32 master shards, gradients reduced in fp32; replicas stay identical.
+    model = DataParallel(_mlp(seed=1, dtype=torch.bfloat16), bucket_cap_mb=CAP_MB,
+                         reduce_dtype=torch.float32)
+    zero = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    for step in range(2):
+        x, y = _batch(step, world, rank, torch.bfloat16)
+        F.mse_loss(model(x), y).backward()
+        zero.step()
+        zero.zero_grad()
+    for p, b in zip(model.parameters(), before):
+        assert p.dtype == torch.bfloat16 and not torch.equal(p, b)
+        every = [torch.empty_like(p) for _ in range(world)]
+        torch.distributed.all_gather(every, p.detach())
+        assert all(torch.equal(e, p) for e in every), "replicas diverged"
+    mine = sum(pc.hi - pc.lo for pc in zero._pieces)   # elements of this rank's shard
+    assert zero.state_bytes() >= 3 * 4 * mine           # fp32 master + two fp32 moments
+    # A parameter no rank uses is not updated (torch skips a None gradient too).
+    net = nn.ModuleDict({"used": nn.Linear(4, 4), "dead": nn.Linear(4, 4)})
+    model = DataParallel(net, find_unused_parameters=True)
+    zero = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-1, weight_decay=0.5)
+    dead = net["dead"].weight.detach().clone()
+    net["used"](torch.randn(3, 4)).sum().backward()
+    zero.step()
+    assert torch.equal(net["dead"].weight, dead)
+
+
+def zero_checks(rank, world):
+    _zero_equals_plain_dp(rank, world)
+    _zero_low_precision_and_unused(rank, world)

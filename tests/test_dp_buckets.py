@@ -1,0 +1,94 @@
+"""Bucket assignment as a pure function: deterministic, reverse order, split by dtype, capped."""
+import pytest
+import torch
+
+from fastpar.data_parallel import assign_buckets
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+def _check_invariants(params, buckets, cap_bytes, pad_to=1, reduce_dtype=None):
+    seen = [i for b in buckets for i in b.indices]
+    assert sorted(seen) == list(range(len(params))), "every parameter exactly once"
+    for b in buckets:
+        assert {params[i][1] for i in b.indices} == {b.dtype}, "one dtype per bucket"
+        assert list(b.indices) == sorted(b.indices, reverse=True), "reverse registration order"
+        assert b.numels == tuple(params[i][0] for i in b.indices)
+        assert b.offsets == tuple(sum(b.numels[:k]) for k in range(len(b.numels))), "packed"
+        assert b.numel == sum(b.numels)
+        assert b.padded_numel % pad_to == 0 and b.padded_numel - b.numel < max(pad_to, 1) \
+            or b.numel == 0
+        nbytes = b.numel * (reduce_dtype or b.dtype).itemsize
+        assert nbytes <= cap_bytes or len(b.indices) == 1, f"over the cap: {b}"
+    # Within a dtype, buckets are consecutive runs of the reversed order.
+    for dtype in {d for _, d in params}:
+        order = [i for b in buckets if b.dtype == dtype for i in b.indices]
+        assert order == sorted(order, reverse=True)
+    # Launch order: by when a bucket's last gradient is ready (reverse position of its last).
+    ready = [len(params) - 1 - b.indices[-1] for b in buckets]
+    assert ready == sorted(ready)
+
+
+def test_reverse_order_and_cap():
+    params = [(100, F32), (20, F32), (30, F32), (50, F32), (10, F32)]
+    buckets = assign_buckets(params, cap_bytes=60 * 4)
+    assert [b.indices for b in buckets] == [(4, 3), (2, 1), (0,)]
+    assert [b.offsets for b in buckets] == [(0, 10), (0, 30), (0,)]
+    _check_invariants(params, buckets, 60 * 4)
+
+
+def test_split_by_dtype_and_ready_order():
+    params = [(8, F32), (5, BF16), (20, F32), (3, BF16), (8, F32), (100, F32), (7, F16)]
+    buckets = assign_buckets(params, cap_bytes=30 * 4)
+    assert [(b.dtype, b.indices) for b in buckets] == [
+        (F16, (6,)), (F32, (5,)), (F32, (4, 2)), (BF16, (3, 1)), (F32, (0,))]
+    _check_invariants(params, buckets, 30 * 4)
+
+
+def test_first_bucket_closes_early():
+    # Biases (10) and weights (100), as reverse order meets them: the first bucket closes as
+    # soon as it reaches 40 bytes, the others only at the 440-byte cap.
+    params = [(100, F32), (10, F32)] * 4
+    buckets = assign_buckets(params, cap_bytes=440, first_cap_bytes=40)
+    assert [b.indices for b in buckets] == [(7,), (6, 5), (4, 3), (2, 1), (0,)]
+    _check_invariants(params, buckets, 440)
+    buckets = assign_buckets(params, cap_bytes=440, first_cap_bytes=440)
+    assert [b.indices for b in buckets] == [(7, 6), (5, 4), (3, 2), (1, 0)]
+
+
+def test_single_parameter_larger_than_cap_gets_its_own_bucket():
+    buckets = assign_buckets([(10, F32), (1000, F32), (10, F32)], cap_bytes=100)
+    assert [b.indices for b in buckets] == [(2,), (1,), (0,)]
+
+
+def test_cap_counts_reduce_dtype_bytes_and_padding():
+    params = [(7, BF16)] * 6
+    # 7 bf16 elements reduced in fp32 are 28 bytes: two fit a 60-byte cap, three do not.
+    buckets = assign_buckets(params, cap_bytes=60, pad_to=4, reduce_dtype=F32)
+    assert [b.indices for b in buckets] == [(5, 4), (3, 2), (1, 0)]
+    assert all(b.numel == 14 and b.padded_numel == 16 for b in buckets)
+    assert buckets[0].shard(1, 4) == (4, 8)
+    _check_invariants(params, buckets, 60, pad_to=4, reduce_dtype=F32)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_models_keep_every_invariant_and_are_deterministic(seed):
+    g = torch.Generator().manual_seed(seed)
+    dtypes = (F32, BF16, F16)
+    params = [(int(torch.randint(0, 500, (), generator=g)),
+               dtypes[int(torch.randint(0, 3, (), generator=g))]) for _ in range(40)]
+    cap = int(torch.randint(50, 3000, (), generator=g))
+    pad = int(torch.randint(1, 9, (), generator=g))
+    first = int(torch.randint(1, cap + 1, (), generator=g))
+    buckets = assign_buckets(params, cap_bytes=cap, pad_to=pad, first_cap_bytes=first)
+    _check_invariants(params, buckets, cap, pad_to=pad)
+    assert assign_buckets(list(params), cap_bytes=cap, pad_to=pad,
+                          first_cap_bytes=first) == buckets
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="cap_bytes=0 must be > 0"):
+        assign_buckets([(1, F32)], cap_bytes=0)
+    with pytest.raises(ValueError, match="pad_to=0"):
+        assign_buckets([(1, F32)], cap_bytes=10, pad_to=0)
+    assert assign_buckets([], cap_bytes=10) == []

@@ -1,0 +1,187 @@
+"""Every Triton kernel compiles for Hopper (sm_90) with no GPU: ``triton.compile`` of an
+``ASTSource`` with ``GPUTarget("cuda", 90, 32)`` down to PTX and cubin, at the block sizes the
+launchers pick for 1-8B-parameter shapes and with every matmul autotuning config. GPU-only compile
+errors (layouts, shared memory, register spills that ptxas rejects) are caught here.
+
+The compiles run in subprocesses with the interpreter off (``triton.jit`` then yields compilable
+JITFunctions): this file, run as a script, is that worker.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HIDDEN, FFN, VOCAB, HEAD_DIM, HEADS = 8192, 28672, 128256, 128, 64
+MAX_SHARED = 232448                       # bytes of shared memory per block on H100 / H200
+WORKERS = 2
+
+
+def _specs():
+    """(name, JITFunction, constexprs, compile options) for every kernel."""
+    import importlib
+
+    import triton
+    from fastpar.kernels.launch import block_n, elementwise_blocks, rows_per_block, warps_for
+
+    # The op modules (fastpar.kernels.<op> as an attribute is the op's function).
+    (bias_dropout_add, bias_gelu, cross_entropy, layer_norm, matmul, rms_norm, rotary,
+     swiglu) = (importlib.import_module(f"fastpar.kernels.{op}") for op in (
+        "bias_dropout_add", "bias_gelu", "cross_entropy", "layer_norm", "matmul", "rms_norm",
+        "rotary", "swiglu"))
+    nb = block_n(HIDDEN)
+    norm = dict(BLOCK_M=rows_per_block(nb), BLOCK_N=nb)
+    norm_opts = dict(num_warps=warps_for(norm["BLOCK_M"] * nb))
+    em, en, ew = elementwise_blocks(FFN)
+    elem = dict(BLOCK_M=em, BLOCK_N=en)
+    bv = cross_entropy._block_v(VOCAB, None)
+    r2 = HEAD_DIM // 4                    # partial rotary: half of each head is rotated
+    bh = min(triton.next_power_of_2(HEADS), 2048 // r2)
+    specs = [
+        ("rms_norm_fwd", rms_norm._rms_norm_fwd_kernel, norm, norm_opts),
+        ("rms_norm_bwd", rms_norm._rms_norm_bwd_kernel, norm, norm_opts),
+        ("layer_norm_fwd", layer_norm._layer_norm_fwd_kernel, dict(norm, HAS_BIAS=True), norm_opts),
+        ("layer_norm_bwd", layer_norm._layer_norm_bwd_kernel, norm, norm_opts),
+        ("swiglu_fwd", swiglu._swiglu_fwd_kernel, elem, dict(num_warps=ew)),
+        ("swiglu_bwd", swiglu._swiglu_bwd_kernel, elem, dict(num_warps=ew)),
+        ("bias_gelu_fwd_tanh", bias_gelu._bias_gelu_fwd_kernel,
+         dict(elem, HAS_BIAS=True, TANH=True), dict(num_warps=ew)),
+        ("bias_gelu_bwd_erf", bias_gelu._bias_gelu_bwd_kernel,
+         dict(elem, HAS_BIAS=True, TANH=False), dict(num_warps=ew)),
+        ("bias_gelu_bwd_tanh_no_bias", bias_gelu._bias_gelu_bwd_kernel,
+         dict(elem, HAS_BIAS=False, TANH=True), dict(num_warps=ew)),
+        ("bias_dropout_add_fwd", bias_dropout_add._bias_dropout_add_fwd_kernel,
+         dict(elem, HAS_BIAS=True, DROPOUT=True), dict(num_warps=ew)),
+        ("bias_dropout_add_bwd", bias_dropout_add._bias_dropout_add_bwd_kernel,
+         dict(elem, HAS_BIAS=True, DROPOUT=True), dict(num_warps=ew)),
+        ("rotary_fwd", rotary._rotary_fwd_kernel,
+         dict(CONJUGATE=True, COPY_REST=True, BLOCK_H=bh, BLOCK_R2=r2,
+              BLOCK_REST=HEAD_DIM - 2 * r2),
+         dict(num_warps=warps_for(2 * bh * r2))),
+        ("cross_entropy_fwd", cross_entropy._cross_entropy_fwd_kernel, dict(BLOCK_V=bv),
+         dict(num_warps=warps_for(bv))),
+        ("cross_entropy_bwd", cross_entropy._cross_entropy_bwd_kernel, dict(BLOCK_V=bv),
+         dict(num_warps=warps_for(bv))),
+        ("matmul_bwd_gelu", matmul._matmul_bwd_kernel,
+         dict(elem, ACTIVATION=1, HAS_BIAS=True), dict(num_warps=ew)),
+    ]
+    # Every autotuning config of the matmul, bf16 with the full epilogue and an nn.Linear weight
+    # (b = w.t()); the layouts of the backward's two products; fp32 on the configs the pruning
+    # keeps for 4-byte inputs (IEEE products, torch's default for fp32). Unit strides are
+    # specialized to 1, as the JIT does.
+    epilogue = dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True)
+    linear = dict(stride_ak=1, stride_bk=1, stride_rn=1)
+    plain = dict(HAS_BIAS=False, ACTIVATION=0, HAS_RESIDUAL=False, STORE_PRE=False)
+    configs = matmul._configs()
+    for i, cfg in enumerate(configs):
+        opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        specs.append((f"matmul_fwd_bf16_cfg{i}", matmul._matmul_fwd_kernel,
+                      dict(cfg.kwargs, **epilogue, **linear, INPUT_PRECISION="tf32"), opts))
+        if i == 0 or cfg.kwargs["BLOCK_K"] == 32:
+            specs.append((f"matmul_fwd_fp32_cfg{i}", matmul._matmul_fwd_kernel,
+                          dict(cfg.kwargs, **dict(plain, ACTIVATION=2), **linear,
+                               INPUT_PRECISION="ieee"),
+                          dict(opts, dtype="fp32")))
+    cfg = configs[1] if len(configs) > 1 else configs[0]
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    specs += [
+        ("matmul_da_bf16", matmul._matmul_fwd_kernel,                  # dz @ w: row-major b
+         dict(cfg.kwargs, **plain, stride_ak=1, stride_bn=1, INPUT_PRECISION="tf32"),
+         opts),
+        ("matmul_dw_bf16", matmul._matmul_fwd_kernel,                  # a^T @ dz: column-major a
+         dict(cfg.kwargs, **plain, stride_am=1, stride_bn=1, INPUT_PRECISION="tf32"),
+         opts),
+    ]
+    return [(name, _jit_function(k), c, o) for name, k, c, o in specs]
+
+
+def _jit_function(kernel):
+    """The JITFunction under decorators such as ``triton.autotune``."""
+    from triton.runtime.jit import JITFunction
+
+    while not isinstance(kernel, JITFunction):
+        kernel = kernel.fn
+    return kernel
+
+
+def _compile(kernel, constexprs, options):
+    """Compile ``kernel`` for sm_90; returns (shared memory bytes, cubin bytes). Pointers, sizes
+    and strides carry the JIT's divisible-by-16 hint, as they do at model shapes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    options = dict(options)
+    dtype = options.pop("dtype", "bf16")
+    pointer = {"rstd_ptr": "fp32", "mean_ptr": "fp32", "dw_part_ptr": "fp32",
+               "db_part_ptr": "fp32", "max_ptr": "fp32", "sumexp_ptr": "fp32", "zt_ptr": "fp32",
+               "logsum_ptr": "fp32", "dloss_ptr": "fp32", "t_ptr": "i64"}
+    scalar = {"eps": "fp32", "scale": "fp32", "seed": "i64", "offset": "i64"}
+    sizes = {"M", "N", "K", "V", "D", "H", "T", "R2"}
+    signature, attrs = {}, {}
+    for i, p in enumerate(kernel.params):
+        if p.is_constexpr or p.name in constexprs:
+            signature[p.name] = "constexpr"
+            continue
+        if p.name.endswith("_ptr"):
+            signature[p.name] = "*" + pointer.get(p.name, dtype)
+        else:
+            signature[p.name] = scalar.get(p.name, "i32")
+        if p.name.endswith("_ptr") or p.name in sizes or p.name.startswith("stride"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs]
+    assert not missing, f"no value for constexprs {missing}"
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    assert "sm_90" in compiled.asm["ptx"] and compiled.asm["cubin"]
+    return compiled.metadata.shared, len(compiled.asm["cubin"])
+
+
+def _worker(shard: int, shards: int) -> None:
+    results = {}
+    for i, (name, kernel, constexprs, options) in enumerate(_specs()):
+        if i % shards != shard:
+            continue
+        try:
+            shared, size = _compile(kernel, constexprs, options)
+            results[name] = {"ok": True, "shared": shared, "cubin": size}
+        except Exception as e:                               # reported per kernel by the test
+            results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[-3000:]}
+    print(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    procs = [subprocess.Popen([sys.executable, __file__, str(i), str(WORKERS)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(WORKERS)]
+    results = {}
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        results.update(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def test_every_kernel_compiles_for_hopper(compiled):
+    failed = {k: v["error"] for k, v in compiled.items() if not v["ok"]}
+    assert not failed, "\n\n".join(f"{k}: {v}" for k, v in failed.items())
+    expected = {"rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd", "swiglu_fwd",
+                "swiglu_bwd", "bias_gelu_fwd_tanh", "bias_gelu_bwd_erf", "bias_gelu_bwd_tanh_no_bias",
+                "bias_dropout_add_fwd",
+                "bias_dropout_add_bwd", "rotary_fwd", "cross_entropy_fwd", "cross_entropy_bwd",
+                "matmul_bwd_gelu", "matmul_fwd_bf16_cfg0", "matmul_fwd_fp32_cfg0",
+                "matmul_da_bf16", "matmul_dw_bf16"}
+    assert expected <= set(compiled), expected - set(compiled)
+    assert sum(name.startswith("matmul_fwd_bf16") for name in compiled) > 1   # every config
+
+
+def test_matmul_configs_fit_hopper_shared_memory(compiled):
+    too_big = {k: v["shared"] for k, v in compiled.items() if v["ok"] and v["shared"] > MAX_SHARED}
+    assert not too_big, f"over {MAX_SHARED} bytes of shared memory: {too_big}"
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]), int(sys.argv[2]))

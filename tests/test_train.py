@@ -1,0 +1,125 @@
+"""The trainer: every layout's loss curve equals the single-process one; resume; the CLI."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastpar.testing import run_ranks
+from fastpar.train import TrainConfig
+
+BASE = dict(model="tiny", seq_len=32, global_batch_size=8, micro_batch_size=2, steps=12,
+            warmup_steps=3, log_every=100)
+
+
+def _train(rank, world_size, kwargs):
+    from fastpar.train import train
+
+    return [r["loss"] for r in train(TrainConfig(**kwargs))]
+
+
+def _losses(world, out, **kwargs):
+    cfg = dict(BASE, out=str(out), **kwargs)
+    return run_ranks(_train, world, cfg, init_pg=False, timeout=240)[0]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _losses(1, tmp_path_factory.mktemp("ref"))
+
+
+LAYOUTS = {
+    "tp2": (2, dict(tp=2)),
+    "pp2-1f1b": (2, dict(pp=2, schedule="1f1b")),
+    "pp2-zbh1": (2, dict(pp=2, schedule="zb-h1")),
+    "dp2": (2, dict(dp=2)),
+    "dp2-zero1": (2, dict(dp=2, zero1=True)),
+    "tp2-pp2": (4, dict(tp=2, pp=2)),
+    "dp2-tp2-sp": (4, dict(tp=2, dp=2, sequence_parallel=True)),
+    "pp2-interleaved": (2, dict(pp=2, schedule="interleaved", virtual_stages=2)),
+    "dp2-tp2-pp2": (8, dict(tp=2, pp=2, dp=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_loss_curve_equals_single_process(name, reference, tmp_path):
+    world, kwargs = LAYOUTS[name]
+    losses = _losses(world, tmp_path, **kwargs)
+    assert len(losses) == len(reference)
+    for step, (a, b) in enumerate(zip(losses, reference), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"{name} step {step}: {a} vs {b}"
+    assert reference[-1] < reference[0]
+
+
+def _params(ckpt):
+    from safetensors.torch import load_file
+
+    return load_file(str(ckpt / "model_tp0_pp0.safetensors"))
+
+
+def test_resume_continues_exactly_and_across_layouts(reference, tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    first = _losses(1, tmp_path, save_every=6)
+    assert first == pytest.approx(reference, rel=1e-6)
+    final = _params(ckpt / "step_12")
+    # Stop after step 6: only its checkpoint is left. Resume on the same layout...
+    shutil.rmtree(ckpt / "step_12")
+    resumed = _losses(1, tmp_path, resume=True)
+    assert resumed == pytest.approx(reference[6:], rel=1e-6)
+    for name, t in _params(ckpt / "step_12").items():
+        assert torch.allclose(t, final[name], atol=1e-6), name
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    # ... and on two tensor-parallel ranks: the same losses.
+    shutil.rmtree(ckpt / "step_12")
+    resumed = _losses(2, tmp_path, tp=2, resume=True)
+    for a, b in zip(resumed, reference[6:], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def _cli(*args, cwd):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run([sys.executable, "-m", "fastpar", "train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_trains_and_its_loss_falls(tmp_path):
+    out = _cli("--steps", "25", "--out", "run", "--seq-len", "64", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "run"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 26))
+    assert {"step", "loss", "lr", "tokens_per_s", "step_time_s"} <= set(rows[0])
+    assert sum(r["loss"] for r in rows[-5:]) < sum(r["loss"] for r in rows[:5]) - 1.0
+    assert (run / "loss.png").stat().st_size > 1000
+    assert json.loads((run / "config.json").read_text())["dp"] == 2
+    assert (run / "checkpoints" / "step_25" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--tp", "3"], "n_heads=4 is not divisible by tp=3"),
+    (["--pp", "8", "--nproc", "8"], "fewer than pp x virtual stages = 8 x 1"),
+    (["--global-batch-size", "10"], "global batch 10 is not divisible by micro-batch size x dp"),
+    (["--steps", "-1"], "--steps=-1 must be >= 0"),
+    (["--schedule", "pipedream"], "--schedule='pipedream'"),
+    (["--data", "/nonexistent/corpus.txt"], "does not exist"),
+    (["--model", "gpt5"], "unknown model 'gpt5'"),
+])
+def test_cli_bad_input_is_one_clear_error(tmp_path, capsys, args, needle):
+    from fastpar.cli import main
+
+    # Every check runs before any rank starts, so the command returns at once.
+    assert main(["train", *args, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("error") == 1, err
+
+
+def test_zero1_resume_continues_exactly(reference, tmp_path):
+    _losses(2, tmp_path, dp=2, zero1=True, save_every=6)
+    shutil.rmtree(tmp_path / "checkpoints" / "step_12")
+    resumed = _losses(2, tmp_path, dp=2, zero1=True, resume=True)
+    for a, b in zip(resumed, reference[6:], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b)
