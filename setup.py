@@ -57,6 +57,6 @@ setup(
     package_dir={"fastpar": "fastpar", "fastpar.kernels": "kernels"},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    install_requires=["torch>=2.4", "numpy", "safetensors"],
+    install_requires=["torch>=2.4", "numpy", "safetensors", "tqdm", "matplotlib"],
     entry_points={"console_scripts": ["fastpar = fastpar.cli:main"]},
 )
