@@ -1,11 +1,11 @@
 """Pipeline parallelism: fastpar's executor against torch.distributed.pipelining, same model and
 micro-batches, on gloo.
 
-    flock /tmp/fastpar-bench.lock python bench/bench_pipeline.py [--pp 2 4] [--rounds 3]
+    flock /tmp/fastpar-bench.lock python bench/bench_pipeline.py [--pp 2 4] [--runs 3]
 
-For each pp, in the same run, the variants take turns step by step, a barrier before each step
-(``--rounds`` rounds of ``--iters`` steps each; median per round, median over rounds, slowest
-rank):
+For each pp, ``--runs`` times with fresh ranks; in each run the variants take turns step by step,
+a barrier before each step (``--rounds`` rounds of ``--iters`` steps; median per round, median
+over rounds, slowest rank). Every number is the median over the runs:
   torch   ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (v=2),
           ScheduleInterleavedZeroBubble (one stage per rank: ZB-H1's setting)
   fastpar gpipe, 1f1b, interleaved (v=2), zb-h1
@@ -228,6 +228,17 @@ def _rows(pp, res, a, flops_per_step):
     return rows
 
 
+def _median_rows(runs: list[list[dict]]) -> list[dict]:
+    """Each number the median over runs; every run's row kept under "runs"."""
+    out = []
+    for same in zip(*runs):
+        row = {k: statistics.median([r[k] for r in same]) if isinstance(v, float) else v
+               for k, v in same[0].items()}
+        row["runs"] = list(same)
+        out.append(row)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
@@ -237,18 +248,22 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--runs", type=int, default=3, help="fresh ranks per run; medians over runs")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--iters", type=int, default=2)
     a = p.parse_args(argv)
     h = a.hidden
     # fwd + bwd = 6 flops per weight per token: blocks (8 h^2 each) and the head (h * vocab).
     flops_per_step = 6 * (a.layers * 8 * h * h + h * a.vocab) * a.micro * a.m * a.seq
     rows = []
     for pp in a.pp:
-        res = run_ranks(_measure, pp, a, init_pg=False, timeout=3600)[0]
-        _write_timelines(pp, res)
-        rows += _rows(pp, res, a, flops_per_step)
-        rows[-1]["p2p_ms"] = res["p2p_ms"]
+        runs = []
+        for _ in range(a.runs):
+            res = run_ranks(_measure, pp, a, init_pg=False, timeout=3600)[0]
+            _write_timelines(pp, res)
+            runs.append(_rows(pp, res, a, flops_per_step))
+            runs[-1][-1]["p2p_ms"] = res["p2p_ms"]
+        rows += _median_rows(runs)
     common.report("pipeline", rows, ["pp", "schedule", "torch", "torch_ms", "fastpar_ms",
                                      "fastpar/torch", "GFLOP/s/rank", "bubble_meas",
                                      "bubble_sim", "sim_ms", "p2p_ms"])

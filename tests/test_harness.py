@@ -63,10 +63,11 @@ def test_failure_names_rank_and_traceback_and_kills_the_rest():
 def test_timeout_names_stuck_ranks_and_kills_them():
     start = time.monotonic()
     with pytest.raises(RankTimeout) as err:
-        run_ranks(_hang_on_rank_zero, 2, timeout=5, init_pg=False)
-    assert err.value.stuck == [0]
-    assert "rank(s) [0] did not finish within 5s" in str(err.value)
-    assert time.monotonic() - start < 20
+        run_ranks(_hang_on_rank_zero, 2, timeout=10, init_pg=False)
+    # Rank 0 hangs; rank 1 returns at once (unless a loaded machine kept it starting for 10 s).
+    assert err.value.stuck in ([0], [0, 1])
+    assert f"rank(s) {err.value.stuck} did not finish within 10s" in str(err.value)
+    assert time.monotonic() - start < 30
     assert all(_gone(pid) for pid in err.value.pids)
 
 

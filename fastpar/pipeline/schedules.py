@@ -1,11 +1,10 @@
 """The schedules: one function per schedule, each giving one rank's compute order.
 
 ``build_schedule(name, pp_size, num_microbatches, virtual_stages)`` calls the schedule's function
-for every rank, and :func:`make_schedule` adds the communication: the receive a compute action
-needs goes right before it, the send it produces right after it, so the sends of one action and
-the receives of the next share one ``batch_isend_irecv`` batch (Megatron's
-``send_forward_recv_backward`` and friends fall out of this rule). The executor may still post
-receives earlier than they are listed (see :mod:`.executor`).
+for every rank, and :func:`make_schedule` adds the communication: each send right after the
+compute that produced it, each receive in the same lockstep round as its send, so receives are
+posted as early as possible and the batches of a round pair up (placing a receive right before
+its consumer instead deadlocks the interleaved schedule when batches block, as NCCL's do).
 
 References: GPipe (Huang et al. 2019); 1F1B (PipeDream-Flush, Narayanan et al. 2021); interleaved
 1F1B (Megatron-LM, Narayanan et al. 2021, sec. 2.2); ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline
