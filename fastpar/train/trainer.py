@@ -180,17 +180,9 @@ def train(cfg: TrainConfig) -> list[dict]:
             g["lr"] = lr
         x, y = sampler.batch(step)
         x, y = x.to(mesh.device), y.to(mesh.device)
-        if pipe is None:
-            loss = _accumulate(chunks[0], ddp, x, y, M, mesh)
-        else:
-            if ddp is not None:
-                ddp.set_requires_gradient_sync(False)
-            local = pipe.step(x, y)
-            loss = local.detach() if local is not None else torch.zeros((), device=mesh.device)
-            if ddp is not None:
-                ddp.reduce_gradients()
-                ddp.finish_gradient_sync()
-            dist.all_reduce(loss, group=mesh.pp_group)   # only the last stage holds it
+        # bf16 autocast over fp32 master weights on GPU; plain fp32 on CPU.
+        with torch.autocast(mesh.device.type, torch.bfloat16, enabled=mesh.device.type == "cuda"):
+            loss = _step(chunks, ddp, pipe, x, y, M, mesh)
         dist.all_reduce(loss, group=mesh.dp_group)
         loss = loss.item() / dp
         _clip(chunks, mesh, cfg.grad_clip, opt)
@@ -234,6 +226,21 @@ def _load_zero(opt: DistributedOptimizer, path, manifest, mesh, dp) -> None:
     masters = [flat[f"master.{b}"] for b in range(len(sd["master"]))]
     sd["optimizer"]["state"] = state
     opt.load_state_dict({**sd, "master": masters})
+
+
+def _step(chunks, ddp, pipe, x, y, M: int, mesh) -> torch.Tensor:
+    """Forward and backward of one global batch share; returns this DP rank's mean loss."""
+    if pipe is None:
+        return _accumulate(chunks[0], ddp, x, y, M, mesh)
+    if ddp is not None:
+        ddp.set_requires_gradient_sync(False)
+    local = pipe.step(x, y)
+    loss = local.detach().float() if local is not None else torch.zeros((), device=mesh.device)
+    if ddp is not None:
+        ddp.reduce_gradients()
+        ddp.finish_gradient_sync()
+    dist.all_reduce(loss, group=mesh.pp_group)   # only the last stage holds it
+    return loss
 
 
 def _accumulate(model: GPT, ddp, x, y, M: int, mesh) -> torch.Tensor:
