@@ -28,7 +28,8 @@ from torch.autograd import Variable
 
 from .. import ops
 from .buckets import BucketSpec
-from .comm import CommStream, EventLog, all_reduce_async, reduce_scatter_async
+from .comm import (CommStream, EventLog, all_reduce_async, needs_scratch,
+                   reduce_scatter_async)
 
 
 class _Bucket:
@@ -43,6 +44,7 @@ class _Bucket:
         self.views = [self.buffer[o:o + n].view(p.shape) for o, n, p in
                       zip(spec.offsets, spec.numels, self.params)] if self.as_views else None
         self.shard: torch.Tensor | None = None    # reduce-scatter output when sharded
+        self.scratch: torch.Tensor | None = None  # its all-to-all receive buffer on gloo
         self.missing: list[tuple[int, bool]] = []  # (position, had no .grad) of unused params
         self.reset()
         if self.as_views:                         # keep gradients that exist already
@@ -108,6 +110,8 @@ class GradReducer:
             raise RuntimeError("cannot switch to sharded reduction while a reduction is running")
         for bucket in self.buckets:
             bucket.shard = bucket.buffer.new_zeros(bucket.spec.padded_numel // self.world)
+            if needs_scratch(self.group):
+                bucket.scratch = torch.empty_like(bucket.buffer)
         self.sharded = True
 
     # -- 1, 2: hooks --------------------------------------------------------------------------
@@ -151,7 +155,8 @@ class GradReducer:
                                       1.0 / self.world)
             self.events.record("launch", b)
             if self.sharded:
-                bucket.work = reduce_scatter_async(bucket.shard, bucket.buffer, self.group)
+                bucket.work = reduce_scatter_async(bucket.shard, bucket.buffer, self.group,
+                                                   bucket.scratch)
             else:
                 bucket.work = all_reduce_async(bucket.buffer, self.group)
         self._next = b + 1
