@@ -5,7 +5,8 @@ micro-batches, on gloo.
 
 For each pp, ``--runs`` times with fresh ranks; in each run the variants take turns step by step,
 a barrier before each step (``--rounds`` rounds of ``--iters`` steps; median per round, median
-over rounds, slowest rank). Every number is the median over the runs:
+over rounds, slowest rank). Every number is the median over the runs (fastpar / torch: the median
+of each run's ratio):
   torch   ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (v=2),
           ScheduleInterleavedZeroBubble (one stage per rank: ZB-H1's setting)
   fastpar gpipe, 1f1b, interleaved (v=2), zb-h1
