@@ -14,19 +14,9 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-Group = dist.ProcessGroup | None
-
-# torch 2.13 renamed the tensor-in, tensor-out collectives; keep working on either name.
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def group_size(group: Group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group: Group) -> int:
-    return 0 if group is None else dist.get_rank(group)
+from ..dist.groups import Group, group_rank, group_size  # noqa: F401  (re-exported)
+from ..dist.groups import all_gather_tensor as _all_gather_tensor
+from ..dist.groups import reduce_scatter_tensor as _reduce_scatter_tensor
 
 
 def all_reduce_async(buf: torch.Tensor, group: Group):
