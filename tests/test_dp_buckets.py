@@ -7,7 +7,7 @@ from fastpar.data_parallel import assign_buckets
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 
-def _check_invariants(params, buckets, cap_bytes, pad_to=1, reduce_dtype=None):
+def _check_invariants(params, buckets, cap_bytes, pad_to=1, reduce_dtype=None, first_cap=None):
     seen = [i for b in buckets for i in b.indices]
     assert sorted(seen) == list(range(len(params))), "every parameter exactly once"
     for b in buckets:
@@ -18,12 +18,17 @@ def _check_invariants(params, buckets, cap_bytes, pad_to=1, reduce_dtype=None):
         assert b.numel == sum(b.numels)
         assert b.padded_numel % pad_to == 0 and b.padded_numel - b.numel < max(pad_to, 1) \
             or b.numel == 0
-        nbytes = b.numel * (reduce_dtype or b.dtype).itemsize
-        assert nbytes <= cap_bytes or len(b.indices) == 1, f"over the cap: {b}"
-    # Within a dtype, buckets are consecutive runs of the reversed order.
+    item = lambda b: (reduce_dtype or b.dtype).itemsize  # noqa: E731
     for dtype in {d for _, d in params}:
-        order = [i for b in buckets if b.dtype == dtype for i in b.indices]
-        assert order == sorted(order, reverse=True)
+        mine = sorted((b for b in buckets if b.dtype == dtype), key=lambda b: -b.indices[0])
+        order = [i for b in mine for i in b.indices]
+        assert order == sorted(order, reverse=True), "consecutive runs of the reversed order"
+        # Closed at the cap: below it until its last parameter, and (all but the last of a
+        # dtype) at or above it; the first of each dtype at first_cap.
+        for k, b in enumerate(mine):
+            cap = first_cap if first_cap and k == 0 else cap_bytes
+            assert (b.numel - b.numels[-1]) * item(b) < cap, f"went on past the cap: {b}"
+            assert k == len(mine) - 1 or b.numel * item(b) >= cap, f"closed early: {b}"
     # Launch order: by when a bucket's last gradient is ready (reverse position of its last).
     ready = [len(params) - 1 - b.indices[-1] for b in buckets]
     assert ready == sorted(ready)
@@ -32,8 +37,8 @@ def _check_invariants(params, buckets, cap_bytes, pad_to=1, reduce_dtype=None):
 def test_reverse_order_and_cap():
     params = [(100, F32), (20, F32), (30, F32), (50, F32), (10, F32)]
     buckets = assign_buckets(params, cap_bytes=60 * 4)
-    assert [b.indices for b in buckets] == [(4, 3), (2, 1), (0,)]
-    assert [b.offsets for b in buckets] == [(0, 10), (0, 30), (0,)]
+    assert [b.indices for b in buckets] == [(4, 3), (2, 1, 0)]
+    assert [b.offsets for b in buckets] == [(0, 10), (0, 30, 50)]
     _check_invariants(params, buckets, 60 * 4)
 
 
@@ -41,7 +46,7 @@ def test_split_by_dtype_and_ready_order():
     params = [(8, F32), (5, BF16), (20, F32), (3, BF16), (8, F32), (100, F32), (7, F16)]
     buckets = assign_buckets(params, cap_bytes=30 * 4)
     assert [(b.dtype, b.indices) for b in buckets] == [
-        (F16, (6,)), (F32, (5,)), (F32, (4, 2)), (BF16, (3, 1)), (F32, (0,))]
+        (F16, (6,)), (F32, (5,)), (BF16, (3, 1)), (F32, (4, 2, 0))]
     _check_invariants(params, buckets, 30 * 4)
 
 
@@ -51,24 +56,25 @@ def test_first_bucket_closes_early():
     params = [(100, F32), (10, F32)] * 4
     buckets = assign_buckets(params, cap_bytes=440, first_cap_bytes=40)
     assert [b.indices for b in buckets] == [(7,), (6, 5), (4, 3), (2, 1), (0,)]
-    _check_invariants(params, buckets, 440)
+    _check_invariants(params, buckets, 440, first_cap=40)
     buckets = assign_buckets(params, cap_bytes=440, first_cap_bytes=440)
     assert [b.indices for b in buckets] == [(7, 6), (5, 4), (3, 2), (1, 0)]
 
 
-def test_single_parameter_larger_than_cap_gets_its_own_bucket():
+def test_a_parameter_larger_than_the_cap_closes_its_bucket():
     buckets = assign_buckets([(10, F32), (1000, F32), (10, F32)], cap_bytes=100)
-    assert [b.indices for b in buckets] == [(2,), (1,), (0,)]
+    assert [b.indices for b in buckets] == [(2, 1), (0,)]
 
 
 def test_cap_counts_reduce_dtype_bytes_and_padding():
     params = [(7, BF16)] * 6
-    # 7 bf16 elements reduced in fp32 are 28 bytes: two fit a 60-byte cap, three do not.
-    buckets = assign_buckets(params, cap_bytes=60, pad_to=4, reduce_dtype=F32)
+    # 7 bf16 elements reduced in fp32 are 28 bytes: two reach a 56-byte cap (in bf16, four).
+    buckets = assign_buckets(params, cap_bytes=56, pad_to=4, reduce_dtype=F32)
     assert [b.indices for b in buckets] == [(5, 4), (3, 2), (1, 0)]
     assert all(b.numel == 14 and b.padded_numel == 16 for b in buckets)
     assert buckets[0].shard(1, 4) == (4, 8)
-    _check_invariants(params, buckets, 60, pad_to=4, reduce_dtype=F32)
+    _check_invariants(params, buckets, 56, pad_to=4, reduce_dtype=F32)
+    assert [b.indices for b in assign_buckets(params, cap_bytes=56)] == [(5, 4, 3, 2), (1, 0)]
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -81,7 +87,7 @@ def test_random_models_keep_every_invariant_and_are_deterministic(seed):
     pad = int(torch.randint(1, 9, (), generator=g))
     first = int(torch.randint(1, cap + 1, (), generator=g))
     buckets = assign_buckets(params, cap_bytes=cap, pad_to=pad, first_cap_bytes=first)
-    _check_invariants(params, buckets, cap, pad_to=pad)
+    _check_invariants(params, buckets, cap, pad_to=pad, first_cap=first)
     assert assign_buckets(list(params), cap_bytes=cap, pad_to=pad,
                           first_cap_bytes=first) == buckets
 

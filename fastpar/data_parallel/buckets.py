@@ -1,10 +1,10 @@
 """Gradient buckets: which parameters share one flat buffer and one collective.
 
 Pure arithmetic, no tensors or processes. Parameters are taken in reverse registration order
-(roughly the order backward produces their gradients), one open bucket per dtype; a bucket is
-closed before the parameter that would take it past the cap, so every bucket fits the cap unless
-it holds a single parameter larger than the cap. As in torch DDP, the very first bucket may be
-closed early, once it holds ``first_cap_bytes``, so that communication starts as soon as the last
+(roughly the order backward produces their gradients), one open bucket per dtype, and a bucket is
+closed as soon as it reaches the cap: it stays below the cap until its last parameter. This is
+torch DDP's rule, so the same ``bucket_cap_mb`` gives the same buckets; as in DDP the very first
+bucket closes earlier, at ``first_cap_bytes``, so that communication starts as soon as the last
 layer's gradients exist. Buckets are listed in the order they become ready, which is the order
 their collectives are launched in on every rank.
 """
@@ -38,10 +38,10 @@ def assign_buckets(params: Sequence[tuple[int, torch.dtype]], cap_bytes: int, pa
                    first_cap_bytes: int | None = None) -> list[BucketSpec]:
     """Split parameters, given as ``(numel, dtype)`` in registration order, into buckets.
 
-    ``cap_bytes`` bounds the bytes each bucket communicates (elements of ``reduce_dtype``, or of
-    the parameter's dtype). ``pad_to`` rounds every flat buffer up so it splits into that many
-    equal shards. ``first_cap_bytes``: close the first bucket as soon as it holds that many
-    bytes. Deterministic: the same input always gives the same buckets.
+    A bucket closes once it holds ``cap_bytes`` (counted in elements of ``reduce_dtype``, or of
+    the parameter's dtype); the first bucket of each dtype closes at ``first_cap_bytes`` if given.
+    ``pad_to`` rounds every flat buffer up so it splits into that many equal shards.
+    Deterministic: the same input always gives the same buckets.
     """
     if cap_bytes <= 0:
         raise ValueError(f"cap_bytes={cap_bytes} must be > 0")
@@ -49,22 +49,19 @@ def assign_buckets(params: Sequence[tuple[int, torch.dtype]], cap_bytes: int, pa
         raise ValueError(f"pad_to={pad_to} must be >= 1")
     n = len(params)
     open_: dict[torch.dtype, list[int]] = {}
-    sizes: dict[torch.dtype, int] = {}
+    nbytes: dict[torch.dtype, int] = {}
+    done: dict[torch.dtype, int] = {}              # buckets closed so far, per dtype
     closed: list[list[int]] = []
-    first = None                                   # the first bucket, while it is still open
     for i in reversed(range(n)):
         numel, dtype = params[i]
-        item = (reduce_dtype or dtype).itemsize
-        if open_.get(dtype) and (sizes[dtype] + numel) * item > cap_bytes:
-            closed.append(open_.pop(dtype))
         if dtype not in open_:
-            open_[dtype], sizes[dtype] = [], 0
-            first = open_[dtype] if i == n - 1 else first
+            open_[dtype], nbytes[dtype] = [], 0
         open_[dtype].append(i)
-        sizes[dtype] += numel
-        if first_cap_bytes and open_[dtype] is first and sizes[dtype] * item >= first_cap_bytes:
+        nbytes[dtype] += numel * (reduce_dtype or dtype).itemsize
+        cap = first_cap_bytes if first_cap_bytes and not done.get(dtype) else cap_bytes
+        if nbytes[dtype] >= cap:
             closed.append(open_.pop(dtype))
-            first = None
+            done[dtype] = done.get(dtype, 0) + 1
     closed += open_.values()
     # A bucket is ready when its last parameter is, i.e. at reverse position n - 1 - index.
     closed.sort(key=lambda idx: n - 1 - idx[-1])

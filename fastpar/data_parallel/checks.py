@@ -55,11 +55,12 @@ def check_params(module: nn.Module, reduce_dtype) -> list[tuple[str, nn.Paramete
                          f"is frozen (requires_grad=False): there is nothing to synchronise")
     devices = {p.device for _, p in named}
     if len(devices) > 1:
-        raise ValueError(f"DataParallel: parameters are on several devices {sorted(map(str, devices))}; "
-                         f"one replica must live on one device")
+        raise ValueError(f"DataParallel: parameters are on several devices "
+                         f"{sorted(map(str, devices))}; one replica must live on one device")
     for n, p in trainable:
         if p.is_sparse or p.device.type == "meta":
-            raise ValueError(f"DataParallel: parameter {n!r} is {'sparse' if p.is_sparse else 'on the meta device'}")
+            where = "sparse" if p.is_sparse else "on the meta device"
+            raise ValueError(f"DataParallel: parameter {n!r} is {where}")
         if p.dtype not in _FLOAT:
             raise ValueError(f"DataParallel: parameter {n!r} has dtype {p.dtype}; trainable "
                              f"parameters must be floating point")
@@ -91,7 +92,8 @@ def check_same_params(module: nn.Module, group: Group, device) -> None:
     for r, theirs in enumerate(everyone):
         if theirs != lines:
             diff = next((f"{a!r} here vs {b!r} on dp rank {r}" for a, b in zip(lines, theirs)
-                         if a != b), f"{len(lines)} parameters here vs {len(theirs)} on dp rank {r}")
+                         if a != b),
+                        f"{len(lines)} parameters here vs {len(theirs)} on dp rank {r}")
             break
     raise ValueError(f"DataParallel: the module's parameters differ across data-parallel ranks "
                      f"(this is dp rank {group_rank(group)}): {diff}")

@@ -36,14 +36,15 @@ class DataParallel(nn.Module):
         module: the replica (a plain, tensor-parallel or pipeline-stage module).
         dp_group: the data-parallel process group (``mesh.dp_group``). ``None``: the default
             group if torch.distributed is initialised, else a single process (no communication).
-        bucket_cap_mb: the most MiB one bucket communicates (a larger parameter gets a bucket of
-            its own). Buckets follow reverse registration order and are split by dtype; the
-            first one closes as soon as it holds 1 MiB, as in torch DDP.
+        bucket_cap_mb: a bucket closes as soon as it holds this many MiB (torch DDP's rule, so
+            the same value gives the same buckets). Buckets follow reverse registration order
+            and are split by dtype; the first one closes at 1 MiB already, as in DDP.
         overlap: start each bucket's reduction as soon as its last gradient is ready (during
             backward). ``False``: reduce everything after backward. Same numbers either way.
         reduce_dtype: dtype of the communication, e.g. ``torch.float32`` for a bf16 model (the
-            mean computed in fp32) or ``torch.bfloat16`` for an fp32 one (half the traffic). ``None``: the parameters' dtype, and
-            then each ``.grad`` is a view into its bucket (nothing is packed).
+            mean computed in fp32) or ``torch.bfloat16`` for an fp32 one (half the traffic).
+            ``None``: the parameters' dtype, and then each ``.grad`` is a view into its bucket
+            (nothing is packed).
         find_unused_parameters: allow parameters that get no gradient in a step (they count as
             zero; a parameter that no rank used keeps its ``.grad``). ``False``: such a
             parameter is an error, raised on every rank after the step's reduction.
