@@ -7,6 +7,8 @@ import os
 import sys
 from importlib import metadata
 
+from .plan.cli import add_plan, run_plan
+
 
 def _version(package: str) -> str | None:
     try:
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     info = sub.add_parser("info", help="versions, the extension's build, devices and backends")
     info.add_argument("--json", action="store_true", help="print the information as JSON")
     _add_train(sub)
+    add_plan(sub)
     args = parser.parse_args(argv)
     if args.version:
         import fastpar
@@ -76,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "train":
         return _train(args)
+    if args.command == "plan":
+        return run_plan(args)
     parser.print_help()
     return 2
 

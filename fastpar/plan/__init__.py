@@ -1,0 +1,15 @@
+"""Floor 5: the cost model and planner behind ``fastpar plan``.
+
+    from fastpar.plan import Cluster, ParallelConfig, Workload, evaluate, get_hardware, search
+    work = Workload(get_config("7b"), seq_len=4096, global_batch=512)
+    cluster = Cluster(gpus=64, gpus_per_node=8, hardware=get_hardware("h100-80gb"))
+    best, rejected = search(work, cluster)            # best first
+    evaluate(work, cluster, ParallelConfig(tp=4, pp=2, dp=8, micro_batch_size=1)).to_dict()
+"""
+from .cost import FASTPAR, Features
+from .hardware import BUILTIN, Hardware, get_hardware, load_hardware, save_hardware
+from .planner import Cluster, Estimate, ParallelConfig, Workload, candidates, evaluate, search
+
+__all__ = ["BUILTIN", "Cluster", "Estimate", "FASTPAR", "Features", "Hardware",
+           "ParallelConfig", "Workload", "candidates", "evaluate", "get_hardware",
+           "load_hardware", "save_hardware", "search"]

@@ -1,0 +1,150 @@
+"""``fastpar plan``: the command-line edge of the planner (argparse lives only here)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..models import PRESETS, GPTConfig, get_config
+from .cost import RECOMPUTE
+from .hardware import BUILTIN, get_hardware
+from .planner import Cluster, ParallelConfig, Workload, evaluate, search
+
+_FIXED = ("virtual_stages", "micro_batch_size", "schedule", "recompute")
+
+
+def add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="predict step time, TFLOP/s, MFU and memory; pick a layout",
+                       description="Search tp, pp, dp, virtual stages, micro-batch size, "
+                                   "schedule and recompute for a model on a cluster (or "
+                                   "evaluate one with --tp and --pp), from fastpar's cost model "
+                                   "and pipeline simulator.")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", choices=sorted(PRESETS), help="a preset (else give --layers ...)")
+    for flag in ("--layers", "--hidden", "--heads", "--ffn-hidden"):
+        m.add_argument(flag, type=int)
+    m.add_argument("--vocab", type=int, default=None, help="vocabulary (default 51200)")
+    m.add_argument("--seq-len", type=int, default=2048)
+    m.add_argument("--global-batch-size", type=int, default=512)
+    c = p.add_argument_group("cluster")
+    c.add_argument("--gpus", type=int, default=8)
+    c.add_argument("--gpus-per-node", type=int, default=8)
+    c.add_argument("--hardware", default="a100-80gb",
+                   help=f"one of {', '.join(sorted(BUILTIN))}, or a JSON profile")
+    k = p.add_argument_group("configuration (with --tp and --pp: evaluate one; else search)")
+    k.add_argument("--tp", type=int)
+    k.add_argument("--pp", type=int)
+    k.add_argument("--virtual-stages", type=int)
+    k.add_argument("--micro-batch-size", type=int)
+    k.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
+    k.add_argument("--recompute", choices=RECOMPUTE)
+    k.add_argument("--sequence-parallel", action="store_true")
+    k.add_argument("--zero1", action="store_true")
+    p.add_argument("--top", type=int, default=5, help="configurations shown by a search")
+    p.add_argument("--json", action="store_true", help="print JSON (an object, or a list)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (and, under torchrun, its links); write a profile")
+    p.add_argument("--out", default="hardware.json", help="where --calibrate writes the profile")
+
+
+def _model(args) -> GPTConfig:
+    if args.model:
+        base = get_config(args.model)
+        return base.replace(max_seq_len=max(args.seq_len, base.max_seq_len))
+    missing = [f for f in ("layers", "hidden", "heads") if getattr(args, f) is None]
+    if missing:
+        raise ValueError("give --model or all of --layers, --hidden, --heads (missing "
+                         + ", ".join("--" + f for f in missing) + ")")
+    return GPTConfig(vocab_size=args.vocab or 51200, n_layers=args.layers, d_model=args.hidden,
+                     n_heads=args.heads, d_ff=args.ffn_hidden or 4 * args.hidden,
+                     max_seq_len=args.seq_len, norm="layernorm", activation="gelu",
+                     rotary=False, bias=True)
+
+
+def run_plan(args) -> int:
+    if args.calibrate:
+        from .calibrate import calibrate
+
+        hw, path = calibrate(args.out)
+        print(json.dumps(hw.to_dict(), indent=2) if args.json else f"wrote {path}")
+        return 0
+    try:
+        work = Workload(_model(args), args.seq_len, args.global_batch_size)
+        cluster = Cluster(args.gpus, args.gpus_per_node, get_hardware(args.hardware))
+        if args.top < 1:
+            raise ValueError(f"--top={args.top} must be >= 1")
+        if args.tp is not None and args.pp is not None:
+            if args.tp < 1 or args.pp < 1 or args.gpus % (args.tp * args.pp):
+                raise ValueError(f"gpus={args.gpus} is not divisible by tp*pp = "
+                                 f"{args.tp}*{args.pp}")
+            opts = {k: getattr(args, k) for k in _FIXED if getattr(args, k) is not None}
+            if "schedule" not in opts and opts.get("virtual_stages", 1) > 1:
+                opts["schedule"] = "interleaved"
+            cfg = ParallelConfig(args.tp, args.pp, args.gpus // (args.tp * args.pp),
+                                 sequence_parallel=args.sequence_parallel, zero1=args.zero1,
+                                 **opts)
+            est = evaluate(work, cluster, cfg)
+            print(json.dumps(est.to_dict(), indent=2) if args.json else _describe(est))
+            return 0 if est.fits else 1
+        fixed = {k: getattr(args, k) for k in ("tp", "pp") + _FIXED if getattr(args, k)
+                 is not None}
+        best, rejected = search(work, cluster, fixed=fixed, top=args.top)
+    except ValueError as e:
+        print(f"fastpar plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([e.to_dict() for e in best], indent=2))
+    elif not best:
+        print(f"no configuration fits ({rejected['memory']} rejected for memory)")
+    else:
+        print(_table(best) + "\n\n" + _why(best, rejected))
+    return 0 if best else 1
+
+
+_COLUMNS = (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("v", "virtual_stages"),
+            ("mbs", "micro_batch_size"), ("schedule", "schedule"), ("recompute", "recompute"),
+            ("sp", "sequence_parallel"), ("zero1", "zero1"), ("step s", "step_time_s"),
+            ("TFLOP/s", "tflops_per_gpu"), ("MFU", "mfu"), ("GB/GPU", "memory_gb_per_gpu"),
+            ("bubble", "bubble_fraction"))
+
+
+def _table(ests) -> str:
+    rows = [[_fmt(e.to_dict()[key]) for _, key in _COLUMNS] for e in ests]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, (h, _) in enumerate(_COLUMNS)]
+    lines = ["  ".join(h.rjust(w) for (h, _), w in zip(_COLUMNS, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, bool):
+        return "on" if v else "-"
+    if isinstance(v, float):
+        return f"{v:.3f}" if v < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def _shares(e) -> str:
+    s = e.step_time_s
+    return (f"bubble {e.bubble_fraction:.1%}, exposed TP comm {e.tp_exposed_s / s:.1%}, "
+            f"DP comm {e.dp_exposed_s / s:.1%} of the step; {e.memory_gb_per_gpu:.1f} GB/GPU")
+
+
+def _describe(e) -> str:
+    head = _table([e])
+    if not e.fits:
+        return head + f"\n\nrejected: {e.reason}"
+    return head + f"\n\n{e.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {e.mfu:.1%}: {_shares(e)}"
+
+
+def _why(best, rejected) -> str:
+    b = best[0]
+    lines = [f"best: {b.step_time_s:.3f} s per step, {b.tflops_per_gpu:.1f} TFLOP/s per GPU, "
+             f"MFU {b.mfu:.1%}: {_shares(b)}"]
+    if len(best) > 1:
+        r = best[1]
+        lines.append(f"next: {r.step_time_s / b.step_time_s - 1:+.1%} slower: {_shares(r)}")
+    if rejected.get("memory"):
+        lines.append(f"{rejected['memory']} configurations rejected: they do not fit in "
+                     f"memory")
+    return "\n".join(lines)

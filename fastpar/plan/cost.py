@@ -1,0 +1,243 @@
+"""The cost model of one Transformer layer: FLOPs, kernel times, memory and communication.
+
+Everything is per GPU and per micro-batch unless a name says otherwise. Notation: micro-batch
+``b`` sequences of ``s`` tokens (``T = b s`` rows), hidden ``h``, ``a`` query heads and ``g``
+key/value heads of size ``d``, MLP inner size ``f``, vocabulary ``V``, tensor-parallel size ``t``,
+``E`` bytes per activation element.
+
+FLOPs of one layer's forward (whole layer, before dividing by ``t``)::
+
+    q, k, v, o projections   2 T h (2 a d + 2 g d)       (= 8 T h^2 with a d = g d = h)
+    attention core           4 b a s^2 d                 (q k^T and p v)
+    MLP                      2 T h f * (2 GELU, 3 SwiGLU)  (= 16 T h^2 with GELU, f = 4h)
+
+so a GELU layer is 24 T h^2 + 4 T s h, Megatron's count (Narayanan et al. 2021, appendix).
+Backward is twice the forward: input gradient ``B`` and weight gradient ``W`` each equal the
+forward of the linears; the attention core's backward (no weights) goes to ``B``. Recompute adds
+the layer's forward (``full``) or the attention core's (``selective``) to ``B``.
+
+Activation memory follows Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", sec. 4): 34 s b h + 5 a s^2 b bytes per layer without parallelism, of which
+10 s b h stay replicated over TP unless sequence parallelism (SP) splits them too; written here
+per stored tensor so GQA, SwiGLU, fused attention and dropout-free training are counted as such.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..models import GPTConfig
+from .hardware import Hardware
+
+
+@dataclass(frozen=True)
+class Features:
+    """What the modelled training software does; the default is fastpar's trainer."""
+
+    tp_overlap: bool = True          # TP collectives pipelined with their GEMM in row chunks
+    tp_chunks: int = 4               # chunks of those pipelines (ColumnParallelLinear's default)
+    dp_overlap: bool = True          # DP buckets reduced during the last backward (pp == 1)
+    dp_overlap_pipeline: bool = False  # the same under pp > 1 (the trainer reduces afterwards)
+    bucket_mb: float = 25.0          # DP bucket size: the last bucket is always exposed
+    flash_attention: bool = True     # fused attention: no (s, s) scores stored or moved
+    dropout: bool = False            # dropout masks stored and applied
+    weight_bytes: int = 4            # per parameter: fp32 weights under bf16 autocast
+    grad_bytes: int = 4              # per parameter: fp32 gradients, reduced over DP as fp32
+    optimizer_bytes: int = 8         # per parameter: Adam's two moments (plus any master copy)
+
+
+FASTPAR = Features()
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One micro-batch's sizes on one GPU."""
+
+    model: GPTConfig
+    seq_len: int
+    micro_batch: int
+    tp: int = 1
+    sp: bool = False                 # sequence parallelism (only meaningful with tp > 1)
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+def layer_forward_flops(model: GPTConfig, seq_len: int, tokens: int) -> dict[str, float]:
+    """Forward FLOPs of one whole layer (all TP ranks together) for ``tokens`` tokens."""
+    h, d, a, g, f = model.d_model, model.head_dim, model.n_heads, model.kv_heads, model.ffn_dim
+    mlp_mats = 3 if model.activation == "swiglu" else 2
+    return {"qkvo": 2.0 * tokens * h * (2 * a * d + 2 * g * d),
+            "core": 4.0 * tokens * seq_len * a * d,
+            "mlp": 2.0 * tokens * h * f * mlp_mats}
+
+
+def head_forward_flops(model: GPTConfig, tokens: int) -> float:
+    return 2.0 * tokens * model.d_model * model.padded_vocab
+
+
+def model_flops_per_step(model: GPTConfig, seq_len: int, global_batch: int) -> float:
+    """Training FLOPs of one step without recompute: 3x the forward of every layer and the head."""
+    tokens = global_batch * seq_len
+    layer = sum(layer_forward_flops(model, seq_len, tokens).values())
+    return 3.0 * (model.n_layers * layer + head_forward_flops(model, tokens))
+
+
+def hardware_flops_per_step(model: GPTConfig, seq_len: int, global_batch: int,
+                            recompute: str) -> float:
+    """FLOPs actually computed: the model's plus what recompute redoes."""
+    tokens = global_batch * seq_len
+    fl = layer_forward_flops(model, seq_len, tokens)
+    extra = {"none": 0.0, "selective": fl["core"], "full": sum(fl.values())}[recompute]
+    return model_flops_per_step(model, seq_len, global_batch) + model.n_layers * extra
+
+
+def _linears(shape: Shape) -> list[tuple[int, int, int]]:
+    """The (m, n, k) of each linear GEMM of one layer's forward on one GPU."""
+    m, t = shape.model, shape.tp
+    h, d, T = m.d_model, m.head_dim, shape.tokens
+    mats = [(T, m.n_heads * d // t, h), (T, m.kv_heads * d // t, h), (T, m.kv_heads * d // t, h),
+            (T, h, m.n_heads * d // t), (T, m.ffn_dim // t, h)]
+    if m.activation == "swiglu":
+        mats.append((T, m.ffn_dim // t, h))
+    return mats + [(T, h, m.ffn_dim // t)]
+
+
+def _core_time(shape: Shape, hw: Hardware, feat: Features) -> float:
+    """The attention core's forward: (s, d) @ (d, s) and (s, s) @ (s, d) per head and sequence."""
+    m, s = shape.model, shape.seq_len
+    heads = shape.micro_batch * m.n_heads // shape.tp
+    if feat.flash_attention:      # one fused kernel; causal: half the blocks are skipped
+        flops = 0.5 * 4.0 * heads * s * s * m.head_dim
+        io = hw.bytes_per_element * heads * 4 * s * m.head_dim      # q, k, v in, o out
+        return max(flops / (hw.peak_flops * hw.matmul_efficiency),
+                   io / (hw.hbm_gbps * 1e9)) + hw.kernel_overhead_us * 1e-6
+    return hw.gemm_time(s, s, m.head_dim, heads) + hw.gemm_time(s, m.head_dim, s, heads)
+
+
+def _elementwise(shape: Shape, hw: Hardware, feat: Features) -> tuple[float, int]:
+    """Bytes moved and kernels launched by one layer's forward outside the GEMMs."""
+    m, t, E, T = shape.model, shape.tp, hw.bytes_per_element, shape.tokens
+    h_rep = m.d_model / (t if shape.sp else 1)     # the replicated (or SP-split) hidden width
+    f = m.ffn_dim / t
+    nbytes = 2 * 2 * T * h_rep * E                 # two norms: read x, write y
+    nbytes += 2 * 3 * T * h_rep * E                # two residual adds: read two, write one
+    nbytes += (3 if m.activation == "swiglu" else 2) * T * f * E
+    kernels = 7
+    if m.rotary:
+        nbytes += 2 * T * (m.n_heads + m.kv_heads) * m.head_dim / t * E
+        kernels += 2
+    if feat.dropout:                               # hidden dropouts: mask write + apply
+        nbytes += 2 * T * h_rep * (1 + 2 * E)
+        kernels += 2
+    if not feat.flash_attention:                   # scale-mask-softmax over stored scores
+        scores = shape.micro_batch * m.n_heads / t * shape.seq_len ** 2
+        nbytes += 2 * scores * E + (scores * (1 + 2 * E) if feat.dropout else 0)
+        kernels += 2 if feat.dropout else 1
+    return nbytes, kernels
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Seconds of one layer for one micro-batch: compute, and TP communication before overlap."""
+
+    f: float                # forward compute
+    b: float                # input-gradient compute (with what recompute redoes)
+    w: float                # weight-gradient compute
+    gemm_f: float           # the linears' forward GEMMs (what TP forward comm can hide behind)
+    gemm_b: float           # the linears' input-gradient GEMMs
+    tp_comm_f: float        # TP collectives of the forward
+    tp_comm_b: float        # TP collectives of the backward (recompute's forward ones included)
+
+
+def layer_cost(shape: Shape, hw: Hardware, recompute: str = "none", tp_link_gbps: float = 1.0,
+               feat: Features = FASTPAR) -> LayerCost:
+    """The :class:`LayerCost` of one layer on one GPU."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
+    gemm = sum(hw.gemm_time(*mnk) for mnk in _linears(shape))
+    core = _core_time(shape, hw, feat)
+    ew_bytes, ew_kernels = _elementwise(shape, hw, feat)
+    elem_f = hw.memory_time(ew_bytes, ew_kernels)
+    f = gemm + core + elem_f
+    # Backward: each elementwise op reads the output gradient and its saved input, writes one.
+    core_b = (2.5 if feat.flash_attention else 2.0) * core     # flash recomputes q k^T
+    b = gemm + core_b + hw.memory_time(2 * ew_bytes, 2 * ew_kernels)
+    comm_f, comm_b = tp_collectives(shape, hw, tp_link_gbps)
+    if recompute == "full":
+        b, comm_b = b + f, comm_b + comm_f
+    elif recompute == "selective":
+        b += core
+    return LayerCost(f=f, b=b, w=gemm, gemm_f=gemm, gemm_b=gemm, tp_comm_f=comm_f,
+                     tp_comm_b=comm_b)
+
+
+def ring_time(kind: str, nbytes: float, n: int, link_gbps: float, latency_us: float) -> float:
+    """Seconds of a ring collective over ``n`` ranks on a tensor of ``nbytes`` (whole tensor).
+
+    all_reduce moves 2 (n-1)/n of it through each rank's link in 2 (n-1) steps; all_gather and
+    reduce_scatter half of that; send moves it once.
+    """
+    if n <= 1 and kind != "send":
+        return 0.0
+    steps, share = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n),
+                    "all_gather": (n - 1, (n - 1) / n), "reduce_scatter": (n - 1, (n - 1) / n),
+                    "send": (1, 1.0)}[kind]
+    return steps * latency_us * 1e-6 + share * nbytes / (link_gbps * 1e9)
+
+
+def tp_collectives(shape: Shape, hw: Hardware, link_gbps: float) -> tuple[float, float]:
+    """Seconds of one layer's TP communication, forward and backward, before any overlap.
+
+    Without SP: an all-reduce after the attention and the MLP (forward) and of the input gradient
+    of their first linears (backward). With SP: all-gather + reduce-scatter in each forward; the
+    backward gathers the input again for the weight gradient, gathers the output gradient of the
+    row linear and reduce-scatters the input gradient (fastpar does not keep gathered inputs).
+    """
+    t = shape.tp
+    if t == 1:
+        return 0.0, 0.0
+    n = shape.tokens * shape.model.d_model * hw.bytes_per_element      # (s, b, h)
+    lat = hw.collective_latency_us
+
+    def ring(kind):
+        return ring_time(kind, n, t, link_gbps, lat)
+
+    if shape.sp:
+        fwd = 2 * (ring("all_gather") + ring("reduce_scatter"))
+        return fwd, 2 * (2 * ring("all_gather") + ring("reduce_scatter"))
+    return 2 * ring("all_reduce"), 2 * ring("all_reduce")
+
+
+def exposed(comm: float, compute: float, chunks: int) -> float:
+    """Communication left showing when it is pipelined with ``compute`` in ``chunks`` pieces:
+    the longer of the two runs throughout, one chunk of the shorter one sticks out."""
+    return max(0.0, comm - compute) + min(comm, compute) / max(chunks, 1)
+
+
+def layer_params(model: GPTConfig) -> int:
+    """Parameters of one Transformer block (all TP ranks)."""
+    d, f, hd = model.d_model, model.ffn_dim, model.head_dim
+    attn = d * model.n_heads * hd * 2 + d * model.kv_heads * hd * 2
+    mlp = d * f * (3 if model.activation == "swiglu" else 2)
+    return attn + mlp + 2 * d
+
+
+def activation_bytes(shape: Shape, recompute: str, feat: Features = FASTPAR,
+                     bytes_per_element: int = 2) -> float:
+    """Bytes one layer keeps for its backward, per micro-batch, on one GPU (see the module doc)."""
+    m, t, E, T = shape.model, shape.tp, bytes_per_element, shape.tokens
+    rep = T * m.d_model / (t if shape.sp else 1)        # an (s, b, h) tensor outside the TP pair
+    if recompute == "full":                            # only the layer's input
+        return E * rep
+    q, kv = T * m.n_heads * m.head_dim / t, T * m.kv_heads * m.head_dim / t
+    f = T * m.ffn_dim / t
+    attn = E * (2 * rep + q + 2 * kv + q)               # norm and q/k/v inputs; q, k, v; core out
+    mlp = E * (2 * rep + f * (3 if m.activation == "swiglu" else 2))
+    masks = 2 * rep if feat.dropout else 0.0            # one byte per element
+    scores = 0.0
+    if not feat.flash_attention and recompute != "selective":
+        p = shape.micro_batch * m.n_heads / t * shape.seq_len ** 2
+        scores = E * p + ((1 + E) * p if feat.dropout else 0.0)
+    return attn + mlp + masks + scores

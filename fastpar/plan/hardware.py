@@ -1,0 +1,138 @@
+"""Hardware profiles: what one accelerator and its links can do, as a frozen dataclass.
+
+The built-in profiles come from vendor datasheets (peak dense bf16 tensor-core rate, HBM size and
+bandwidth, NVLink bandwidth per direction, one InfiniBand NIC per GPU as in DGX / HGX nodes) and
+from first principles for what a kernel achieves:
+
+- a GEMM of ``2 m n k`` FLOPs moving ``(m k + k n + m n)`` elements runs at the roofline
+  ``max(flops / (peak * matmul_efficiency), bytes / hbm_bandwidth)`` plus ``kernel_overhead_us``;
+  small or thin GEMMs are therefore memory- or launch-bound and large ones reach
+  ``matmul_efficiency`` of the datasheet peak (the fraction dense-GEMM microbenchmarks reach at
+  sustained clocks, not a training-run number);
+- an elementwise kernel moves its bytes at ``hbm_bandwidth``, plus the same overhead;
+- a ring collective step costs ``collective_latency_us`` plus its bytes over the link.
+
+``fastpar plan --calibrate`` measures the same fields on this machine (see ``calibrate.py``).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator model and the links between accelerators of a cluster."""
+
+    name: str
+    peak_tflops: float                  # dense tensor-core rate in the training dtype, per GPU
+    matmul_efficiency: float            # fraction of peak a large GEMM sustains (0, 1]
+    hbm_gb: float                       # memory per GPU, GB (1e9 bytes)
+    hbm_gbps: float                     # memory bandwidth, GB/s
+    intra_node_gbps: float              # GPU <-> GPU inside a node, per GPU per direction, GB/s
+    inter_node_gbps: float              # per GPU across nodes (its NIC), per direction, GB/s
+    collective_latency_us: float = 10.0   # per ring step of a collective / per p2p message
+    kernel_overhead_us: float = 4.0       # per kernel: launch and tail, even for tiny work
+    bytes_per_element: int = 2            # training dtype of activations (bf16 = 2, fp32 = 4)
+    memory_reserve_gb: float = 1.0        # runtime context and communication buffers
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"hardware: name={self.name!r} must be a non-empty string")
+        for f in fields(self):
+            if f.name == "name":
+                continue
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                raise ValueError(f"hardware {self.name!r}: {f.name}={value!r} must be a number")
+            low_ok = value >= 0 if f.name in ("collective_latency_us", "kernel_overhead_us",
+                                              "memory_reserve_gb") else value > 0
+            if not low_ok:
+                raise ValueError(f"hardware {self.name!r}: {f.name}={value!r} must be "
+                                 f"{'>= 0' if f.name.endswith(('_us', '_gb')) else '> 0'}")
+        if self.matmul_efficiency > 1:
+            raise ValueError(f"hardware {self.name!r}: matmul_efficiency="
+                             f"{self.matmul_efficiency} must be <= 1 (a fraction of peak)")
+        if self.memory_reserve_gb >= self.hbm_gb:
+            raise ValueError(f"hardware {self.name!r}: memory_reserve_gb="
+                             f"{self.memory_reserve_gb} leaves nothing of hbm_gb={self.hbm_gb}")
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak_tflops * 1e12
+
+    def gemm_time(self, m: int, n: int, k: int, count: int = 1) -> float:
+        """Seconds for ``count`` GEMMs (m, k) @ (k, n) by the roofline above."""
+        flops = 2.0 * m * n * k
+        nbytes = self.bytes_per_element * (m * k + k * n + m * n)
+        t = max(flops / (self.peak_flops * self.matmul_efficiency), nbytes / (self.hbm_gbps * 1e9))
+        return count * (t + self.kernel_overhead_us * 1e-6)
+
+    def gemm_efficiency(self, m: int, n: int, k: int) -> float:
+        """Achieved fraction of peak for one (m, k) @ (k, n) GEMM."""
+        return 2.0 * m * n * k / self.gemm_time(m, n, k) / self.peak_flops
+
+    def memory_time(self, nbytes: float, kernels: int = 1) -> float:
+        """Seconds for memory-bound kernels moving ``nbytes`` in all."""
+        return nbytes / (self.hbm_gbps * 1e9) + kernels * self.kernel_overhead_us * 1e-6
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Datasheets: NVIDIA A100 (SXM4) and H100 / H200 (SXM5) datasheets; DGX A100 / DGX H100 /
+# HGX H200 system guides (NVLink 3: 600 GB/s, NVLink 4: 900 GB/s per GPU, both directions
+# together; one 200 Gb/s HDR (A100) or 400 Gb/s NDR (H100, H200) NIC per GPU).
+# matmul_efficiency: the share of the datasheet peak that large bf16 cuBLAS GEMMs sustain on
+# these parts (about 80% on A100, 70% on H100 / H200 whose peak assumes boost clocks that
+# power limits cut under dense tensor-core load).
+BUILTIN: dict[str, Hardware] = {
+    "a100-40gb": Hardware("a100-40gb", peak_tflops=312.0, matmul_efficiency=0.80, hbm_gb=40.0,
+                          hbm_gbps=1555.0, intra_node_gbps=300.0, inter_node_gbps=25.0),
+    "a100-80gb": Hardware("a100-80gb", peak_tflops=312.0, matmul_efficiency=0.80, hbm_gb=80.0,
+                          hbm_gbps=2039.0, intra_node_gbps=300.0, inter_node_gbps=25.0),
+    "h100-80gb": Hardware("h100-80gb", peak_tflops=989.0, matmul_efficiency=0.70, hbm_gb=80.0,
+                          hbm_gbps=3350.0, intra_node_gbps=450.0, inter_node_gbps=50.0),
+    "h200": Hardware("h200", peak_tflops=989.0, matmul_efficiency=0.70, hbm_gb=141.0,
+                     hbm_gbps=4800.0, intra_node_gbps=450.0, inter_node_gbps=50.0),
+}
+
+
+def load_hardware(path: str | Path) -> Hardware:
+    """A profile from a JSON object with :class:`Hardware`'s fields; bad files raise ValueError."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"hardware file {str(path)!r} cannot be read as JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"hardware file {str(path)!r} must hold a JSON object")
+    known = {f.name for f in fields(Hardware)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"hardware file {str(path)!r}: unknown field(s) {unknown}; "
+                         f"fields are {sorted(known)}")
+    data.setdefault("name", path.stem)
+    try:
+        return Hardware(**data)
+    except TypeError as e:          # a required field is missing
+        raise ValueError(f"hardware file {str(path)!r}: {e}") from None
+
+
+def save_hardware(hw: Hardware, path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(hw.to_dict(), indent=2) + "\n")
+    return path
+
+
+def get_hardware(name: str) -> Hardware:
+    """A built-in profile by name, or a JSON file path (anything ending in .json)."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if str(name).endswith(".json"):
+        return load_hardware(name)
+    raise ValueError(f"unknown hardware {name!r}; choose one of {sorted(BUILTIN)} "
+                     f"or give a .json profile")

@@ -1,0 +1,324 @@
+"""Evaluate one (tp, pp, dp, schedule, ...) configuration, or search them all, best first.
+
+A step is timed by running the pipeline simulator on the real schedule (``build_schedule``)
+with per-stage F / B / W costs from :mod:`.cost` (TP communication that the overlapped GEMMs do
+not hide is added to them) and the p2p time of one activation as ``comm``; then the DP gradient
+reduction that is not hidden and the optimizer step are added. Placement is ``fastpar.layout``'s
+default ``tp-dp-pp``: TP groups are consecutive ranks (inside a node), DP next, PP outermost.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ..models import GPTConfig
+from ..pipeline import build_schedule, partition, simulate
+from ..pipeline.schedules import check_args
+from . import cost
+from .cost import FASTPAR, Features, Shape
+from .hardware import Hardware
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``gpus`` accelerators of one kind, ``gpus_per_node`` to a node."""
+
+    gpus: int
+    gpus_per_node: int
+    hardware: Hardware
+
+    def __post_init__(self):
+        for name in ("gpus", "gpus_per_node"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an integer >= 1")
+        if self.gpus % self.gpus_per_node:
+            raise ValueError(f"gpus={self.gpus} is not divisible by gpus_per_node="
+                             f"{self.gpus_per_node} (whole nodes only)")
+
+    def link_gbps(self, span: int) -> float:
+        """Bandwidth of a group whose ranks lie within ``span`` consecutive ranks."""
+        hw = self.hardware
+        return hw.intra_node_gbps if span <= self.gpus_per_node else hw.inter_node_gbps
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and the batch of one optimizer step."""
+
+    model: GPTConfig
+    seq_len: int
+    global_batch: int                # sequences per step
+
+    def __post_init__(self):
+        for name in ("seq_len", "global_batch"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an integer >= 1")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """One way to run the workload; ``check`` says whether it can run at all."""
+
+    tp: int
+    pp: int
+    dp: int
+    virtual_stages: int = 1
+    micro_batch_size: int = 1
+    schedule: str = "1f1b"
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    zero1: bool = False
+
+    def num_microbatches(self, work: Workload) -> int:
+        return work.global_batch // (self.micro_batch_size * self.dp)
+
+    def check(self, work: Workload, cluster: Cluster) -> None:
+        """Raise ValueError naming the numbers if this configuration cannot run."""
+        for name in ("tp", "pp", "dp", "virtual_stages", "micro_batch_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an integer >= 1")
+        if self.tp * self.pp * self.dp != cluster.gpus:
+            raise ValueError(f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = "
+                             f"{self.tp * self.pp * self.dp} != gpus={cluster.gpus}")
+        work.model.check_tp(self.tp)
+        if work.global_batch % (self.micro_batch_size * self.dp):
+            raise ValueError(f"global batch {work.global_batch} is not divisible by "
+                             f"micro-batch size x dp = {self.micro_batch_size} x {self.dp}")
+        if work.model.n_layers < self.pp * self.virtual_stages:
+            raise ValueError(f"{work.model.n_layers} layers cannot fill pp x virtual stages = "
+                             f"{self.pp} x {self.virtual_stages} stages")
+        if self.recompute not in cost.RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r} is not one of {cost.RECOMPUTE}")
+        if self.sequence_parallel and (self.tp == 1 or work.seq_len % self.tp):
+            raise ValueError(f"sequence parallelism needs tp > 1 dividing seq_len={work.seq_len}"
+                             f", got tp={self.tp}")
+        check_args(self.schedule, self.pp, self.num_microbatches(work), self.virtual_stages)
+
+
+@dataclass
+class Estimate:
+    """The predicted step of one configuration (times in seconds, memory in GB = 1e9 bytes)."""
+
+    config: ParallelConfig
+    step_time_s: float
+    tflops_per_gpu: float            # model FLOPs (no recompute) per second per GPU
+    hw_tflops_per_gpu: float         # FLOPs computed, recompute included
+    mfu: float
+    memory_gb_per_gpu: float
+    tokens_per_s: float
+    bubble_fraction: float           # from the simulator: idle / step over pipeline ranks
+    compute_s: float                 # busiest pipeline rank's compute, exposed TP comm included
+    tp_exposed_s: float              # TP communication the GEMMs do not hide (busiest rank)
+    dp_exposed_s: float
+    optimizer_s: float
+    p2p_s: float                     # one activation between stages
+    memory: dict = field(default_factory=dict)
+    fits: bool = True
+    reason: str | None = None        # why it was rejected
+
+    def to_dict(self) -> dict:
+        out = {**asdict(self.config), **{k: v for k, v in asdict(self).items()
+                                        if k != "config"}}
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in out.items()}
+
+
+def _stage_costs(work, cluster, cfg, feat, split):
+    """Per-stage F, B, W seconds; the layer split; the busiest stage's exposed TP time."""
+    hw, t = cluster.hardware, cfg.tp
+    shape = Shape(work.model, work.seq_len, cfg.micro_batch_size, t, cfg.sequence_parallel)
+    lc = cost.layer_cost(shape, hw, cfg.recompute, cluster.link_gbps(t), feat)
+    partner_b = lc.gemm_b + (0.0 if split else lc.w) + (lc.gemm_f if cfg.recompute == "full"
+                                                        else 0.0)
+    if feat.tp_overlap:
+        exp_f = cost.exposed(lc.tp_comm_f, lc.gemm_f, feat.tp_chunks)
+        exp_b = cost.exposed(lc.tp_comm_b, partner_b, feat.tp_chunks)
+    else:
+        exp_f, exp_b = lc.tp_comm_f, lc.tp_comm_b
+    layer = (lc.f + exp_f, lc.b + exp_b, lc.w)
+    m, E, T = work.model, hw.bytes_per_element, shape.tokens
+    act = T * m.d_model * E                        # one (s, b, h) activation
+    tp_ar = cost.ring_time("all_reduce", act, t, cluster.link_gbps(t), hw.collective_latency_us)
+    embed = (hw.memory_time(2 * act / (t if cfg.sequence_parallel else 1)) + tp_ar,
+             hw.memory_time(2 * act), 0.0)
+    logits = (m.d_model, m.padded_vocab // t)
+    ce_bytes = T * m.padded_vocab / t * (E + 3 * 4)    # logits, then fp32 softmax read / write
+    head = (hw.gemm_time(T, logits[1], logits[0]) + hw.memory_time(ce_bytes, 4),
+            hw.gemm_time(T, logits[0], logits[1]) + hw.memory_time(ce_bytes, 4) + tp_ar,
+            hw.gemm_time(logits[0], logits[1], T))
+    stages = cfg.pp * cfg.virtual_stages
+    if stages == 1:
+        ranges = [range(m.n_layers)]
+    else:
+        ranges = partition([sum(embed)] + [sum(layer)] * m.n_layers + [sum(head)],
+                           cfg.pp, cfg.virtual_stages)
+    fbw = []
+    for s, r in enumerate(ranges):
+        fbw.append([len(r) * layer[i] + (embed[i] if s == 0 else 0.0)
+                    + (head[i] if s == stages - 1 else 0.0) for i in range(3)])
+    return fbw, ranges, (exp_f + exp_b) * max(len(r) for r in ranges), lc
+
+
+def _memory(work, cluster, cfg, feat, ranges, peaks) -> dict:
+    """Bytes per GPU on the fullest pipeline rank, by kind, in GB."""
+    hw, m, t, pp = cluster.hardware, work.model, cfg.tp, cfg.pp
+    shape = Shape(m, work.seq_len, cfg.micro_batch_size, t, cfg.sequence_parallel)
+    per_layer = cost.activation_bytes(shape, cfg.recompute, feat, hw.bytes_per_element)
+    full = cost.activation_bytes(shape, "none", feat, hw.bytes_per_element)
+    best = None
+    for rank in range(pp):
+        mine = [s for s in range(len(ranges)) if s % pp == rank]
+        params = sum(len(ranges[s]) for s in mine) * cost.layer_params(m) / t
+        acts = peaks[rank] * max(len(ranges[s]) for s in mine) * per_layer
+        if cfg.recompute == "full":
+            acts += full                           # one layer's activations while it recomputes
+        if 0 in mine:
+            params += m.padded_vocab * m.d_model / t
+        if len(ranges) - 1 in mine:
+            params += (0 if m.tie_embeddings else m.padded_vocab * m.d_model / t) + m.d_model
+            acts += 2 * shape.tokens * m.padded_vocab / t * 4      # fp32 logits and their grad
+        opt = feat.optimizer_bytes / (cfg.dp if cfg.zero1 else 1)
+        row = {"weights": params * feat.weight_bytes, "gradients": params * feat.grad_bytes,
+               "optimizer": params * opt, "activations": acts,
+               "reserve": hw.memory_reserve_gb * 1e9, "params_per_gpu": params}
+        row["total"] = sum(v for k, v in row.items() if k != "params_per_gpu")
+        if best is None or row["total"] > best["total"]:
+            best = row
+    return {k: (v if k == "params_per_gpu" else v / 1e9) for k, v in best.items()}
+
+
+def _dp_time(cluster, cfg, feat, params, last_backward) -> float:
+    """Exposed seconds of the gradient reduction (and ZeRO-1's parameter gather)."""
+    hw, dp = cluster.hardware, cfg.dp
+    if dp == 1:
+        return 0.0
+    nbytes, link = params * feat.grad_bytes, cluster.link_gbps(cfg.tp * dp)
+    lat = hw.collective_latency_us
+    reduce = cost.ring_time("reduce_scatter" if cfg.zero1 else "all_reduce", nbytes, dp, link,
+                            lat)
+    gather = cost.ring_time("all_gather", nbytes, dp, link, lat) if cfg.zero1 else 0.0
+    hidden = feat.dp_overlap if cfg.pp == 1 else feat.dp_overlap_pipeline
+    if hidden:
+        buckets = max(1, round(nbytes / (feat.bucket_mb * 1e6)))
+        reduce = cost.exposed(reduce, last_backward, buckets)
+    return reduce + gather
+
+
+def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
+             feat: Features = FASTPAR, schedules: dict | None = None) -> Estimate:
+    """Predict one configuration. Raises ValueError if it cannot run; one that runs out of
+    memory comes back with ``fits=False`` and the ``reason``."""
+    cfg.check(work, cluster)
+    hw, m = cluster.hardware, work.model
+    num_mb = cfg.num_microbatches(work)
+    key = (cfg.schedule, cfg.pp, num_mb, cfg.virtual_stages)
+    schedules = {} if schedules is None else schedules
+    if key not in schedules:
+        schedules[key] = build_schedule(*key)
+    sched = schedules[key]
+    fbw, ranges, tp_exposed, _ = _stage_costs(work, cluster, cfg, feat, sched.split_backward)
+    mem = _memory(work, cluster, cfg, feat, ranges, sched.peak_activations)
+    tokens = cfg.micro_batch_size * work.seq_len * m.d_model * hw.bytes_per_element
+    p2p = 0.0
+    if cfg.pp > 1:
+        p2p = cost.ring_time("send", tokens / (cfg.tp if cfg.sequence_parallel else 1), 2,
+                             cluster.link_gbps(cfg.tp * cfg.dp * cfg.pp),
+                             hw.collective_latency_us)
+    sim = simulate(sched, *([row[i] for row in fbw] for i in range(3)), comm=p2p)
+    params = mem["params_per_gpu"]
+    dp_exposed = _dp_time(cluster, cfg, feat, params, fbw[-1][1] + fbw[-1][2])
+    # Adam reads weight, gradient and both moments and writes three; clipping reads the grads.
+    optimizer = hw.memory_time(params / (cfg.dp if cfg.zero1 else 1) * 32, 8)
+    step = sim.step_time + dp_exposed + optimizer
+    model_flops = cost.model_flops_per_step(m, work.seq_len, work.global_batch)
+    hw_flops = cost.hardware_flops_per_step(m, work.seq_len, work.global_batch, cfg.recompute)
+    est = Estimate(
+        config=cfg, step_time_s=step, tflops_per_gpu=model_flops / step / cluster.gpus / 1e12,
+        hw_tflops_per_gpu=hw_flops / step / cluster.gpus / 1e12,
+        mfu=model_flops / step / (cluster.gpus * hw.peak_flops),
+        memory_gb_per_gpu=mem["total"], tokens_per_s=work.global_batch * work.seq_len / step,
+        bubble_fraction=sim.bubble_fraction, compute_s=max(sim.busy),
+        tp_exposed_s=tp_exposed * num_mb, dp_exposed_s=dp_exposed, optimizer_s=optimizer,
+        p2p_s=p2p, memory={k: v for k, v in mem.items() if k != "params_per_gpu"})
+    if mem["total"] > hw.hbm_gb:
+        est.fits = False
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in est.memory.items() if k != "total")
+        est.reason = (f"needs {mem['total']:.1f} GB per GPU, more than the {hw.hbm_gb:g} GB of "
+                      f"{hw.name} ({parts})")
+    return est
+
+
+def _peak_lower_bound(cfg: ParallelConfig, num_mb: int) -> int:
+    """Fewest micro-batch chunks rank 0 holds at once under ``cfg.schedule`` (its warm-up plus
+    one); the real schedule's count is checked when the configuration is evaluated."""
+    pp, v = cfg.pp, cfg.virtual_stages
+    if cfg.schedule == "gpipe":
+        return num_mb
+    if cfg.schedule == "interleaved":
+        return min(num_mb * v, (pp - 1) * 2 + (v - 1) * pp + 1)
+    return min(pp, num_mb)
+
+
+def candidates(work: Workload, cluster: Cluster, fixed: dict | None = None):
+    """Every configuration that can run, TP inside a node; ``fixed`` pins fields by name."""
+    fixed = fixed or {}
+    m, gpus = work.model, cluster.gpus
+    pow2 = [2 ** i for i in range(12)]
+    for tp in [x for x in pow2 if x <= cluster.gpus_per_node and gpus % x == 0]:
+        for pp in [x for x in range(1, m.n_layers + 1) if (gpus // tp) % x == 0]:
+            dp = gpus // (tp * pp)
+            for mbs in [x for x in pow2 if x <= 16 and work.global_batch % (x * dp) == 0]:
+                scheds = [("1f1b", 1)] if pp == 1 else \
+                    [("1f1b", 1), ("zb-h1", 1), ("gpipe", 1)] + \
+                    [("interleaved", v) for v in (2, 3, 4, 5, 6, 8) if pp * v <= m.n_layers]
+                for name, v in scheds:
+                    for rec in cost.RECOMPUTE:
+                        for sp in ((False, True) if tp > 1 else (False,)):
+                            for zero1 in ((False, True) if dp > 1 else (False,)):
+                                cfg = ParallelConfig(tp, pp, dp, v, mbs, name, rec, sp, zero1)
+                                if any(getattr(cfg, k) != val for k, val in fixed.items()):
+                                    continue
+                                try:
+                                    cfg.check(work, cluster)
+                                except ValueError:
+                                    continue
+                                yield cfg
+
+
+def search(work: Workload, cluster: Cluster, feat: Features = FASTPAR, fixed: dict | None = None,
+           top: int = 10) -> tuple[list[Estimate], dict[str, int]]:
+    """The ``top`` fastest configurations that fit, best first, and a count of the rejected ones
+    by reason. Branch and bound: candidates are visited by a lower bound on their step time
+    (no bubble below ZB-H1's, no communication) and the search stops once that bound exceeds
+    the ``top``-th best step found; configurations whose memory cannot fit even at the fewest
+    live micro-batches their schedule allows are rejected without simulating."""
+    bounds, rejected, cache = [], {"memory": 0}, {}
+    for cfg in candidates(work, cluster, fixed):
+        key = (cfg.tp, cfg.pp, cfg.virtual_stages, cfg.micro_batch_size, cfg.recompute,
+               cfg.sequence_parallel, cfg.schedule == "zb-h1")
+        if key not in cache:
+            fbw, ranges, _, _ = _stage_costs(work, cluster, cfg, feat, key[-1])
+            cache[key] = fbw, ranges
+        fbw, ranges = cache[key]
+        num_mb = cfg.num_microbatches(work)
+        peaks = [_peak_lower_bound(cfg, num_mb)] + [0] * (cfg.pp - 1)
+        if _memory(work, cluster, cfg, feat, ranges, peaks)["total"] > cluster.hardware.hbm_gb:
+            rejected["memory"] += 1
+            continue
+        busiest = max(sum(sum(row) for row in fbw[r::cfg.pp]) for r in range(cfg.pp))
+        fill = min(max(0.0, f + b - 2 * w) for f, b, w in fbw)
+        bounds.append((num_mb * busiest + (cfg.pp - 1) * fill, cfg))
+    bounds.sort(key=lambda x: x[0])
+    found: list[Estimate] = []
+    schedules: dict = {}
+    for bound, cfg in bounds:
+        if len(found) >= top and bound >= found[top - 1].step_time_s:
+            break
+        est = evaluate(work, cluster, cfg, feat, schedules)
+        if not est.fits:
+            rejected["memory"] += 1
+            continue
+        found.append(est)
+        found.sort(key=lambda e: (e.step_time_s, e.memory_gb_per_gpu))
+    return found[:top], rejected

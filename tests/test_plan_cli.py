@@ -1,0 +1,71 @@
+"""``fastpar plan``: JSON schema, the table, errors (exit 2, one message), calibration."""
+import json
+
+import pytest
+
+from fastpar.cli import main
+
+KEYS = {"tp", "pp", "dp", "virtual_stages", "micro_batch_size", "schedule", "recompute",
+        "step_time_s", "tflops_per_gpu", "mfu", "memory_gb_per_gpu"}
+SMALL = ["plan", "--layers", "8", "--hidden", "1024", "--heads", "16", "--seq-len", "1024",
+         "--global-batch-size", "32", "--gpus", "16", "--hardware", "a100-80gb"]
+
+
+def test_one_configuration_json(capsys):
+    assert main(SMALL + ["--tp", "2", "--pp", "2", "--micro-batch-size", "2",
+                         "--schedule", "zb-h1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert isinstance(out, dict) and KEYS <= set(out)
+    assert (out["tp"], out["pp"], out["dp"], out["schedule"]) == (2, 2, 4, "zb-h1")
+    assert out["fits"] and out["step_time_s"] > 0
+
+
+def test_search_json_is_a_list_best_first(capsys):
+    assert main(SMALL + ["--top", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert isinstance(out, list) and len(out) == 3
+    assert all(KEYS <= set(row) for row in out)
+    assert [r["step_time_s"] for r in out] == sorted(r["step_time_s"] for r in out)
+
+
+def test_table_says_why(capsys):
+    assert main(SMALL + ["--pp", "2", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "TFLOP/s" in out and "best:" in out and "bubble" in out and "exposed TP" in out
+
+
+def test_memory_rejection_exit_1(capsys):
+    assert main(["plan", "--model", "70b", "--gpus", "8", "--hardware", "a100-40gb",
+                 "--tp", "8", "--pp", "1", "--seq-len", "4096", "--global-batch-size", "8"]) == 1
+    assert "rejected: needs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--tp", "3", "--pp", "1", "--gpus", "3", "--gpus-per-node", "3"], ["n_heads=16", "tp=3"]),
+    (["--gpus", "12", "--gpus-per-node", "8"], ["gpus=12", "gpus_per_node=8"]),
+    (["--hardware", "tpu-v9"], ["unknown hardware 'tpu-v9'"]),
+    (["--global-batch-size", "30", "--tp", "1", "--pp", "1"], ["global batch 30", "1 x 16"]),
+])
+def test_bad_input_exits_2_with_one_message(capsys, args, words):
+    base = [a for a in SMALL]
+    for flag, value in zip(args[::2], args[1::2]):
+        if flag in base:
+            base[base.index(flag) + 1] = value
+        else:
+            base += [flag, value]
+    assert main(base) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fastpar plan: error:") and len(err.splitlines()) == 1
+    for w in words:
+        assert w in err
+
+
+def test_calibrate_writes_a_profile(tmp_path, capsys, monkeypatch):
+    from fastpar.plan import calibrate as cal
+    from fastpar.plan import load_hardware
+
+    monkeypatch.setattr(cal, "measure_matmul", lambda d, t: (1e10, 5e-6))   # keep it fast
+    assert main(["plan", "--calibrate", "--out", str(tmp_path / "cpu.json")]) == 0
+    hw = load_hardware(tmp_path / "cpu.json")
+    assert hw.peak_tflops == pytest.approx(0.01) and hw.bytes_per_element == 4
+    assert hw.hbm_gbps > 0 and hw.name == "cpu"
