@@ -1,8 +1,9 @@
 """Run a function on N ranks for tests: spawned processes, gloo, a free loopback port each time.
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, sets torchrun's environment
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) in each, optionally initialises a gloo
-process group, and calls ``fn(rank, world_size, *args)``. It returns the ranks' return values in
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) in each, gives each rank its share of the
+cores (unless OMP_NUM_THREADS is set), optionally initialises a gloo process group, and calls
+``fn(rank, world_size, *args)``. It returns the ranks' return values in
 rank order. A rank that raises fails the run with :class:`RankError`, which carries that rank's
 number and traceback; ranks that do not finish within ``timeout`` seconds are killed and fail
 the run with :class:`RankTimeout`, naming them. No process outlives the call.
@@ -50,8 +51,13 @@ def _child(fn, rank, world_size, port, init_pg, args, queue):
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     try:
+        import torch
         import torch.distributed as dist
 
+        if "OMP_NUM_THREADS" not in os.environ:
+            # As torchrun does: ranks sharing the cores must not each spin a full thread pool
+            # (oversubscribed, a tiny model's step is ten times slower).
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         if init_pg:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
