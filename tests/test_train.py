@@ -11,7 +11,7 @@ import torch
 from fastpar.testing import run_ranks
 from fastpar.train import TrainConfig
 
-BASE = dict(model="tiny", seq_len=32, global_batch_size=8, micro_batch_size=2, steps=12,
+BASE = dict(model="tiny", seq_len=32, global_batch_size=8, micro_batch_size=2, steps=20,
             warmup_steps=3, log_every=100)
 
 
@@ -58,24 +58,24 @@ def _params(ckpt):
     return load_file(str(ckpt / "model_tp0_pp0.safetensors"))
 
 
-def test_resume_continues_exactly_and_across_layouts(reference, tmp_path):
+def test_resume_continues_exactly_and_across_layouts(tmp_path):
     ckpt = tmp_path / "checkpoints"
-    first = _losses(1, tmp_path, save_every=6)
-    assert first == pytest.approx(reference, rel=1e-6)
-    final = _params(ckpt / "step_12")
-    # Stop after step 6: only its checkpoint is left. Resume on the same layout...
-    shutil.rmtree(ckpt / "step_12")
-    resumed = _losses(1, tmp_path, resume=True)
-    assert resumed == pytest.approx(reference[6:], rel=1e-6)
-    for name, t in _params(ckpt / "step_12").items():
+    whole = _losses(1, tmp_path, steps=40, save_every=20)       # uninterrupted, 40 steps
+    final = _params(ckpt / "step_40")
+    # Stop after step 20: only its checkpoint is left. Resume on the same layout...
+    shutil.rmtree(ckpt / "step_40")
+    resumed = _losses(1, tmp_path, steps=40, resume=True)
+    assert resumed == pytest.approx(whole[20:], rel=1e-6)
+    for name, t in _params(ckpt / "step_40").items():
         assert torch.allclose(t, final[name], atol=1e-6), name
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 13))
-    # ... and on two tensor-parallel ranks: the same losses.
-    shutil.rmtree(ckpt / "step_12")
-    resumed = _losses(2, tmp_path, tp=2, resume=True)
-    for a, b in zip(resumed, reference[6:], strict=True):
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    # ... and on a tp=2 x pp=2 layout: the same losses.
+    shutil.rmtree(ckpt / "step_40")
+    resumed = _losses(4, tmp_path, steps=40, tp=2, pp=2, resume=True)
+    for a, b in zip(resumed, whole[20:], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
+    assert whole[:20] != pytest.approx(resumed, rel=1e-3)         # not the first half again
 
 
 def _cli(*args, cwd):
@@ -116,10 +116,10 @@ def test_cli_bad_input_is_one_clear_error(tmp_path, capsys, args, needle):
 
 
 def test_zero1_equals_single_process_and_resumes_exactly(reference, tmp_path):
-    first = _losses(2, tmp_path, dp=2, zero1=True, save_every=6)
+    first = _losses(2, tmp_path, dp=2, zero1=True, save_every=10)
     for a, b in zip(first, reference, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
-    shutil.rmtree(tmp_path / "checkpoints" / "step_12")
+    shutil.rmtree(tmp_path / "checkpoints" / "step_20")
     resumed = _losses(2, tmp_path, dp=2, zero1=True, resume=True)
-    for a, b in zip(resumed, reference[6:], strict=True):
+    for a, b in zip(resumed, reference[10:], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
