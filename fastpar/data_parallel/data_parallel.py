@@ -104,15 +104,6 @@ class DataParallel(nn.Module):
         self._reducer.sync = bool(requires)
         self._reducer.wait_in_backward = bool(wait_in_backward)
 
-    def reduce_gradients(self) -> None:
-        """Start reducing the gradients accumulated so far without a reducing backward (after a
-        pipeline step whose micro-batches ran with sync off); finish_gradient_sync() waits."""
-        r = self._reducer
-        if r.in_flight:
-            return
-        r.in_flight, r._armed, r.wait_in_backward = True, False, False
-        r._on_backward_end()
-
     def finish_gradient_sync(self) -> None:
         """Start what is left of a reduction begun with ``wait_in_backward=False``, wait for it
         and deliver the averaged gradients (a no-op when no reduction is under way)."""
