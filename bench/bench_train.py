@@ -1,0 +1,297 @@
+"""Training step of the GPT presets per layout (dp2, tp2, pp2): fastpar's trainer against the same
+layout built from torch's own parts, tokens/s and step-time ratio in one run.
+
+    flock /tmp/fastpar-bench.lock python bench/bench_train.py [--models tiny small]
+        [--small-layers 4] [--batch 8] [--micro 2] [--seq 128] [--rounds 5] [--iters 2]
+
+One step = what ``fastpar.train`` does per step minus its logging, LR schedule, watchdog and
+non-finite guard: forward and backward of the global batch in micro-batches, gradient sync, the
+loss all-reduce over DP, clipping by the true global gradient norm, AdamW (fp32, foreach). Every
+variant starts from the same weights and sees the same batch; the losses of the two warm-up steps
+(the second one after an optimizer step, so it checks the gradients too) must agree across all
+variants, or the run stops.
+
+  fastpar dp2   ``build_model`` (tp=1) wrapped in DataParallel, the trainer's ``_step`` / ``_clip``
+  torch   dp2   the same GPT in DistributedDataParallel (no_sync on all but the last micro-batch;
+                no buffer sync per forward: its only buffers are the constant rotary tables)
+  fastpar tp2   ``build_model`` with the TP group (Column/RowParallelLinear, vocab-parallel
+                embedding, head and cross-entropy)
+  torch   tp2   the single-device GPT with its parallel layers turned into nn.Linear / nn.Embedding
+                and sharded by ``parallelize_module``: Colwise q, k, v, up, gate; Rowwise o, down;
+                the embedding Rowwise (vocabulary shards, all-reduced output) and the head Colwise
+                with a replicated (all-gathered) output, because the model's loss takes local
+                logits - torch's ``loss_parallel`` would keep the vocabulary sharded, but it needs
+                a DTensor logit and the model masks and transposes its logits as plain tensors.
+                Each attention keeps n_heads / tp heads. Norm weights stay plain replicated tensors,
+                so the global norm is the DTensor part's norm plus the plain part's.
+  fastpar pp2   the trainer's two stages in the PipelineExecutor, 1F1B
+  torch   pp2   the same two stage modules in torch.distributed.pipelining PipelineStage +
+                Schedule1F1B; the norm is summed over the stages by hand (torch has no helper)
+Layouts that mix these torch parts (DDP with pipelining, DTensor TP inside pipeline stages) are
+not measured: only the pure ones at world size 2.
+
+Timing: all six variants live in the same two ranks and take turns step by step, a barrier before
+each step (``--rounds`` rounds of ``--iters`` steps; median per round, median over rounds, the
+slowest rank). tokens/s = global batch x seq / step; fastpar/torch is the step-time ratio (lower is
+better); GFLOP/s per rank uses the trainer's 6N + 12 L d S per token.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import fastpar  # noqa: E402
+from fastpar.data_parallel import DataParallel  # noqa: E402
+from fastpar.models import GPT  # noqa: E402
+from fastpar.pipeline import PipelineExecutor, build_schedule  # noqa: E402
+from fastpar.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from fastpar.testing import run_ranks  # noqa: E402
+from fastpar.train import TrainConfig  # noqa: E402
+from fastpar.train.metrics import flops_per_token  # noqa: E402
+from fastpar.train.trainer import (_clip, _loss_fn, _param_groups, _Stage, _step,  # noqa: E402
+                                   build_model)
+
+LAYOUTS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2)}
+
+
+@dataclass
+class BenchConfig(TrainConfig):
+    """TrainConfig with an optional layer count, for a reduced shape of a preset."""
+
+    layers: int | None = None           # n_layers override; None = the preset's
+
+    @property
+    def model_config(self):
+        mc = super().model_config
+        return mc.replace(n_layers=self.layers) if self.layers else mc
+
+
+def _adamw(cfg, chunks):
+    return torch.optim.AdamW(_param_groups(chunks, cfg.weight_decay), lr=cfg.lr,
+                             betas=(0.9, 0.95), eps=1e-8, foreach=True)
+
+
+def _mean_loss(model, x, y, M, sync=None):
+    """Forward + backward of M micro-batches; ``sync(last)`` gives the context for each."""
+    total = torch.zeros(())
+    for i, (xm, ym) in enumerate(zip(x.chunk(M), y.chunk(M))):
+        with sync(i == M - 1) if sync else contextlib.nullcontext():
+            loss = model(xm, ym) / M
+            loss.backward()
+        total += loss.detach()
+    return total
+
+
+def _finish(loss, group, dp, opt, params, norm_fn, max_norm):
+    """The end of a trainer step: loss all-reduce, clip by the global norm, AdamW."""
+    dist.all_reduce(loss, group=group)
+    grads = [p.grad for p in params if p.grad is not None]
+    torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm_fn(grads))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item() / dp
+
+
+# -- fastpar: the trainer's own building blocks ------------------------------------------------
+def fastpar_variant(cfg, mesh):
+    chunks = build_model(cfg, mesh)
+    dp = mesh.dp_size
+    ddp = DataParallel(nn.ModuleList(chunks), dp_group=mesh.dp_group) if dp > 1 else None
+    opt = _adamw(cfg, chunks)
+    M = cfg.num_microbatches(dp)
+    pipe = None
+    if cfg.pp > 1:
+        stages = [_Stage(g, mesh.pp_rank, cfg.pp) for g in chunks]
+        pipe = PipelineExecutor(stages, build_schedule(cfg.schedule, cfg.pp, M), mesh.pp_group,
+                                loss_fn=_loss_fn(mesh.tp_group))
+
+    def step(x, y):
+        loss = _step(chunks, ddp, pipe, x, y, M, mesh)
+        dist.all_reduce(loss, group=mesh.dp_group)
+        _clip(chunks, mesh, cfg.grad_clip, opt)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item() / dp
+    return step
+
+
+# -- torch: DDP, DTensor TP, torch.distributed.pipelining -------------------------------------
+def torch_dp(cfg, mesh):
+    model = GPT(cfg.model_config, device=mesh.device)
+    ddp = DDP(model, process_group=mesh.dp_group, forward_sync_buffers=False)
+    opt, params = _adamw(cfg, [model]), list(model.parameters())
+    M = cfg.num_microbatches(mesh.dp_size)
+    norm = torch.nn.utils.get_total_norm
+
+    def step(x, y):
+        loss = _mean_loss(ddp, x, y, M, lambda last: contextlib.nullcontext() if last
+                          else ddp.no_sync())
+        return _finish(loss, mesh.dp_group, mesh.dp_size, opt, params, norm, cfg.grad_clip)
+    return step
+
+
+def _to_torch_layers(model: GPT, tp: int) -> dict:
+    """Swap fastpar's parallel layers (built at tp=1) for nn.Linear / nn.Embedding in place;
+    returns the parallelize_module plan for them."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, mod.to_linear())
+            row = isinstance(mod, RowParallelLinear)
+            plan[name] = RowwiseParallel() if row else ColwiseParallel()
+    plan["head"] = ColwiseParallel(output_layouts=Replicate())
+    emb = nn.Embedding(*model.embed.weight.shape, device=model.embed.weight.device)
+    with torch.no_grad():
+        emb.weight.copy_(model.embed.weight)
+    model.embed = emb
+    plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    for layer in model.layers.values():          # each rank attends with its heads only
+        layer.attn.heads //= tp
+        layer.attn.kv_heads //= tp
+    return plan
+
+
+def torch_tp(cfg, mesh):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = GPT(cfg.model_config, device=mesh.device)
+    plan = _to_torch_layers(model, mesh.tp_size)
+    parallelize_module(model, DeviceMesh(mesh.device.type, mesh.group_ranks("tp")), plan)
+    opt, params = _adamw(cfg, [model]), list(model.parameters())
+    M = cfg.num_microbatches(mesh.dp_size)
+
+    def norm(grads):
+        """The DTensor shards' global norm (all-reduced by DTensor) with the replicated rest."""
+        sharded = [g for g in grads if isinstance(g, DTensor)]
+        plain = [g for g in grads if not isinstance(g, DTensor)]
+        total = torch.nn.utils.get_total_norm(sharded).full_tensor().square()
+        return (total + torch.nn.utils.get_total_norm(plain).square()).sqrt()
+
+    def step(x, y):
+        loss = _mean_loss(model, x, y, M)
+        return _finish(loss, mesh.dp_group, mesh.dp_size, opt, params, norm, cfg.grad_clip)
+    return step
+
+
+def torch_pp(cfg, mesh):
+    from torch.distributed import pipelining
+
+    chunks = build_model(cfg, mesh)
+    stage = pipelining.PipelineStage(_Stage(chunks[0], mesh.pp_rank, cfg.pp), mesh.pp_rank,
+                                     cfg.pp, mesh.device, group=mesh.pp_group)
+    M = cfg.num_microbatches(mesh.dp_size)
+    sched = pipelining.Schedule1F1B(stage, n_microbatches=M, loss_fn=_loss_fn(mesh.tp_group))
+    opt, params = _adamw(cfg, chunks), [p for c in chunks for p in c.parameters()]
+    first, last = mesh.pp_rank == 0, mesh.pp_rank == cfg.pp - 1
+
+    def norm(grads):
+        sq = torch.nn.utils.get_total_norm(grads).square()
+        dist.all_reduce(sq, group=mesh.pp_group)
+        return sq.sqrt()
+
+    def step(x, y):
+        losses = []
+        if first:
+            sched.step(x)
+        else:
+            sched.step(target=y, losses=losses)
+        loss = torch.stack(losses).mean() if last else torch.zeros(())
+        dist.all_reduce(loss, group=mesh.pp_group)     # only the last stage holds it
+        return _finish(loss, mesh.dp_group, mesh.dp_size, opt, params, norm, cfg.grad_clip)
+    return step
+
+
+TORCH = {"dp2": torch_dp, "tp2": torch_tp, "pp2": torch_pp}
+
+
+def _measure(rank, world_size, a, model):
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
+    base = dict(model=model, global_batch_size=a.batch, micro_batch_size=a.micro, seq_len=a.seq,
+                layers=a.small_layers if model == "small" else None)
+    mc = BenchConfig(**base).model_config
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, mc.vocab_size, (a.batch, a.seq), generator=g)
+    y = torch.randint(0, mc.vocab_size, (a.batch, a.seq), generator=g)
+    variants, shares = {}, {}
+    for name, dims in LAYOUTS.items():
+        mesh = fastpar.init(**dims)
+        cfg = BenchConfig(**base, **dims)
+        cfg.check_layout(world_size)
+        shares[name] = x.chunk(mesh.dp_size)[mesh.dp_rank], y.chunk(mesh.dp_size)[mesh.dp_rank]
+        variants[("fastpar", name)] = fastpar_variant(cfg, mesh)
+        variants[("torch", name)] = TORCH[name](cfg, mesh)
+
+    losses = {key: [step(*shares[key[1]]) for _ in range(2)] for key, step in variants.items()}
+    ref = losses[("fastpar", "tp2")]
+    for key, got in losses.items():                 # the same math in every variant
+        for s, (l, r) in enumerate(zip(got, ref)):
+            assert abs(l - r) <= 1e-4 * abs(r), f"{key} loss {l} at warm-up step {s} != {r}"
+    times = {key: [] for key in variants}
+    for _ in range(a.rounds):
+        steps = {key: [] for key in variants}
+        for _ in range(a.iters):
+            for key, step in variants.items():
+                dist.barrier()
+                xs, ys = shares[key[1]]
+                steps[key] += common.time_it(lambda: step(xs, ys), torch.device("cpu"),
+                                             warmup=0, iters=1)
+        for key in variants:
+            times[key].append(common.median(steps[key]))
+    med = torch.tensor([common.median(times[k]) for k in variants])
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)       # a step is as slow as the slowest rank
+    return {f"{lib} {name}": t for (lib, name), t in zip(variants, med.tolist())}, ref
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["tiny", "small"])
+    p.add_argument("--small-layers", type=int, default=None,
+                   help="n_layers of the small preset (default: the preset's 8)")
+    p.add_argument("--batch", type=int, default=8, help="global batch, sequences")
+    p.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--label", default="cpu", help="suffix of the results file")
+    a = p.parse_args(argv)
+    world, tokens = 2, a.batch * a.seq
+    rows = []
+    for model in a.models:
+        sec, losses = run_ranks(_measure, world, a, model, init_pg=False, timeout=3600)[0]
+        mc = BenchConfig(model=model, seq_len=a.seq,
+                         layers=a.small_layers if model == "small" else None).model_config
+        flops = flops_per_token(mc.num_params(), mc.n_layers, mc.d_model, a.seq) * tokens
+        shape = f"L{mc.n_layers} d{mc.d_model} h{mc.n_heads}"
+        for name in LAYOUTS:
+            f, t = sec[f"fastpar {name}"], sec[f"torch {name}"]
+            rows.append({"model": model, "shape": shape, "params_M": mc.num_params() / 1e6,
+                         "layout": name, "fastpar_ms": f * 1e3, "torch_ms": t * 1e3,
+                         "fastpar_tok/s": tokens / f, "torch_tok/s": tokens / t,
+                         "fastpar/torch": f / t,
+                         "fastpar_GFLOP/s/rank": flops / f / world / 1e9,
+                         "torch_GFLOP/s/rank": flops / t / world / 1e9, "warmup_losses": losses,
+                         "batch": a.batch, "micro": a.micro, "seq": a.seq})
+    common.report(f"train_{a.label}", rows,
+                  ["model", "shape", "layout", "fastpar_ms", "torch_ms", "fastpar_tok/s",
+                   "torch_tok/s", "fastpar/torch", "fastpar_GFLOP/s/rank", "torch_GFLOP/s/rank"])
+
+
+if __name__ == "__main__":
+    main()
