@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import Coords, Layout, layout
+from .watchdog import nccl_debug_env
 
 _BACKENDS = ("gloo", "nccl")
 
@@ -81,7 +82,8 @@ def _pick_backend(backend: str | None) -> str:
 
 
 def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-dp-pp",
-         backend: str | None = None, timeout: float | timedelta = 600.0) -> Mesh:
+         backend: str | None = None, timeout: float | timedelta = 600.0,
+         nccl_trace: str | None = None) -> Mesh:
     """Initialise torch.distributed from torchrun's environment and build the tp/pp/dp groups.
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Without RANK and WORLD_SIZE
@@ -89,8 +91,15 @@ def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-dp-pp
     already initialised its world is used as it is. ``backend=None`` picks NCCL when CUDA is
     available, else gloo. Every check (layout against the world size, the backend) runs before
     any collective, so a bad configuration raises the same ``ValueError`` on every rank.
+
+    ``timeout`` (seconds) bounds every collective of every group: a rank that stops taking part
+    makes the others fail instead of hanging. On NCCL the watchdog's error handling and the
+    flight recorder are turned on (unless set already); ``nccl_trace`` is the path prefix of its
+    per-rank dumps (see :func:`fastpar.dist.watchdog.nccl_debug_env`).
     """
     timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout={timeout.total_seconds():g}s must be > 0")
     if dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
         backend = dist.get_backend()
@@ -112,6 +121,8 @@ def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-dp-pp
                     raise ValueError(f"environment variable {name} is not set (RANK={rank}, "
                                      f"WORLD_SIZE={world_size}); launch with torchrun")
         if backend == "nccl":
+            for key, value in nccl_debug_env(nccl_trace).items():
+                os.environ.setdefault(key, value)
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     if "nccl" in str(backend):

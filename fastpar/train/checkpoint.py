@@ -3,23 +3,24 @@
 ``OUT/checkpoints/step_N/`` holds one safetensors file per (tp, pp) shard, written in parallel by
 the first data-parallel replica, plus ``index_tp{t}_pp{p}.json`` saying for each tensor its global
 shape and which slice the file holds, ``rng_rank{r}.safetensors`` per rank, and ``manifest.json``
-(step, data position, configuration, layout). Everything is written into ``step_N.tmp`` and
-renamed when complete, so a crash never leaves a broken latest checkpoint. Loading reads, for each
-local tensor, the overlapping slices of whatever files hold it: a checkpoint saved with one layout
-loads into another. Only tensors are read back (safetensors, JSON), never pickled objects.
+(step, data position, configuration, layout, and the size and sha256 of every file). Everything
+is written into ``step_N.tmp-*`` and renamed when complete (see :mod:`.checkpoint_writer`), so a
+crash never leaves a broken latest checkpoint and a partial one is ignored. Loading checks each
+file against the manifest before reading it (a truncated or corrupt file is one clear
+:class:`CheckpointError` naming it), then reads, for each local tensor, the overlapping slices of
+whatever files hold it: a checkpoint saved with one layout loads into another. Only tensors are
+read back (safetensors, JSON), never pickled objects.
 """
 from __future__ import annotations
 
+import hashlib
 import json
-import os
-import shutil
+import re
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError, safe_open
 
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -48,76 +49,158 @@ def shard_specs(modules: list[nn.Module], tp_size: int, tp_rank: int) -> dict:
     return out
 
 
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: a missing, truncated or corrupt file, a bad manifest."""
 
 
-def save_checkpoint(root, step: int, modules, optimizer, mesh, manifest: dict,
-                    rank_tensors: dict | None = None) -> Path:
-    """Write ``root/step_{step}`` (see the module docstring); collective over the world.
-    ``rank_tensors``: this rank's own tensors (e.g. a ZeRO optimizer shard), kept per rank."""
-    root = Path(root)
-    tmp, final = root / f"step_{step}.tmp", root / f"step_{step}"
+def snapshot(modules, optimizer, mesh, rank_tensors: dict | None = None,
+             copy: bool = False) -> dict[str, dict | str]:
+    """This rank's files of a checkpoint, as ``file name -> tensors`` (safetensors) or ``-> text``
+    (JSON). ``copy=True`` clones every tensor to CPU, so training can go on while they are
+    written (the parameters and optimizer state change in place)."""
+    def cpu(t):
+        return t.detach().to("cpu", copy=copy).contiguous()
+
     rank = mesh.rank if mesh is not None else 0
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
     tp, pp, dp = (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank) if mesh else (0, 0, 0)
-    specs = shard_specs(modules, mesh.tp_size if mesh else 1, tp)
-    if dp == 0:
+    files: dict[str, dict | str] = {}
+    if dp == 0:     # the first data-parallel replica writes the (tp, pp) shards
         tensors, index = {}, {}
-        for name, (p, shape, dim, start, stop) in specs.items():
-            tensors[name] = p.detach().contiguous().cpu()
+        for name, (p, shape, dim, start, stop) in shard_specs(
+                modules, mesh.tp_size if mesh else 1, tp).items():
+            tensors[name] = cpu(p)
             index[name] = {"shape": shape, "dim": dim, "start": start, "stop": stop}
             state = optimizer.state.get(p, {}) if optimizer is not None else {}
             for key in _OPTIM_KEYS:
                 if key in state:
-                    tensors[f"optim.{key}.{name}"] = state[key].detach().contiguous().cpu()
+                    tensors[f"optim.{key}.{name}"] = cpu(state[key])
                     index[f"optim.{key}.{name}"] = index[name]
             if "step" in state:
                 tensors[f"optim.step.{name}"] = torch.as_tensor(state["step"]).reshape(1).float()
                 index[f"optim.step.{name}"] = {"shape": [1], "dim": None, "start": 0, "stop": 0}
-        save_file(tensors, str(tmp / f"model_tp{tp}_pp{pp}.safetensors"))
-        (tmp / f"index_tp{tp}_pp{pp}.json").write_text(json.dumps(index))
-    save_file({"cpu": torch.get_rng_state()}, str(tmp / f"rng_rank{rank}.safetensors"))
+        files[f"model_tp{tp}_pp{pp}.safetensors"] = tensors
+        files[f"index_tp{tp}_pp{pp}.json"] = json.dumps(index)
+    files[f"rng_rank{rank}.safetensors"] = {"cpu": torch.get_rng_state()}
     if rank_tensors:
-        save_file({k: v.detach().contiguous().cpu() for k, v in rank_tensors.items()},
-                  str(tmp / f"rank{rank}.safetensors"))
-    _barrier()
-    if rank == 0:
-        (tmp / "manifest.json").write_text(json.dumps(dict(manifest, step=step), indent=2))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        (root / "latest.tmp").write_text(final.name)
-        os.replace(root / "latest.tmp", root / "latest")
-    _barrier()
-    return final
+        files[f"rank{rank}.safetensors"] = {k: cpu(v) for k, v in rank_tensors.items()}
+    return files
+
+
+def save_checkpoint(root, step: int, modules, optimizer, mesh, manifest: dict,
+                    rank_tensors: dict | None = None) -> Path:
+    """Write ``root/step_{step}`` now (see the module docstring); every rank calls it.
+    ``rank_tensors``: this rank's own tensors (e.g. a ZeRO optimizer shard), kept per rank."""
+    from .checkpoint_writer import CheckpointWriter
+
+    return CheckpointWriter(root, mesh).save(step, modules, optimizer, manifest, rank_tensors)
+
+
+def file_digest(path: Path) -> dict:
+    """``{"bytes": size, "sha256": hex}`` of a file, as the manifest records it."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def complete_checkpoints(root) -> list[Path]:
+    """The complete checkpoints under ``root`` (renamed, with a manifest), oldest first."""
+    done = [p for p in Path(root).glob("step_*") if p.is_dir() and _STEP_DIR.fullmatch(p.name)
+            and (p / "manifest.json").exists()]
+    return sorted(done, key=lambda p: int(p.name.split("_")[1]))
 
 
 def latest_checkpoint(root) -> Path | None:
-    """The newest complete checkpoint under ``root``, or None."""
-    root = Path(root)
-    done = [p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
-            and (p / "manifest.json").exists()]
-    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+    """The newest complete checkpoint under ``root``, or None; partial ones are ignored."""
+    done = complete_checkpoints(root)
+    return done[-1] if done else None
 
 
 def read_rank_tensors(path, rank: int) -> dict:
     """The ``rank_tensors`` that rank ``rank`` saved (empty if none)."""
-    f = Path(path) / f"rank{rank}.safetensors"
-    if not f.exists():
+    name = f"rank{rank}.safetensors"
+    if not (Path(path) / name).exists():
         return {}
-    with safe_open(str(f), framework="pt") as st:
+    with _open(Path(path), name, Verifier(path)) as st:
         return {k: st.get_tensor(k) for k in st.keys()}
 
 
 def read_manifest(path) -> dict:
-    return json.loads((Path(path) / "manifest.json").read_text())
+    f = Path(path) / "manifest.json"
+    try:
+        manifest = json.loads(f.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} has no manifest.json") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: manifest.json is not valid JSON ({e})") \
+            from None
+    if not isinstance(manifest, dict) or "step" not in manifest:
+        raise CheckpointError(f"checkpoint {path}: manifest.json holds no step")
+    return manifest
 
 
-def _read_full(path: Path, index: dict, name: str, shape) -> torch.Tensor:
+class Verifier:
+    """Checks the files of a checkpoint against its manifest, each at most once."""
+
+    def __init__(self, path, manifest: dict | None = None):
+        self.path = Path(path)
+        self.files = (manifest or read_manifest(path)).get("files")   # None: saved before sums
+        self.done: set[str] = set()
+
+    def __call__(self, name: str, full: bool = True) -> None:
+        if self.files is None or name in self.done:
+            return
+        where = f"checkpoint {self.path}: {name}"
+        entry, f = self.files.get(name), self.path / name
+        if entry is None:
+            raise CheckpointError(f"{where} is not listed in its manifest")
+        if not f.exists():
+            raise CheckpointError(f"{where} is missing")
+        size = f.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{where} holds {size} bytes, the manifest says "
+                                  f"{entry['bytes']}: the file is truncated or was replaced")
+        if full:
+            if file_digest(f)["sha256"] != entry["sha256"]:
+                raise CheckpointError(f"{where} is corrupt: its sha256 differs from the "
+                                      f"manifest's")
+            self.done.add(name)
+
+    def all(self, full: bool = True) -> None:
+        for name in self.files or ():
+            self(name, full)
+
+
+def verify_checkpoint(path, full: bool = True) -> dict:
+    """Check every file of ``path`` (sizes only when ``full=False``); returns the manifest."""
+    manifest = read_manifest(path)
+    Verifier(path, manifest).all(full)
+    return manifest
+
+
+class _open:
+    """``safe_open`` of a checkpoint file, verified first; a safetensors error names the file."""
+
+    def __init__(self, path: Path, name: str, verify: Verifier):
+        verify(name)
+        self.where = f"checkpoint {path}: {name}"
+        try:
+            self.st = safe_open(str(path / name), framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{self.where} cannot be read ({e})") from None
+
+    def __enter__(self):
+        return self.st.__enter__()
+
+    def __exit__(self, *exc):
+        return self.st.__exit__(*exc)
+
+
+def _read_full(path: Path, index: dict, name: str, shape, verify: Verifier) -> torch.Tensor:
     """The whole global tensor ``name``, assembled from the files that hold its slices."""
     out, covered = None, 0
     for idx_file, entries in index.items():
@@ -127,9 +210,11 @@ def _read_full(path: Path, index: dict, name: str, shape) -> torch.Tensor:
         if list(entry["shape"]) != list(shape):
             raise ValueError(f"checkpoint {path}: {name} has shape {entry['shape']}, the model "
                              f"{list(shape)}: a checkpoint of another model shape")
-        tensors = idx_file.with_name(idx_file.name.replace("index_", "model_")).with_suffix(
-            ".safetensors")
-        with safe_open(str(tensors), framework="pt") as st:
+        tensors = idx_file.name.replace("index_", "model_").replace(".json", ".safetensors")
+        with _open(path, tensors, verify) as st:
+            if name not in st.keys():
+                raise CheckpointError(f"checkpoint {path}: {tensors} lacks {name!r}, which its "
+                                      f"index lists")
             t = st.get_tensor(name)
         if entry["dim"] is None:
             return t
@@ -142,8 +227,8 @@ def _read_full(path: Path, index: dict, name: str, shape) -> torch.Tensor:
     raise ValueError(f"checkpoint {path} does not hold all of {name!r}")
 
 
-def _read_slice(path, index, name, shape, dim, start, stop) -> torch.Tensor:
-    full = _read_full(path, index, name, shape)
+def _read_slice(path, index, name, shape, dim, start, stop, verify) -> torch.Tensor:
+    full = _read_full(path, index, name, shape, verify)
     return full if dim is None else full.narrow(dim, start, stop - start).contiguous()
 
 
@@ -151,22 +236,30 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
     """Load ``path`` into this rank's modules (and optimizer state); returns the manifest."""
     path = Path(path)
     manifest = read_manifest(path)
-    index = {f: json.loads(f.read_text()) for f in sorted(path.glob("index_*.json"))}
+    verify = Verifier(path, manifest)
+    index = {}
+    for f in sorted(path.glob("index_*.json")):
+        verify(f.name)
+        try:
+            index[f] = json.loads(f.read_text())
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {path}: {f.name} is not valid JSON ({e})") \
+                from None
     specs = shard_specs(modules, mesh.tp_size if mesh else 1, mesh.tp_rank if mesh else 0)
     with torch.no_grad():
         for name, (p, shape, dim, start, stop) in specs.items():
-            p.copy_(_read_slice(path, index, name, shape, dim, start, stop))
+            p.copy_(_read_slice(path, index, name, shape, dim, start, stop, verify))
             if optimizer is None or not any(f"optim.step.{name}" in i for i in index.values()):
                 continue
             state = optimizer.state[p]
             for key in _OPTIM_KEYS:
                 state[key] = _read_slice(path, index, f"optim.{key}.{name}", shape, dim, start,
-                                         stop).to(p.device, p.dtype)
-            step = _read_slice(path, index, f"optim.step.{name}", [1], None, 0, 0)
+                                         stop, verify).to(p.device, p.dtype)
+            step = _read_slice(path, index, f"optim.step.{name}", [1], None, 0, 0, verify)
             state["step"] = step.reshape(()).clone()
     rank = mesh.rank if mesh is not None else 0
-    rng = path / f"rng_rank{rank}.safetensors"
-    if rng.exists():
-        with safe_open(str(rng), framework="pt") as st:
+    rng = f"rng_rank{rank}.safetensors"
+    if (path / rng).exists():
+        with _open(path, rng, verify) as st:
             torch.set_rng_state(st.get_tensor("cpu"))
     return manifest

@@ -31,6 +31,11 @@ class TrainConfig:
     out: str = "runs/fastpar"           # metrics, plot, config, checkpoints
     save_every: int = 0                 # steps between checkpoints; 0 = only at the end
     resume: bool = False                # continue from the latest checkpoint in OUT
+    keep_last: int = 0                  # complete checkpoints kept, the newest; 0 keeps all
+    async_save: bool = False            # write checkpoints on a background thread
+    timeout: float = 600.0              # seconds a collective waits for a peer before failing
+    max_skipped_steps: int = 5          # non-finite steps in a row (skipped) before stopping
+    deterministic: bool = False         # deterministic kernels on GPU (CPU always is)
     zero1: bool = False                 # shard optimizer state over the DP group
     recompute: str = "none"             # activation checkpointing: none | full | selective
     sequence_parallel: bool = False     # sequence parallelism inside TP
@@ -40,15 +45,20 @@ class TrainConfig:
     def __post_init__(self):
         get_config(self.model)          # an unknown model raises here
         for name in ("tp", "pp", "virtual_stages", "global_batch_size", "micro_batch_size",
-                     "seq_len", "log_every"):
+                     "seq_len", "log_every", "max_skipped_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
         if self.dp is not None and self.dp < 1:
             raise ValueError(f"--dp={self.dp} must be >= 1")
-        if self.steps < 0:
-            raise ValueError(f"--steps={self.steps} must be >= 0")
-        if self.save_every < 0:
-            raise ValueError(f"--save-every={self.save_every} must be >= 0")
+        for name in ("steps", "save_every", "keep_last", "warmup_steps", "weight_decay",
+                     "grad_clip", "min_lr"):
+            if not getattr(self, name) >= 0:        # also refuses NaN
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 0")
+        for name in ("lr", "timeout") + (("peak_tflops",) if self.peak_tflops is not None else ()):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be > 0")
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr={self.min_lr} is above --lr={self.lr}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--schedule={self.schedule!r} is not one of {SCHEDULES}")
         if self.recompute not in RECOMPUTE:

@@ -67,16 +67,30 @@ def load_tokens(path: str | None = None, max_bytes: int | None = DEFAULT_MAX_BYT
     return tokens
 
 
-def check_data(path: str | None) -> None:
-    """Fail fast (ValueError) on a data path that is missing or holds no bytes."""
+def check_data(path: str | None, seq_len: int = 0) -> None:
+    """Fail fast (ValueError) on a data path that is missing, holds no bytes, is a token file of
+    an odd size, or holds fewer than ``seq_len + 2`` tokens. Reads sizes only."""
     if path is None:
         return
     p = Path(path)
     if not p.exists():
         raise ValueError(f"data path {path!r} does not exist")
-    files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()]
-    if not any(f.stat().st_size for f in files):
+    files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()
+                                     and not f.name.startswith(".")]
+    size = sum(f.stat().st_size for f in files)
+    if not size:
         raise ValueError(f"data {path!r} is empty")
+    if p.is_file() and p.suffix == ".bin":
+        if size % 2:
+            raise ValueError(f"token file {path!r} has an odd size: not uint16 tokens")
+        size //= 2
+    check_length(size, seq_len, path)
+
+
+def check_length(n_tokens: int, seq_len: int, path: str | None) -> None:
+    if n_tokens < seq_len + 2:
+        raise ValueError(f"data {path or 'stdlib corpus'!r} has {n_tokens} tokens, fewer than "
+                         f"--seq-len + 2 = {seq_len + 2}")
 
 
 class BatchSampler:

@@ -1,20 +1,27 @@
 """``fastpar train`` on one machine without torchrun: torch's elastic launcher starts the ranks
 and restarts failed workers up to ``max_restarts`` times; a restarted run resumes from the last
-checkpoint. Under torchrun (RANK is set) the command just runs this rank."""
+complete checkpoint. Under torchrun (RANK is set) the command just runs this rank.
+
+Everything listens on loopback only: the rendezvous store and the workers' store are bound to
+127.0.0.1 (torch's own TCPStore binds every interface unless handed a bound socket), the
+workers' MASTER_ADDR is 127.0.0.1, and gloo uses the loopback interface unless
+GLOO_SOCKET_IFNAME says otherwise. A multi-node job is torchrun's, with the address given there.
+
+A worker that fails for a reason fastpar names (a bad input, a stuck collective, non-finite
+steps) prints one line and exits 1; when no restart is left the launcher prints which ranks
+failed and how, and exits 1 (``SystemExit``), with no traceback.
+"""
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import uuid
 from dataclasses import replace
 
 from .config import TrainConfig
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_RDZV = "fastpar-loopback"
 
 
 def _worker(cfg: TrainConfig) -> None:
@@ -25,21 +32,102 @@ def _worker(cfg: TrainConfig) -> None:
     train(cfg)
 
 
+def _spawned_worker(cfg: TrainConfig) -> None:
+    """A rank started by the launcher: a named failure is one line on stderr and exit code 1."""
+    from .trainer import CLEAR_ERRORS
+
+    try:
+        _worker(cfg)
+    except CLEAR_ERRORS as e:
+        print(f"fastpar train: error: rank {os.environ.get('RANK', '?')}: {e}", file=sys.stderr,
+              flush=True)
+        raise SystemExit(1) from None
+
+
+def _loopback_store():
+    """A TCPStore server that accepts connections on 127.0.0.1 only."""
+    from torch.distributed import TCPStore
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    return TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,
+                    wait_for_workers=False, master_listen_fd=sock.detach())
+
+
+def _loopback_handler(params):
+    """torch's c10d rendezvous, with both of its stores on loopback."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import \
+        C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import \
+        DynamicRendezvousHandler, create_handler
+
+    class LoopbackHandler(DynamicRendezvousHandler):
+        def _create_tcp_store_server(self, master_addr, master_port):
+            return _loopback_store()
+
+        def next_rendezvous(self):
+            # A fresh workers' store each round: a restarted group must not find the keys
+            # (gloo's peer addresses) of the round that failed.
+            self._shared_tcp_store_server = self._bootstrap_store_info = None
+            return super().next_rendezvous()
+
+        def get_backend(self) -> str:
+            return _RDZV
+
+    store = _loopback_store()
+    handler = create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
+    handler.__class__ = LoopbackHandler     # the same object; only the store server differs
+    return handler
+
+
+def _loopback_interface() -> str | None:
+    return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+
+
+def _describe(failures: dict, max_restarts: int) -> str:
+    parts = []
+    for rank, f in sorted(failures.items()):
+        how = (f"was killed by {f.signal_name()}" if f.exitcode < 0 else
+               f"exited with code {f.exitcode}")
+        parts.append(f"rank {rank} {how}")
+    restarts = f"after {max_restarts} restart(s)" if max_restarts else "no restarts allowed"
+    return (f"the job failed ({restarts}, --max-restarts {max_restarts}): {'; '.join(parts)}; "
+            f"the ranks' own messages are above")
+
+
 def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0) -> None:
-    """Run ``cfg`` on ``nproc`` local ranks (checks the layout first, in this process)."""
+    """Run ``cfg`` on ``nproc`` local ranks (checks the configuration first, in this process).
+    A failed job raises ``SystemExit(1)`` after printing one line (see the module doc)."""
     from .data import check_data
     from .trainer import check_resume
 
     cfg.check_layout(nproc)
-    check_data(cfg.data)
-    check_resume(cfg)
-    if "RANK" in os.environ or nproc == 1:
+    check_data(cfg.data, cfg.seq_len)
+    spawn = "RANK" not in os.environ and nproc > 1
+    check_resume(cfg, full=spawn)       # here once; under torchrun each rank checks sizes
+    if not spawn:
         _worker(cfg)
         return
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    rendezvous_handler_registry.register(_RDZV, _loopback_handler)
+    # The spawned workers inherit these: gloo on loopback, and the cores shared out among
+    # the ranks rather than each rank's threads fighting for all of them (as torchrun does).
+    lo = _loopback_interface()
+    if lo and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = lo
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
-                          run_id=f"fastpar-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-                          rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=max_restarts,
-                          monitor_interval=0.5, start_method="spawn")
-    elastic_launch(config, _worker)(cfg)
+                          run_id=f"fastpar-{uuid.uuid4().hex[:8]}", rdzv_backend=_RDZV,
+                          rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
+                          monitor_interval=0.5, start_method="spawn", local_addr="127.0.0.1")
+    try:
+        elastic_launch(config, _spawned_worker)(cfg)
+    except ChildFailedError as e:
+        print(f"fastpar train: error: {_describe(e.failures, max_restarts)}", file=sys.stderr,
+              flush=True)
+        raise SystemExit(1) from None

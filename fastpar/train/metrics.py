@@ -39,9 +39,11 @@ class Metrics:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
     def log(self, step: int, loss: float, lr: float, tokens: int, step_time: float,
-            flops_per_step: float, world_size: int) -> dict:
+            flops_per_step: float, world_size: int, skipped: bool = False) -> dict:
         row = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens / step_time,
                "step_time_s": step_time}
+        if skipped:         # a non-finite step: the optimizer did not step
+            row["skipped"] = True
         if self.peak_flops:
             row["mfu"] = flops_per_step / step_time / (self.peak_flops * world_size)
         if torch.cuda.is_available():

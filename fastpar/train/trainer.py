@@ -6,6 +6,11 @@
 Every layout runs the same math: the global batch of step s is fixed by (seed, s); each DP rank
 takes its share, cut into micro-batches; gradients are averaged over the DP group, the loss is the
 mean over the whole global batch; gradients are clipped by the true global norm.
+
+Reliability: every collective waits at most ``cfg.timeout`` seconds, and a stuck one fails with a
+message naming it, its group and the ranks that did not arrive (:mod:`fastpar.dist.watchdog`); a
+non-finite step is skipped on every rank (:mod:`.guard`); checkpoints are atomic, checksummed and
+optionally written in the background (:mod:`.checkpoint_writer`).
 """
 from __future__ import annotations
 
@@ -20,13 +25,17 @@ import torch.nn as nn
 
 import fastpar
 from ..data_parallel import DataParallel, DistributedOptimizer
+from ..dist.watchdog import CollectiveTimeoutError, Watchdog
 from ..models import GPT
 from ..pipeline import PipelineExecutor, build_schedule, partition
 from ..tensor_parallel import vocab_parallel_cross_entropy
-from .checkpoint import latest_checkpoint, load_checkpoint, read_manifest, read_rank_tensors, \
-    save_checkpoint, shard_specs
+from . import faults
+from .checkpoint import Verifier, latest_checkpoint, load_checkpoint, read_manifest, \
+    read_rank_tensors, shard_specs
+from .checkpoint_writer import CheckpointWriter
 from .config import TrainConfig
-from .data import BatchSampler, load_tokens
+from .data import BatchSampler, check_length, load_tokens
+from .guard import NonFiniteError, NonFiniteGuard
 from .metrics import Metrics, flops_per_token
 from .schedule import lr_at
 
@@ -111,14 +120,17 @@ def _loss_fn(tp_group):
     return loss_fn
 
 
-def check_resume(cfg: TrainConfig) -> Path | None:
-    """The checkpoint to resume from; a checkpoint of another model shape is refused here."""
+def check_resume(cfg: TrainConfig, full: bool = False) -> Path | None:
+    """The checkpoint to resume from; a checkpoint of another model shape, or one whose files
+    do not match its manifest (sizes; with ``full`` also the sha256), is refused here."""
     if not cfg.resume:
         return None
     path = latest_checkpoint(Path(cfg.out) / "checkpoints")
     if path is None:
         return None
-    saved = read_manifest(path).get("model_config", {})
+    manifest = read_manifest(path)
+    Verifier(path, manifest).all(full)
+    saved = manifest.get("model_config", {})
     now = cfg.model_config.to_dict()
     diff = {k: (saved.get(k), now[k]) for k in ("vocab_size", "n_layers", "d_model", "n_heads",
                                                  "n_kv_heads", "d_ff", "norm", "activation")
@@ -134,8 +146,15 @@ def train(cfg: TrainConfig) -> list[dict]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dp = cfg.check_layout(world)               # every check before any collective
     tokens = load_tokens(cfg.data)
+    check_length(len(tokens), cfg.seq_len, cfg.data)
     resume_from = check_resume(cfg)
-    mesh = fastpar.init(tp=cfg.tp, pp=cfg.pp, dp=dp)
+    fault = faults.from_env()
+    _set_deterministic(cfg.deterministic)
+    trace = Path(cfg.out).resolve() / "nccl_trace"      # NCCL's flight-recorder dumps
+    if torch.cuda.is_available():
+        trace.mkdir(parents=True, exist_ok=True)
+    mesh = fastpar.init(tp=cfg.tp, pp=cfg.pp, dp=dp, timeout=cfg.timeout,
+                        nccl_trace=str(trace / "rank_"))
     torch.manual_seed(cfg.seed)
     chunks = build_model(cfg, mesh)
     ddp = DataParallel(nn.ModuleList(chunks), dp_group=mesh.dp_group) if dp > 1 else None
@@ -172,8 +191,14 @@ def train(cfg: TrainConfig) -> list[dict]:
     step_tokens = cfg.global_batch_size * cfg.seq_len
     metrics = Metrics(cfg.out, mesh.rank == 0, cfg.steps, start, cfg.log_every,
                       cfg.peak_tflops * 1e12 if cfg.peak_tflops else None, resume=start > 0)
+    wd = Watchdog(mesh, cfg.timeout)
+    guard = NonFiniteGuard(cfg.max_skipped_steps, mesh.device, verbose=mesh.rank == 0)
+    writer = CheckpointWriter(out / "checkpoints", mesh, cfg.keep_last, cfg.async_save,
+                              cfg.timeout, lambda s: faults.during_save(fault, s, mesh.rank))
+    norm_dims = ("tp", "pp", "dp") if isinstance(opt, DistributedOptimizer) else ("tp", "pp")
     rows = []
     for step in range(start + 1, cfg.steps + 1):
+        faults.before_step(fault, step, mesh.rank)
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
         for g in torch_opt.param_groups:
@@ -181,23 +206,53 @@ def train(cfg: TrainConfig) -> list[dict]:
         x, y = sampler.batch(step)
         x, y = x.to(mesh.device), y.to(mesh.device)
         # bf16 autocast over fp32 master weights on GPU; plain fp32 on CPU.
-        with torch.autocast(mesh.device.type, torch.bfloat16, enabled=mesh.device.type == "cuda"):
+        with wd.region(step, "forward and backward", ("tp", "pp", "dp")), \
+                torch.autocast(mesh.device.type, torch.bfloat16,
+                               enabled=mesh.device.type == "cuda"):
             loss = _step(chunks, ddp, pipe, x, y, M, mesh)
-        dist.all_reduce(loss, group=mesh.dp_group)
+        faults.poison(fault, step, mesh.rank, loss, chunks)
+        with wd.region(step, "the loss all-reduce", ("dp",)):
+            dist.all_reduce(loss, group=mesh.dp_group)
         loss = loss.item() / dp
-        _clip(chunks, mesh, cfg.grad_clip, opt)
-        opt.step()
+        with wd.region(step, "the gradient-norm all-reduce", norm_dims):
+            norm = _clip(chunks, mesh, cfg.grad_clip, opt)
+        with wd.region(step, "the non-finite check", ("world",)):
+            ok = guard.check(step, loss, norm)
+        if ok:
+            with wd.region(step, "the optimizer step", ("dp",)):
+                opt.step()          # ZeRO-1 all-gathers the updated shards here
         opt.zero_grad(set_to_none=True)
+        if guard.exhausted:
+            raise guard.error(writer.wait() or resume_from)
         rows.append(metrics.log(step, loss, lr, step_tokens, time.perf_counter() - t0,
-                                flops * step_tokens, world))
+                                flops * step_tokens, world, skipped=not ok))
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
             zero = _zero_tensors(opt) if isinstance(opt, DistributedOptimizer) else None
-            save_checkpoint(out / "checkpoints", step, chunks, None if zero else torch_opt,
-                            mesh, {"data_step": step, "model_config": mc.to_dict(),
-                                   "layout": {"tp": cfg.tp, "pp": cfg.pp, "dp": dp},
-                                   "zero1": zero is not None}, rank_tensors=zero)
+            with wd.region(step, "saving the checkpoint"):
+                writer.save(step, chunks, None if zero else torch_opt,
+                            {"data_step": step, "model_config": mc.to_dict(),
+                             "layout": {"tp": cfg.tp, "pp": cfg.pp, "dp": dp},
+                             "zero1": zero is not None}, rank_tensors=zero)
+        faults.after_step(fault, step, mesh.rank)
+    with wd.region(cfg.steps, "writing the last checkpoint"):
+        writer.wait()
     metrics.close()
     return rows
+
+
+def _set_deterministic(on: bool) -> None:
+    """Deterministic kernels on GPU (see the README's determinism section); CPU always is."""
+    if not on or not torch.cuda.is_available():
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")     # before cuBLAS starts
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+# Errors a worker reports as one line (no traceback): the job failed for a reason it names.
+CLEAR_ERRORS = (ValueError, CollectiveTimeoutError, NonFiniteError)
 
 
 def _zero_tensors(opt: DistributedOptimizer) -> dict:
