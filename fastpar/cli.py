@@ -116,6 +116,8 @@ def _train(args) -> int:
     try:
         cfg = TrainConfig(**opts)
         # Default: all ranks of the torchrun job, else tp*pp*dp here (dp=2 when not given).
+        if args.nproc is not None and args.nproc < 1:
+            raise ValueError(f"--nproc={args.nproc} must be >= 1")
         nproc = args.nproc or int(os.environ.get("WORLD_SIZE", 0)) or \
             cfg.tp * cfg.pp * (cfg.dp or 2)
         if args.max_restarts < 0:

@@ -65,6 +65,7 @@ CLI_CASES = {
     "zero-timeout": (["--timeout", "0"], "--timeout=0.0 must be > 0"),
     "zero-max-skipped": (["--max-skipped-steps", "0"], "--max-skipped-steps=0 must be >= 1"),
     "negative-restarts": (["--max-restarts", "-1"], "--max-restarts=-1 must be >= 0"),
+    "zero-nproc": (["--nproc", "0"], "--nproc=0 must be >= 1"),
     "negative-lr": (["--lr", "-0.1"], "--lr=-0.1 must be > 0"),
     "unknown-model": (["--model", "gpt5"], "unknown model 'gpt5'"),
     "unknown-schedule": (["--schedule", "pipedream"], "--schedule='pipedream' is not one of"),
