@@ -3,7 +3,8 @@
 During F, forward hooks record the output of every leaf module that owns parameters (Linear,
 LayerNorm, Embedding, the tensor-parallel linears). B asks autograd for the gradient of the stage
 input *and* of those outputs, without the parameters: autograd then skips every weight-gradient
-GEMM (each node computes only the edges asked for) and keeps the graph. W runs, per recorded
+GEMM (each node computes only the edges asked for; the tensor-parallel linears' own Functions are
+told through ``backward_phase``) and keeps the graph. W runs, per recorded
 module, a backward from its output, with the gradient B captured, to its own parameters only: the
 weight half of exactly those nodes, and nothing upstream.
 
@@ -16,6 +17,8 @@ from collections import Counter
 
 import torch
 import torch.nn as nn
+
+from ..tensor_parallel.overlap import backward_phase
 
 
 def _own(module: nn.Module) -> list[nn.Parameter]:
@@ -72,8 +75,9 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     inputs = xs + [y for _, y in late] + now
     if not inputs:
         return None, []
-    grads = torch.autograd.grad(out, inputs, grad_outputs=grad, retain_graph=True,
-                                allow_unused=True)
+    with backward_phase("input", [p for m, _ in late for p in _own(m)]):
+        grads = torch.autograd.grad(out, inputs, grad_outputs=grad, retain_graph=True,
+                                    allow_unused=True)
     dx = grads[0] if xs else None
     k = len(xs)
     pending = [(y, g, _own(m)) for (m, y), g in zip(late, grads[k:k + len(late)])
@@ -90,5 +94,6 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
 
 def backward_weight(pending: list) -> None:
     """W: each recorded module's parameter gradients, from its output gradient, into ``.grad``."""
-    for y, g, params in pending:
-        torch.autograd.backward(y, g, inputs=params)
+    with backward_phase("weight", [p for _, _, params in pending for p in params]):
+        for y, g, params in pending:
+            torch.autograd.backward(y, g, inputs=params)

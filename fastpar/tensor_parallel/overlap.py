@@ -2,12 +2,50 @@
 
 Inputs are 2-D ``(rows, features)``: rows are the flattened sequence-first tokens, so a
 sequence-parallel shard is a contiguous block of rows. ``w`` is an nn.Linear weight shard.
+
+A zero-bubble pipeline schedule splits backward into B (input gradients) and W (weight
+gradients). Built-in autograd nodes compute only the gradient edges a call asks for; these
+Functions cannot see that, so the split backward tells them through :func:`backward_phase`:
+under ``"input"`` they skip the weight-gradient GEMM of the weights named, under ``"weight"``
+the input-gradient GEMM and its collective - otherwise B and W would each do both halves.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
 from .. import ops
+from ..dist.groups import all_gather_tensor
+
+# (phase, ids of the weights it applies to) while a split backward runs, else None. A global, not
+# a thread-local: on CUDA the autograd engine runs backward on its own device thread.
+_PHASE: tuple[str, set[int]] | None = None
+
+
+@contextmanager
+def backward_phase(phase: str, weights):
+    """Within: backward of these Functions for ``weights`` computes only the input gradients
+    (``phase="input"``) or only the weight gradients (``phase="weight"``)."""
+    global _PHASE
+    if phase not in ("input", "weight"):
+        raise ValueError(f"backward_phase: phase={phase!r} must be 'input' or 'weight'")
+    before, _PHASE = _PHASE, (phase, {id(w) for w in weights})
+    try:
+        yield
+    finally:
+        _PHASE = before
+
+
+def _needs(ctx) -> tuple[bool, bool]:
+    """(input gradient wanted, weight gradient wanted) for this backward call."""
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if _PHASE is not None and ctx.weight_id in _PHASE[1]:
+        if _PHASE[0] == "input":
+            need_w = False
+        else:
+            need_x = False
+    return need_x, need_w
 
 
 class ColumnLinearOverlap(torch.autograd.Function):
@@ -16,7 +54,7 @@ class ColumnLinearOverlap(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, group, sequence_parallel, chunks):
-        ctx.group, ctx.sp, ctx.chunks = group, sequence_parallel, chunks
+        ctx.group, ctx.sp, ctx.chunks, ctx.weight_id = group, sequence_parallel, chunks, id(w)
         ctx.save_for_backward(x, w)
         if sequence_parallel:
             # The gathered input is not kept: backward gathers it again while it computes.
@@ -26,10 +64,10 @@ class ColumnLinearOverlap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
+        need_x, need_w = _needs(ctx)
         gx, gw = ops.column_linear_backward(g.contiguous(), x, w, ctx.group, ctx.sp,
-                                            ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-                                            ctx.chunks)
-        return gx, gw, None, None, None
+                                            need_x, need_w, ctx.chunks)
+        return (gx if need_x else None), (gw if need_w else None), None, None, None
 
 
 class RowLinearOverlap(torch.autograd.Function):
@@ -38,7 +76,7 @@ class RowLinearOverlap(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, group, sequence_parallel, chunks):
-        ctx.group, ctx.sp = group, sequence_parallel
+        ctx.group, ctx.sp, ctx.weight_id = group, sequence_parallel, id(w)
         ctx.save_for_backward(x, w)
         if sequence_parallel:
             return ops.matmul_reducescatter(x, w, group)
@@ -47,10 +85,16 @@ class RowLinearOverlap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
+        need_x, need_w = _needs(ctx)
         g = g.contiguous()
-        if ctx.sp:
+        gx = None
+        if ctx.sp and need_x:
             gx, g = ops.allgather_matmul(g, w.t(), group=ctx.group)   # g: (rows, N) gathered
-        else:
-            gx = g @ w if ctx.needs_input_grad[0] else None
-        gw = g.t() @ x if ctx.needs_input_grad[1] else None
+        elif ctx.sp and need_w:                     # W of a split backward: the gather only
+            full = g.new_empty((g.shape[0] * ctx.group.size(),) + tuple(g.shape[1:]))
+            all_gather_tensor(full, g, group=ctx.group)
+            g = full
+        elif need_x:
+            gx = g @ w
+        gw = g.t() @ x if need_w else None
         return gx, gw, None, None, None
