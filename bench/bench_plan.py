@@ -52,7 +52,8 @@ from fastpar.plan import (Cluster, Features, ParallelConfig, Workload, evaluate,
                           get_hardware, search)
 
 MEGATRON_2021 = Features(tp_overlap=False, dp_overlap=False, flash_attention=False,
-                         dropout=True, weight_bytes=2, grad_bytes=4, optimizer_bytes=12)
+                         dropout=True, weight_bytes=2, grad_bytes=4, optimizer_bytes=12,
+                         fused_qkv=True)
 # (parameters B, heads, hidden, layers, tp, pp, gpus, global batch, published TFLOP/s per GPU)
 TABLE1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
           (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
@@ -95,7 +96,12 @@ def published(do_search: bool) -> list[dict]:
     return rows
 
 
-def _rank(rank, world, layout, steps, out):
+# (preset, sequence length, global batch, micro-batch) of the CPU runs: the tiny model, mostly
+# per-operator overhead, and the small one (8 layers, d_model 256), mostly GEMMs.
+CPU_RUNS = {"tiny": ("tiny", 128, 16, 4), "small": ("small", 256, 8, 2)}
+
+
+def _rank(rank, world, layout, steps, out, run):
     import torch
     import torch.distributed as dist
 
@@ -105,34 +111,46 @@ def _rank(rank, world, layout, steps, out):
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     hw = measure("cpu-gloo")
-    cfg = TrainConfig(model="tiny", seq_len=128, global_batch_size=16, micro_batch_size=4,
-                      steps=steps, warmup_steps=1, log_every=1000, schedule="1f1b",
-                      out=out, save_every=10 ** 6,
-                      **layout)
+    preset, seq, batch, mbs = CPU_RUNS[run]
+    cfg = TrainConfig(model=preset, seq_len=seq, global_batch_size=batch, micro_batch_size=mbs,
+                      steps=steps, warmup_steps=1, log_every=1000, schedule="1f1b", out=out,
+                      save_every=10 ** 6, **layout)
     rows = train(cfg)
     return hw, [r["step_time_s"] for r in rows]
 
 
-def cpu(steps: int) -> list[dict]:
+def cpu_once(run: str, layout: dict, steps: int) -> dict:
+    """One run: calibrate on every rank, train, predict from rank 0's profile."""
     from fastpar.testing import run_ranks
 
+    world = layout["tp"] * layout["pp"] * layout["dp"]
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ranks(_rank, world, layout, steps, tmp, run, timeout=900, init_pg=False)
+    hw = results[0][0]
+    measured = statistics.median(max(r[1][i] for r in results) for i in range(2, steps))
+    preset, seq, batch, mbs = CPU_RUNS[run]
+    model = get_config(preset, max_seq_len=max(seq, get_config(preset).max_seq_len))
+    est = evaluate(Workload(model, seq, batch), Cluster(world, world, hw),
+                   ParallelConfig(micro_batch_size=mbs, **layout))
+    return {"gflops": hw.peak_tflops * 1e3, "op_us": hw.kernel_overhead_us,
+            "link_gbps": hw.intra_node_gbps, "latency_us": hw.collective_latency_us,
+            "predicted_ms": est.step_time_s * 1e3, "measured_ms": measured * 1e3,
+            "ratio": est.step_time_s / measured}
+
+
+def cpu(steps: int, runs: list[str], repeats: int) -> list[dict]:
+    """Per model and layout, the medians over ``repeats`` runs (each calibrated anew)."""
     out = []
-    for layout in LAYOUTS:
-        world = layout["tp"] * layout["pp"] * layout["dp"]
-        with tempfile.TemporaryDirectory() as tmp:
-            results = run_ranks(_rank, world, layout, steps, tmp, timeout=600, init_pg=False)
-        hw, times = results[0]
-        measured = statistics.median(max(r[1][i] for r in results) for i in range(2, steps))
-        model = get_config("tiny", max_seq_len=256)
-        est = evaluate(Workload(model, 128, 16), Cluster(world, world, hw),
-                       ParallelConfig(micro_batch_size=4, **layout))
-        out.append({"layout": f"tp{layout['tp']} pp{layout['pp']} dp{layout['dp']}",
-                    "gflops": round(hw.peak_tflops * 1e3, 1),
-                    "link_gbps": round(hw.intra_node_gbps, 2),
-                    "latency_us": round(hw.collective_latency_us, 1),
-                    "predicted_ms": round(est.step_time_s * 1e3, 1),
-                    "measured_ms": round(measured * 1e3, 1),
-                    "ratio": round(est.step_time_s / measured, 3)})
+    for run in runs:
+        for layout in LAYOUTS:
+            tries = [cpu_once(run, layout, steps) for _ in range(repeats)]
+            row = {"model": run, "layout": f"tp{layout['tp']} pp{layout['pp']} dp{layout['dp']}"}
+            for key in tries[0]:
+                row[key] = round(statistics.median(t[key] for t in tries), 3 if key == "ratio"
+                                 else 1 if key != "link_gbps" else 2)
+            row["ratios"] = " ".join(f"{t['ratio']:.2f}" for t in tries)
+            out.append(row)
+            print(row, flush=True)
     return out
 
 
@@ -140,12 +158,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--skip-cpu", action="store_true")
     p.add_argument("--skip-search", action="store_true")
+    p.add_argument("--skip-published", action="store_true")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3, help="CPU runs per layout (median)")
+    p.add_argument("--models", default="tiny,small", help="CPU runs: " + ",".join(CPU_RUNS))
     args = p.parse_args()
-    rows = published(not args.skip_search)
-    common.report("plan_published", rows, list(rows[0]))
+    if not args.skip_published:
+        rows = published(not args.skip_search)
+        common.report("plan_published", rows, list(rows[0]))
     if not args.skip_cpu:
-        rows = cpu(args.steps)
+        rows = cpu(args.steps, args.models.split(","), args.repeats)
         common.report("plan_cpu", rows, list(rows[0]))
 
 

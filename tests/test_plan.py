@@ -7,7 +7,7 @@ from fastpar.models import GPTConfig, get_config
 from fastpar.plan import (BUILTIN, Cluster, Hardware, ParallelConfig, Workload, evaluate,
                           get_hardware, load_hardware, save_hardware, search)
 from fastpar.plan import cost
-from fastpar.plan.cost import Shape
+from fastpar.plan.cost import Features, Shape
 
 # A GPT-3-style layer: a d = h, f = 4h, GELU.
 GPT = GPTConfig(vocab_size=51200, n_layers=8, d_model=1024, n_heads=16, max_seq_len=2048,
@@ -54,10 +54,23 @@ def test_tp_collectives_and_overlap():
     shape = Shape(GPT, 2048, 1, tp=4)
     act = 2048 * 1024 * 2                                   # (s, b, h) bf16
     ar = 2 * 3 / 4 * act / 100e9
+    # fastpar: q, k, v and fc1 each all-reduce their input gradient; o and fc2 their output.
     f, b = cost.tp_collectives(shape, ROUND, 100.0)
-    assert (f, b) == (pytest.approx(2 * ar), pytest.approx(2 * ar))
+    assert (f, b) == (pytest.approx(2 * ar), pytest.approx(4 * ar))
     f_sp, b_sp = cost.tp_collectives(Shape(GPT, 2048, 1, tp=4, sp=True), ROUND, 100.0)
-    assert f_sp == pytest.approx(f) and b_sp == pytest.approx(1.5 * b)
+    assert f_sp == pytest.approx(3 * ar) and b_sp == pytest.approx(5 * ar)   # AG = RS = ar / 2
+    # Megatron's fused QKV and fc1: two of each, as in its paper.
+    fused = Features(fused_qkv=True)
+    assert cost.tp_collectives(shape, ROUND, 100.0, fused) == (pytest.approx(2 * ar),
+                                                              pytest.approx(2 * ar))
+    f_sp, b_sp = cost.tp_collectives(Shape(GPT, 2048, 1, tp=4, sp=True), ROUND, 100.0, fused)
+    assert f_sp == pytest.approx(2 * ar) and b_sp == pytest.approx(3 * ar)
+    # Each overlapped all-reduce is tp_chunks calls, each paying the per-step latency.
+    slow = Hardware(**{**ROUND.to_dict(), "collective_latency_us": 100.0})
+    f_lat, b_lat = cost.tp_collectives(shape, slow, 100.0)
+    steps = 2 * 3 * 4                                       # ring steps x chunks per all-reduce
+    assert f_lat == pytest.approx(2 * ar + 2 * steps * 100e-6)
+    assert b_lat == pytest.approx(4 * ar + 4 * steps * 100e-6)
     assert cost.tp_collectives(Shape(GPT, 2048, 1), ROUND, 100.0) == (0.0, 0.0)
     assert cost.exposed(1.0, 3.0, 4) == pytest.approx(0.25)   # hidden but one chunk
     assert cost.exposed(3.0, 1.0, 4) == pytest.approx(2.25)
@@ -165,3 +178,69 @@ def test_hardware_json_round_trip(tmp_path):
     (tmp_path / "short.json").write_text(json.dumps({"peak_tflops": 1}))
     with pytest.raises(ValueError, match="short.json"):
         load_hardware(tmp_path / "short.json")
+
+
+def _count_layer_ops(model):
+    """Operators one fastpar layer dispatches on the CPU, forward and backward (views excluded)."""
+    import torch
+
+    from fastpar.models.layers import ParallelTransformerLayer, rotary_tables
+    from fastpar.plan.calibrate import count_ops
+
+    layer = ParallelTransformerLayer(model)
+    rope = rotary_tables(model) if model.rotary else None
+    x = torch.randn(8, 2, model.d_model, requires_grad=True)
+    out = {}
+    fwd = count_ops(lambda: out.setdefault("y", layer(x, rope)))
+    grad = torch.ones_like(out["y"])
+    return fwd, count_ops(lambda: out["y"].backward(grad))
+
+
+@pytest.mark.parametrize("model", [get_config("tiny"), GPTConfig(
+    n_layers=1, d_model=64, n_heads=4, norm="layernorm", activation="gelu", rotary=False,
+    bias=True)])
+def test_reference_op_counts_match_the_layer(model):
+    """The CPU path's operator counts come from the layer's structure; re-count them."""
+    fwd, bwd = _count_layer_ops(model)
+    linears = 7 if model.activation == "swiglu" else 6
+    f, b = cost.reference_ops(model)
+    f, b = f + linears, b + 2 * linears                # plus the GEMMs (one, then two, each)
+    assert abs(f - fwd) <= 0.15 * fwd and abs(b - bwd) <= 0.15 * bwd, (f, fwd, b, bwd)
+
+
+def test_cpu_profile_counts_operators_and_serialises_tp():
+    cpu = Hardware(**{**ROUND.to_dict(), "kind": "cpu", "kernel_overhead_us": 10.0})
+    gpu = Hardware(**{**ROUND.to_dict(), "kernel_overhead_us": 10.0})
+    tiny = get_config("tiny")
+    shape = Shape(tiny, 128, 4)
+    lc_cpu, lc_gpu = cost.layer_cost(shape, cpu), cost.layer_cost(shape, gpu)
+    f_ops, b_ops = cost.reference_ops(tiny)
+    # The reference path launches more operators than the fused one, each paying the overhead.
+    assert lc_cpu.f - lc_gpu.f == pytest.approx((f_ops - 2 - 7 + 1 - 2) * 10e-6, rel=0.05)
+    assert lc_cpu.b > lc_gpu.b
+    work, cluster = Workload(tiny, 128, 16), Cluster(2, 2, cpu)
+    est = evaluate(work, cluster, ParallelConfig(tp=2, pp=1, dp=1, micro_batch_size=4))
+    # On a CPU nothing hides the TP collectives.
+    assert est.tp_exposed_s > 0
+    est_gpu = evaluate(work, Cluster(2, 2, gpu), ParallelConfig(tp=2, pp=1, dp=1,
+                                                                micro_batch_size=4))
+    assert est.tp_exposed_s > est_gpu.tp_exposed_s
+
+
+def test_curves_interpolate_and_round_trip(tmp_path):
+    hw = Hardware(**{**ROUND.to_dict(), "matmul_curve": [[1e6, 0.2], [1e8, 0.6]],
+                     "memory_curve": [(1e5, 2000.0), (1e7, 1000.0)],
+                     "attention_curve": [(1e6, 0.3)]})
+    assert hw.matmul_fraction(1e5) == 0.2 and hw.matmul_fraction(1e9) == 0.6
+    assert hw.matmul_fraction(1e7) == pytest.approx(0.4)          # halfway in log size
+    assert hw.bandwidth(1e6) == pytest.approx(1500e9)
+    assert hw.attention_fraction(5e8) == 0.3
+    assert ROUND.attention_fraction(1e6) == ROUND.matmul_efficiency
+    # A GEMM's time follows the curve: a 1 MFLOP GEMM at 0.2 of 100 TFLOP/s.
+    assert hw.gemm_time(50, 100, 100) == pytest.approx(1e6 / 20e12)
+    path = save_hardware(hw, tmp_path / "curved.json")
+    assert load_hardware(path) == hw
+    with pytest.raises(ValueError, match="kind='tpu'"):
+        Hardware(**{**ROUND.to_dict(), "kind": "tpu"})
+    with pytest.raises(ValueError, match="matmul_curve"):
+        Hardware(**{**ROUND.to_dict(), "matmul_curve": [(1e6, -1.0)]})

@@ -64,8 +64,13 @@ def test_calibrate_writes_a_profile(tmp_path, capsys, monkeypatch):
     from fastpar.plan import calibrate as cal
     from fastpar.plan import load_hardware
 
-    monkeypatch.setattr(cal, "measure_matmul", lambda d, t: (1e10, 5e-6))   # keep it fast
+    # Keep it fast: two GEMM shapes, one attention size; the rest is measured.
+    monkeypatch.setattr(cal, "measure_matmul",
+                        lambda d, t: (1e10, 5e-6, [(1e6, 5e9), (1e8, 1e10)]))
+    monkeypatch.setattr(cal, "measure_attention", lambda d, t, o: [(1e6, 3e9)])
     assert main(["plan", "--calibrate", "--out", str(tmp_path / "cpu.json")]) == 0
     hw = load_hardware(tmp_path / "cpu.json")
     assert hw.peak_tflops == pytest.approx(0.01) and hw.bytes_per_element == 4
-    assert hw.hbm_gbps > 0 and hw.name == "cpu"
+    assert hw.hbm_gbps > 0 and hw.name == "cpu" and hw.kind == "cpu"
+    assert hw.matmul_curve == ((1e6, 0.5), (1e8, 1.0)) and hw.attention_efficiency == 0.3
+    assert len(hw.memory_curve) >= 2 and hw.kernel_overhead_us >= 5.0

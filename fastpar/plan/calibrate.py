@@ -1,13 +1,25 @@
 """Measure this machine into a :class:`Hardware` profile: ``fastpar plan --calibrate``.
 
-- matmul: square GEMMs from 64 to 1024 in the training dtype (bf16 on a GPU, fp32 on a CPU);
-  the best rate is the profile's peak (so ``matmul_efficiency`` is 1), the time of a tiny one
-  its per-kernel overhead;
-- memory: a 64 MB copy (read + write);
+- matmul: square GEMMs from 64 to 1024 and skinny ones (rows 4x or 16x the other sizes, or an
+  inner size of 32 / 64 as in attention) in the training dtype (bf16 on a GPU, fp32 on a CPU);
+  the best rate is the profile's peak, every shape's fraction of it goes into ``matmul_curve``
+  (by FLOPs per GEMM) and ``matmul_efficiency`` is the median fraction;
+- per-operator overhead: on a GPU the time of a tiny GEMM; on a CPU, where every operator runs
+  eagerly on the host, forward and backward of a small block of the usual eager operators
+  (linears, views, norm and activation ops, a residual add) on tiny tensors, divided by the
+  number of operators it dispatches (counted, views excluded): Python, dispatch and autograd
+  bookkeeping per operator, with no arithmetic to speak of;
+- memory: copies of 256 KB to 64 MB (read + write) into ``memory_curve``; ``hbm_gbps`` is the
+  64 MB one;
+- attention: forward and backward of torch's causal scaled-dot-product attention at a few
+  sizes, as a fraction of peak on the FLOPs the cost model counts (``attention_curve``);
 - links, under torchrun (or any initialised process group): all-reduces of 64 KB and 16 MB, solved
   for the per-step latency and the bandwidth of the ring model of :func:`cost.ring_time`.
 
-With several ranks on one machine every rank measures at the same time, as they will train.
+With several ranks on one machine every rank measures at the same time, as they will train:
+run it under torchrun with the training run's ``--nproc-per-node`` so that every rate is the one
+a rank gets while the others share the cores (each rank keeps its share of the threads).
+None of this runs fastpar's model or trainer.
 """
 from __future__ import annotations
 
@@ -39,24 +51,113 @@ def _timed(fn, device, iters: int) -> float:
     return statistics.median(times)
 
 
-def measure_matmul(device: torch.device, dtype: torch.dtype,
-                   sizes=(64, 128, 256, 512, 1024)) -> tuple[float, float]:
-    """(best FLOP/s over ``sizes``, seconds of a tiny GEMM: the per-kernel overhead)."""
-    best = 0.0
+def gemm_shapes(sizes=(64, 128, 256, 512, 1024)) -> list[tuple[int, int, int]]:
+    """(m, n, k): squares, tall ones (a token batch through a projection) and thin inner sizes
+    (attention's head dimension)."""
+    shapes = []
     for n in sizes:
-        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-        t = _timed(lambda: a @ b, device, iters=max(3, min(50, int(2e9 / n ** 3))))
-        best = max(best, 2.0 * n ** 3 / t)
+        shapes += [(n, n, n), (4 * n, n, n), (16 * n, n, n // 4 or 1), (n, n, 32), (n, 64, n)]
+    return sorted(set(shapes), key=lambda s: s[0] * s[1] * s[2])
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype,
+                   shapes=None) -> tuple[float, float, list]:
+    """(best FLOP/s, seconds of a tiny GEMM, [(flops, FLOP/s)] per shape)."""
+    points = []
+    for m, n, k in shapes or gemm_shapes():
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        flops = 2.0 * m * n * k
+        t = _timed(lambda: a @ b, device, iters=max(3, min(50, int(1e9 / flops))))
+        points.append((flops, flops / t))
     a = torch.randn(8, 8, device=device, dtype=dtype)
-    return best, _timed(lambda: a @ a, device, iters=200)
+    return max(r for _, r in points), _timed(lambda: a @ a, device, iters=200), points
 
 
-def measure_memory(device: torch.device) -> float:
-    """Bytes per second of a 64 MB copy (read and write counted)."""
-    src = torch.empty(16 * 2 ** 20, device=device, dtype=torch.float32).uniform_()
-    dst = torch.empty_like(src)
-    t = _timed(lambda: dst.copy_(src), device, iters=10)
-    return 2 * src.numel() * 4 / t
+def _curve(points: list, peak: float) -> list:
+    """(size, value / peak) averaged over points of the same size (within 10%), by size."""
+    merged: list = []
+    for x, y in sorted(points):
+        if merged and x <= merged[-1][0] * 1.1:
+            merged[-1][1].append(y)
+        else:
+            merged.append((x, [y]))
+    return [(x, statistics.median(ys) / peak) for x, ys in merged]
+
+
+def count_ops(fn) -> int:
+    """Operators (views and metadata-only ops excluded) ``fn`` dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    free = {"view", "_unsafe_view", "permute", "transpose", "t", "expand", "slice", "select",
+            "as_strided", "unsqueeze", "squeeze", "reshape", "alias", "detach", "split",
+            "chunk", "unbind", "narrow", "_reshape_alias", "split_with_sizes", "promote_types"}
+
+    class _Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._overloadpacket.__name__ not in free:
+                _Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        fn()
+    return _Count.n
+
+
+def measure_op_overhead(device: torch.device) -> float:
+    """Seconds per operator of eager forward + backward code on tiny tensors."""
+    torch.manual_seed(0)
+    lin1, lin2 = torch.nn.Linear(16, 32, bias=False), torch.nn.Linear(32, 16, bias=False)
+    w = torch.ones(16, requires_grad=True)
+    lin1, lin2, w = lin1.to(device), lin2.to(device), w.to(device).detach().requires_grad_()
+    x0 = torch.randn(4, 2, 16, device=device)
+
+    def block():
+        x = x0.requires_grad_()
+        for _ in range(4):
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+            h = lin1(h).view(4, 2, 2, 16).permute(1, 2, 0, 3)
+            h = torch.nn.functional.silu(h).permute(2, 0, 1, 3).reshape(4, 2, 32)
+            x = x + lin2(h)
+        x.sum().backward()
+
+    ops = count_ops(block)
+    return _timed(block, device, iters=30) / ops
+
+
+def measure_attention(device: torch.device, dtype: torch.dtype, overhead: float,
+                      shapes=((2, 4, 128, 32), (2, 8, 256, 64), (1, 16, 512, 64))) -> list:
+    """[(modelled forward FLOPs, FLOP/s on forward + backward FLOPs)] of causal SDPA: the cost
+    model's count (half the blocks, backward 2.5x), less its operators' overhead."""
+    from .cost import REFERENCE_OPS
+
+    points = []
+    for b, h, s, d in shapes:
+        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+
+        def run():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True) \
+                .sum().backward()
+        t = _timed(run, device, iters=10)
+        t = max(0.5 * t, t - sum(REFERENCE_OPS["core"]) * overhead)
+        flops = 0.5 * 4.0 * b * h * s * s * d
+        points.append((flops, 3.5 * flops / t))
+    return points
+
+
+def measure_memory(device: torch.device,
+                   sizes=(2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24, 2 ** 26)) -> list:
+    """[(bytes moved, bytes per second)] of copies whose source is ``sizes`` bytes."""
+    points = []
+    for size in sizes:
+        src = torch.empty(size // 4, device=device, dtype=torch.float32).uniform_()
+        dst = torch.empty_like(src)
+        t = _timed(lambda: dst.copy_(src), device, iters=max(10, min(200, 2 ** 26 // size)))
+        points.append((2.0 * size, 2.0 * size / t))
+    return points
 
 
 def measure_link(group=None, device=None) -> tuple[float, float]:
@@ -81,25 +182,50 @@ def measure_link(group=None, device=None) -> tuple[float, float]:
 
 
 def measure(name: str = "calibrated", group=None) -> Hardware:
-    """This rank's profile; links are measured when a process group is initialised."""
+    """This rank's profile; links are measured when a process group is initialised.
+
+    All ranks measure at once, each with its own thread count, so on a CPU whose cores the
+    ranks share the rates are those a rank gets while the others compute too."""
     cuda = torch.cuda.is_available()
+    grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    compute = _measure_compute(device, torch.bfloat16 if cuda else torch.float32, cuda)
+    return _profile(name, group, cuda, grouped, *compute)
+
+
+def _measure_compute(device, dtype, cuda):
+    peak, tiny_gemm, gemms = measure_matmul(device, dtype)
+    overhead = tiny_gemm if cuda else max(tiny_gemm, measure_op_overhead(device))
+    memory = measure_memory(device)
+    attention = measure_attention(device, dtype, overhead)
+    return peak, overhead, gemms, memory, attention
+
+
+def _profile(name, group, cuda, grouped, peak, overhead, gemms, memory, attention):
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    peak, overhead = measure_matmul(device, dtype)
-    mem_bw = measure_memory(device)
+    mem_bw = memory[-1][1]
+    matmul_curve = _curve(gemms, peak)
     if cuda:
         hbm = torch.cuda.get_device_properties(device).total_memory / 1e9
     else:
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         hbm = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / ranks
     link, latency = (mem_bw, 0.0)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if grouped:
         link, latency = measure_link(group, device if cuda else None)
-    return Hardware(name=name, peak_tflops=peak / 1e12, matmul_efficiency=1.0, hbm_gb=hbm,
+    return Hardware(name=name, peak_tflops=peak / 1e12,
+                    matmul_efficiency=statistics.median(y for _, y in matmul_curve), hbm_gb=hbm,
                     hbm_gbps=mem_bw / 1e9, intra_node_gbps=link / 1e9, inter_node_gbps=link / 1e9,
                     collective_latency_us=latency * 1e6, kernel_overhead_us=overhead * 1e6,
                     bytes_per_element=2 if cuda else 4,
-                    memory_reserve_gb=min(1.0, hbm / 4))
+                    memory_reserve_gb=min(1.0, hbm / 4), kind="gpu" if cuda else "cpu",
+                    attention_efficiency=min(1.0, statistics.median(
+                        r for _, r in attention) / peak),
+                    matmul_curve=tuple(matmul_curve),
+                    memory_curve=tuple((x, y / 1e9) for x, y in memory),
+                    attention_curve=tuple((x, min(1.0, y / peak)) for x, y in attention))
 
 
 def calibrate(out: str | Path = "hardware.json", name: str | None = None) -> tuple[Hardware, Path]:

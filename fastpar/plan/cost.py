@@ -35,6 +35,8 @@ class Features:
 
     tp_overlap: bool = True          # TP collectives pipelined with their GEMM in row chunks
     tp_chunks: int = 4               # chunks of those pipelines (ColumnParallelLinear's default)
+    fused_qkv: bool = False          # one QKV (and one gate-up) linear; fastpar has one per
+    #                                  projection, each reducing its own input gradient over TP
     dp_overlap: bool = True          # DP buckets reduced during the last backward (pp == 1)
     dp_overlap_pipeline: bool = False  # the same under pp > 1 (the trainer reduces afterwards)
     bucket_mb: float = 25.0          # DP bucket size: the last bucket is always exposed
@@ -111,13 +113,49 @@ def _core_time(shape: Shape, hw: Hardware, feat: Features) -> float:
     if feat.flash_attention:      # one fused kernel; causal: half the blocks are skipped
         flops = 0.5 * 4.0 * heads * s * s * m.head_dim
         io = hw.bytes_per_element * heads * 4 * s * m.head_dim      # q, k, v in, o out
-        return max(flops / (hw.peak_flops * hw.matmul_efficiency),
-                   io / (hw.hbm_gbps * 1e9)) + hw.kernel_overhead_us * 1e-6
+        ops = REFERENCE_OPS["core"][0] if hw.kind == "cpu" else 1
+        return max(flops / (hw.peak_flops * hw.attention_fraction(flops)),
+                   io / hw.bandwidth(io)) + ops * hw.kernel_overhead_us * 1e-6
     return hw.gemm_time(s, s, m.head_dim, heads) + hw.gemm_time(s, m.head_dim, s, heads)
 
 
-def _elementwise(shape: Shape, hw: Hardware, feat: Features) -> tuple[float, int]:
-    """Bytes moved and kernels launched by one layer's forward outside the GEMMs."""
+# Operators of torch's reference code (what fastpar runs off CUDA) per forward / backward,
+# counted with a dispatch-mode counter on fastpar's modules (tests/test_plan.py re-counts them):
+# a norm is pow, mean, add, rsqrt and two muls (RMSNorm; LayerNorm adds a mean, a sub, an add);
+# rotary is four muls, a sub, an add and a cat per rotated tensor.
+REFERENCE_OPS = {"rmsnorm": (6, 14), "layernorm": (9, 20), "rotary": (7, 8), "swiglu": (2, 3),
+                 "gelu": (1, 1), "core": (2, 7), "residual": (1, 0)}
+
+
+def column_linears(model: GPTConfig, feat: Features = None) -> int:
+    """Column-parallel linears of one layer: each reduces its input gradient over TP."""
+    feat = feat or FASTPAR
+    if feat.fused_qkv:
+        return 2
+    return 3 + (2 if model.activation == "swiglu" else 1)
+
+
+def reference_ops(model: GPTConfig, feat: Features = None) -> tuple[int, int]:
+    """(forward, backward) operators of one layer outside its GEMMs on torch's reference path:
+    norms, rotary, activation, attention core, residual adds, and in the backward one add per
+    extra consumer of a tensor (its gradients are summed)."""
+    norm = REFERENCE_OPS[model.norm]
+    act = REFERENCE_OPS[model.activation]
+    parts = [norm, norm, act, REFERENCE_OPS["core"], REFERENCE_OPS["residual"],
+             REFERENCE_OPS["residual"]]
+    if model.rotary:
+        parts += [REFERENCE_OPS["rotary"]] * 2
+    f, b = (sum(p[i] for p in parts) for i in range(2))
+    # x feeds norm1 and the residual, norm1's output each column linear of the attention,
+    # x2 norm2 and the residual, norm2's output the MLP's column linears.
+    b += 1 + 1 + (column_linears(model, feat) - 1)
+    b += 1 if model.bias else 0                   # the bias gradients' row sums (7 small ones)
+    return f, b
+
+
+def _elementwise(shape: Shape, hw: Hardware, feat: Features) -> tuple[float, int, int]:
+    """Bytes moved by one layer's forward outside the GEMMs and the attention core, and the
+    kernels (operators) launched for them in the forward and in the backward."""
     m, t, E, T = shape.model, shape.tp, hw.bytes_per_element, shape.tokens
     h_rep = m.d_model / (t if shape.sp else 1)     # the replicated (or SP-split) hidden width
     f = m.ffn_dim / t
@@ -135,7 +173,11 @@ def _elementwise(shape: Shape, hw: Hardware, feat: Features) -> tuple[float, int
         scores = shape.micro_batch * m.n_heads / t * shape.seq_len ** 2
         nbytes += 2 * scores * E + (scores * (1 + 2 * E) if feat.dropout else 0)
         kernels += 2 if feat.dropout else 1
-    return nbytes, kernels
+    if hw.kind == "cpu":                           # unfused reference ops, counted as they run
+        f, b = reference_ops(m, feat)
+        core_f, core_b = REFERENCE_OPS["core"]
+        return nbytes, f - core_f, b - core_b
+    return nbytes, kernels, 2 * kernels
 
 
 @dataclass(frozen=True)
@@ -157,19 +199,34 @@ def layer_cost(shape: Shape, hw: Hardware, recompute: str = "none", tp_link_gbps
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
     gemm = sum(hw.gemm_time(*mnk) for mnk in _linears(shape))
+    gemm_b = gemm
+    if shape.tp > 1 and feat.tp_overlap and not shape.sp and feat.tp_chunks > 1:
+        # The overlapped path runs the row linears' forward GEMMs and the column linears'
+        # input-gradient GEMMs in tp_chunks row chunks (smaller GEMMs, more launches).
+        mats, c = _linears(shape), feat.tp_chunks
+        rows, cols = [mats[3], mats[-1]], mats[:3] + mats[4:-1]
+
+        def chunked(group):
+            return sum(hw.gemm_time(-(-m // c), n, k, c) - hw.gemm_time(m, n, k)
+                       for m, n, k in group)
+        gemm, gemm_b = gemm + chunked(rows), gemm + chunked([(m, k, n) for m, n, k in cols])
     core = _core_time(shape, hw, feat)
-    ew_bytes, ew_kernels = _elementwise(shape, hw, feat)
-    elem_f = hw.memory_time(ew_bytes, ew_kernels)
+    ew_bytes, ew_f, ew_b = _elementwise(shape, hw, feat)
+    elem_f = hw.memory_time(ew_bytes, ew_f)
     f = gemm + core + elem_f
     # Backward: each elementwise op reads the output gradient and its saved input, writes one.
     core_b = (2.5 if feat.flash_attention else 2.0) * core     # flash recomputes q k^T
-    b = gemm + core_b + hw.memory_time(2 * ew_bytes, 2 * ew_kernels)
-    comm_f, comm_b = tp_collectives(shape, hw, tp_link_gbps)
+    if hw.kind == "cpu" and feat.flash_attention:   # its backward's extra ops: overhead only
+        core_b += (REFERENCE_OPS["core"][1] - 2.5 * REFERENCE_OPS["core"][0]) \
+            * hw.kernel_overhead_us * 1e-6
+    b = gemm_b + core_b + hw.memory_time(2 * ew_bytes, ew_b)
+    comm_f, comm_b = tp_collectives(shape, hw, tp_link_gbps, feat)
     if recompute == "full":
         b, comm_b = b + f, comm_b + comm_f
     elif recompute == "selective":
         b += core
-    return LayerCost(f=f, b=b, w=gemm, gemm_f=gemm, gemm_b=gemm, tp_comm_f=comm_f,
+    w = sum(hw.gemm_time(*mnk) for mnk in _linears(shape))
+    return LayerCost(f=f, b=b, w=w, gemm_f=gemm, gemm_b=gemm_b, tp_comm_f=comm_f,
                      tp_comm_b=comm_b)
 
 
@@ -187,27 +244,35 @@ def ring_time(kind: str, nbytes: float, n: int, link_gbps: float, latency_us: fl
     return steps * latency_us * 1e-6 + share * nbytes / (link_gbps * 1e9)
 
 
-def tp_collectives(shape: Shape, hw: Hardware, link_gbps: float) -> tuple[float, float]:
+def tp_collectives(shape: Shape, hw: Hardware, link_gbps: float,
+                   feat: Features = FASTPAR) -> tuple[float, float]:
     """Seconds of one layer's TP communication, forward and backward, before any overlap.
 
-    Without SP: an all-reduce after the attention and the MLP (forward) and of the input gradient
-    of their first linears (backward). With SP: all-gather + reduce-scatter in each forward; the
-    backward gathers the input again for the weight gradient, gathers the output gradient of the
-    row linear and reduce-scatters the input gradient (fastpar does not keep gathered inputs).
+    With ``c`` column-parallel linears (fastpar: q, k, v, and gate and up or fc1, each with its
+    own input-gradient reduction; a fused QKV / gate-up makes it 2) and 2 row-parallel ones:
+    without SP, an all-reduce after each row linear (forward) and of each column linear's input
+    gradient (backward); the overlapped path issues each of them as ``tp_chunks`` all-reduces
+    of a row chunk, so the per-call latency is paid ``tp_chunks`` times. With SP: every column
+    linear gathers its input and every row linear reduce-scatters its output (forward); the
+    backward gathers each column linear's input again for its weight gradient and
+    reduce-scatters its input gradient, and gathers each row linear's output gradient (fastpar
+    does not keep gathered inputs).
     """
     t = shape.tp
     if t == 1:
         return 0.0, 0.0
     n = shape.tokens * shape.model.d_model * hw.bytes_per_element      # (s, b, h)
     lat = hw.collective_latency_us
+    col, row = column_linears(shape.model, feat), 2
 
-    def ring(kind):
-        return ring_time(kind, n, t, link_gbps, lat)
+    def ring(kind, pieces=1):
+        return pieces * ring_time(kind, n / pieces, t, link_gbps, lat)
 
     if shape.sp:
-        fwd = 2 * (ring("all_gather") + ring("reduce_scatter"))
-        return fwd, 2 * (2 * ring("all_gather") + ring("reduce_scatter"))
-    return 2 * ring("all_reduce"), 2 * ring("all_reduce")
+        fwd = col * ring("all_gather") + row * ring("reduce_scatter")
+        return fwd, col * (ring("all_gather") + ring("reduce_scatter")) + row * ring("all_gather")
+    pieces = feat.tp_chunks if feat.tp_overlap else 1
+    return row * ring("all_reduce", pieces), col * ring("all_reduce", pieces)
 
 
 def exposed(comm: float, compute: float, chunks: int) -> float:

@@ -12,6 +12,18 @@ from first principles for what a kernel achieves:
 - an elementwise kernel moves its bytes at ``hbm_bandwidth``, plus the same overhead;
 - a ring collective step costs ``collective_latency_us`` plus its bytes over the link.
 
+``kind`` says which code path fastpar runs: ``"gpu"`` (fused Triton kernels, launches queued
+ahead of the device, TP collectives on their own streams overlapping the GEMMs) or ``"cpu"``
+(torch reference ops, run eagerly one after another on the host, gloo collectives on the same
+cores). On a CPU every operator pays ``kernel_overhead_us`` of host work (Python, dispatch,
+autograd bookkeeping), which dominates a small model, and communication does not overlap compute.
+
+Measured profiles may carry curves, tuples of ``(size, value)`` points interpolated in log size
+and clamped at the ends: ``matmul_curve`` (FLOPs of one GEMM -> fraction of peak),
+``memory_curve`` (bytes one kernel moves -> GB/s; caches make small kernels faster than a large
+copy) and ``attention_curve`` (FLOPs of one fused attention call -> fraction of peak). Empty
+curves fall back to ``matmul_efficiency`` / ``hbm_gbps`` / ``attention_efficiency``.
+
 ``fastpar plan --calibrate`` measures the same fields on this machine (see ``calibrate.py``).
 """
 from __future__ import annotations
@@ -37,25 +49,38 @@ class Hardware:
     kernel_overhead_us: float = 4.0       # per kernel: launch and tail, even for tiny work
     bytes_per_element: int = 2            # training dtype of activations (bf16 = 2, fp32 = 4)
     memory_reserve_gb: float = 1.0        # runtime context and communication buffers
+    kind: str = "gpu"                     # "gpu" or "cpu": the code path fastpar runs
+    attention_efficiency: float = 0.0     # fused attention, fraction of peak; 0: matmul's
+    matmul_curve: tuple = ()              # ((flops of one GEMM, fraction of peak), ...)
+    memory_curve: tuple = ()              # ((bytes of one kernel, GB/s), ...)
+    attention_curve: tuple = ()           # ((flops of one attention call, fraction), ...)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"hardware: name={self.name!r} must be a non-empty string")
+        if self.kind not in KINDS:
+            raise ValueError(f"hardware {self.name!r}: kind={self.kind!r} is not one of {KINDS}")
         for f in fields(self):
-            if f.name == "name":
+            if f.name.endswith("_curve"):
+                object.__setattr__(self, f.name, _check_curve(self.name, f.name,
+                                                              getattr(self, f.name)))
+                continue
+            if f.name in ("name", "kind"):
                 continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not math.isfinite(value):
                 raise ValueError(f"hardware {self.name!r}: {f.name}={value!r} must be a number")
             low_ok = value >= 0 if f.name in ("collective_latency_us", "kernel_overhead_us",
-                                              "memory_reserve_gb") else value > 0
+                                              "memory_reserve_gb", "attention_efficiency") \
+                else value > 0
             if not low_ok:
                 raise ValueError(f"hardware {self.name!r}: {f.name}={value!r} must be "
                                  f"{'>= 0' if f.name.endswith(('_us', '_gb')) else '> 0'}")
-        if self.matmul_efficiency > 1:
-            raise ValueError(f"hardware {self.name!r}: matmul_efficiency="
-                             f"{self.matmul_efficiency} must be <= 1 (a fraction of peak)")
+        for name in ("matmul_efficiency", "attention_efficiency"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"hardware {self.name!r}: {name}={getattr(self, name)} must "
+                                 f"be <= 1 (a fraction of peak)")
         if self.memory_reserve_gb >= self.hbm_gb:
             raise ValueError(f"hardware {self.name!r}: memory_reserve_gb="
                              f"{self.memory_reserve_gb} leaves nothing of hbm_gb={self.hbm_gb}")
@@ -64,11 +89,28 @@ class Hardware:
     def peak_flops(self) -> float:
         return self.peak_tflops * 1e12
 
+    def matmul_fraction(self, flops: float) -> float:
+        """Fraction of peak one GEMM of ``flops`` sustains (the curve, else the constant)."""
+        return _interp(self.matmul_curve, flops) if self.matmul_curve else self.matmul_efficiency
+
+    def attention_fraction(self, flops: float) -> float:
+        """Fraction of peak one fused attention call of ``flops`` sustains."""
+        if self.attention_curve:
+            return _interp(self.attention_curve, flops)
+        return self.attention_efficiency or self.matmul_fraction(flops)
+
+    def bandwidth(self, nbytes_per_kernel: float) -> float:
+        """Bytes per second a memory-bound kernel moving ``nbytes_per_kernel`` sustains."""
+        gbps = _interp(self.memory_curve, nbytes_per_kernel) if self.memory_curve \
+            else self.hbm_gbps
+        return gbps * 1e9
+
     def gemm_time(self, m: int, n: int, k: int, count: int = 1) -> float:
         """Seconds for ``count`` GEMMs (m, k) @ (k, n) by the roofline above."""
         flops = 2.0 * m * n * k
         nbytes = self.bytes_per_element * (m * k + k * n + m * n)
-        t = max(flops / (self.peak_flops * self.matmul_efficiency), nbytes / (self.hbm_gbps * 1e9))
+        t = max(flops / (self.peak_flops * self.matmul_fraction(flops)),
+                nbytes / self.bandwidth(nbytes))
         return count * (t + self.kernel_overhead_us * 1e-6)
 
     def gemm_efficiency(self, m: int, n: int, k: int) -> float:
@@ -77,10 +119,45 @@ class Hardware:
 
     def memory_time(self, nbytes: float, kernels: int = 1) -> float:
         """Seconds for memory-bound kernels moving ``nbytes`` in all."""
-        return nbytes / (self.hbm_gbps * 1e9) + kernels * self.kernel_overhead_us * 1e-6
+        if nbytes <= 0:
+            return kernels * self.kernel_overhead_us * 1e-6
+        per = nbytes / max(kernels, 1)
+        return nbytes / self.bandwidth(per) + kernels * self.kernel_overhead_us * 1e-6
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        for k in [k for k in out if k.endswith("_curve")]:
+            out[k] = [list(p) for p in out[k]]
+        return out
+
+
+KINDS = ("gpu", "cpu")
+
+
+def _check_curve(hw: str, name: str, curve) -> tuple:
+    """A curve as a tuple of (size, value) pairs, sizes increasing, all positive."""
+    try:
+        points = tuple(sorted((float(x), float(y)) for x, y in curve))
+    except (TypeError, ValueError):
+        raise ValueError(f"hardware {hw!r}: {name} must be a list of (size, value) pairs, "
+                         f"got {curve!r}") from None
+    for x, y in points:
+        if not (math.isfinite(x) and math.isfinite(y) and x > 0 and y > 0):
+            raise ValueError(f"hardware {hw!r}: {name} point ({x}, {y}) must be positive")
+    return points
+
+
+def _interp(curve: tuple, x: float) -> float:
+    """Piecewise-linear in log(x) through the curve's points, flat beyond its ends."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            if x1 == x0:
+                return y1
+            u = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + u * (y1 - y0)
+    return curve[-1][1]
 
 
 # Datasheets: NVIDIA A100 (SXM4) and H100 / H200 (SXM5) datasheets; DGX A100 / DGX H100 /

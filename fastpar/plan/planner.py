@@ -131,7 +131,7 @@ def _stage_costs(work, cluster, cfg, feat, split):
     lc = cost.layer_cost(shape, hw, cfg.recompute, cluster.link_gbps(t), feat)
     partner_b = lc.gemm_b + (0.0 if split else lc.w) + (lc.gemm_f if cfg.recompute == "full"
                                                         else 0.0)
-    if feat.tp_overlap:
+    if feat.tp_overlap and hw.kind != "cpu":   # on a CPU gloo shares the cores: no overlap
         exp_f = cost.exposed(lc.tp_comm_f, lc.gemm_f, feat.tp_chunks)
         exp_b = cost.exposed(lc.tp_comm_b, partner_b, feat.tp_chunks)
     else:
@@ -139,13 +139,27 @@ def _stage_costs(work, cluster, cfg, feat, split):
     layer = (lc.f + exp_f, lc.b + exp_b, lc.w)
     m, E, T = work.model, hw.bytes_per_element, shape.tokens
     act = T * m.d_model * E                        # one (s, b, h) activation
-    tp_ar = cost.ring_time("all_reduce", act, t, cluster.link_gbps(t), hw.collective_latency_us)
-    embed = (hw.memory_time(2 * act / (t if cfg.sequence_parallel else 1)) + tp_ar,
-             hw.memory_time(2 * act), 0.0)
+    link, lat = cluster.link_gbps(t), hw.collective_latency_us
+    tp_ar = cost.ring_time("all_reduce", act, t, link, lat)
+    # The head's input-gradient all-reduce runs in row chunks like the layers'; the vocab-parallel
+    # cross entropy all-reduces its row maxima and its (sum exp, target logit) pairs.
+    pieces = feat.tp_chunks if feat.tp_overlap else 1
+    head_ar = pieces * cost.ring_time("all_reduce", act / pieces, t, link, lat)
+    ce_ar = cost.ring_time("all_reduce", T * 4, t, link, lat) \
+        + cost.ring_time("all_reduce", T * 8, t, link, lat)
+    # Kernels: the fused path's, or torch's reference ops (embedding and its backward; the final
+    # norm and the cross entropy's max, sub, exp, sum, log, gather, ... and their backward).
+    ref = hw.kind == "cpu"
+    norm_f, norm_b = cost.REFERENCE_OPS[m.norm] if ref else (1, 2)
+    embed_k, ce_f, ce_b = (2, 14, 8) if ref else (1, 4, 4)
+    embed = (hw.memory_time(2 * act / (t if cfg.sequence_parallel else 1), embed_k) + tp_ar,
+             hw.memory_time(2 * act, embed_k), 0.0)
     logits = (m.d_model, m.padded_vocab // t)
     ce_bytes = T * m.padded_vocab / t * (E + 3 * 4)    # logits, then fp32 softmax read / write
-    head = (hw.gemm_time(T, logits[1], logits[0]) + hw.memory_time(ce_bytes, 4),
-            hw.gemm_time(T, logits[0], logits[1]) + hw.memory_time(ce_bytes, 4) + tp_ar,
+    head = (hw.gemm_time(T, logits[1], logits[0]) + hw.memory_time(ce_bytes, ce_f)
+            + hw.memory_time(2 * act, norm_f) + ce_ar,
+            hw.gemm_time(T, logits[0], logits[1]) + hw.memory_time(ce_bytes, ce_b)
+            + hw.memory_time(4 * act, norm_b) + head_ar,
             hw.gemm_time(logits[0], logits[1], T))
     stages = cfg.pp * cfg.virtual_stages
     if stages == 1:
@@ -199,7 +213,7 @@ def _dp_time(cluster, cfg, feat, params, last_backward) -> float:
                             lat)
     gather = cost.ring_time("all_gather", nbytes, dp, link, lat) if cfg.zero1 else 0.0
     hidden = feat.dp_overlap if cfg.pp == 1 else feat.dp_overlap_pipeline
-    if hidden:
+    if hidden and hw.kind != "cpu":
         buckets = max(1, round(nbytes / (feat.bucket_mb * 1e6)))
         reduce = cost.exposed(reduce, last_backward, buckets)
     return reduce + gather
@@ -229,8 +243,10 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
     params = mem["params_per_gpu"]
     dp_exposed = _dp_time(cluster, cfg, feat, params, fbw[-1][1] + fbw[-1][2])
     # Adam reads weight, gradient and both moments and writes three; clipping reads the grads.
-    optimizer = hw.memory_time(params / (cfg.dp if cfg.zero1 else 1) * 32, 8)
-    step = sim.step_time + dp_exposed + optimizer
+    # Multi-tensor kernels on a GPU; off CUDA torch's foreach ops loop over the tensors.
+    kernels = 8 if hw.kind != "cpu" else 14 * _tensors_per_gpu(m, ranges, cfg)
+    optimizer = hw.memory_time(params / (cfg.dp if cfg.zero1 else 1) * 32, kernels)
+    step = sim.step_time + dp_exposed + optimizer + _step_collectives(cluster, cfg)
     model_flops = cost.model_flops_per_step(m, work.seq_len, work.global_batch)
     hw_flops = cost.hardware_flops_per_step(m, work.seq_len, work.global_batch, cfg.recompute)
     est = Estimate(
@@ -247,6 +263,31 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
         est.reason = (f"needs {mem['total']:.1f} GB per GPU, more than the {hw.hbm_gb:g} GB of "
                       f"{hw.name} ({parts})")
     return est
+
+
+def _tensors_per_gpu(m: GPTConfig, ranges, cfg: ParallelConfig) -> int:
+    """Parameter tensors on the fullest pipeline rank (weights and biases)."""
+    per_layer = (2 if m.norm == "layernorm" else 1) * 2 \
+        + (5 + (1 if m.activation == "swiglu" else 0) + 2) * (2 if m.bias else 1)
+    layers = max(sum(len(ranges[s]) for s in range(len(ranges)) if s % cfg.pp == r)
+                 for r in range(cfg.pp))
+    return layers * per_layer + 3
+
+
+def _step_collectives(cluster: Cluster, cfg: ParallelConfig) -> float:
+    """The trainer's small all-reduces once a step: the loss over PP and DP, the gradient norm's
+    square over TP and PP (over DP too with ZeRO-1), the non-finite check over all ranks. Each
+    is latency only."""
+    hw = cluster.hardware
+
+    def ar(n, span):
+        return cost.ring_time("all_reduce", 8, n, cluster.link_gbps(span),
+                              hw.collective_latency_us)
+    world = cfg.tp * cfg.pp * cfg.dp
+    total = ar(cfg.pp, world) + ar(cfg.dp, cfg.tp * cfg.dp)          # the loss
+    total += ar(cfg.tp, cfg.tp) + ar(cfg.pp, world)                  # the gradient norm
+    total += ar(cfg.dp, cfg.tp * cfg.dp) if cfg.zero1 else 0.0
+    return total + ar(world, world)                                  # the non-finite check
 
 
 def _peak_lower_bound(cfg: ParallelConfig, num_mb: int) -> int:
