@@ -2,7 +2,8 @@
 # The GPU check in one command, on a machine with a CUDA GPU (about 8 minutes on one H100/H200):
 #   1. build fastpar with its CUDA sources (pip install --no-build-isolation -e .),
 #   2. run the test suite with the real Triton path: the kernel tests on the GPU, bf16 included,
-#   3. benchmark the kernels against torch eager and torch.compile (bench/bench_kernels.py).
+#   3. benchmark the kernels against torch eager and torch.compile (bench/bench_kernels.py),
+#   4. train the 1b preset for a few steps on one GPU (bf16 autocast) and print tokens/s and MFU.
 #
 #   bash bench/gpu_check.sh                        # kernel tests on the GPU, then the benchmark
 #   GPU_CHECK_TESTS=all bash bench/gpu_check.sh    # the whole suite in step 2 (over 8 minutes:
@@ -52,9 +53,24 @@ fi
 echo "tests done at $(elapsed) s (status $status)"
 
 echo "== 3. benchmark =="
-budget=$(( 450 - $(elapsed) ))
+budget=$(( 390 - $(elapsed) ))
 [ "$budget" -lt 60 ] && budget=60
 # shellcheck disable=SC2086
 "$PY" bench/bench_kernels.py --budget "$budget" ${BENCH_ARGS:-}
+
+echo "== 4. the 1b preset on one GPU: tokens/s and MFU =="
+# PEAK_TFLOPS: the GPU's dense bf16 peak (H100/H200 SXM: 989). The stdlib corpus, byte tokens.
+run=$(mktemp -d)
+"$PY" -m fastpar train --model 1b --nproc 1 --steps "${TRAIN_STEPS:-30}" --seq-len 2048 \
+  --global-batch-size 8 --micro-batch-size 4 --warmup-steps 5 --log-every 10 \
+  --peak-tflops "${PEAK_TFLOPS:-989}" --out "$run" || status=$?
+"$PY" - "$run/metrics.jsonl" <<'PY' || status=$?
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])][5:]      # after compilation / warm-up
+tok = statistics.median(r["tokens_per_s"] for r in rows)
+mfu = statistics.median(r["mfu"] for r in rows)
+print(f"1b, seq 2048, batch 8: {tok:,.0f} tokens/s, MFU {mfu:.1%} (median of {len(rows)} steps)")
+PY
+rm -rf "$run"
 echo "gpu_check.sh done in $(elapsed) s on $(date '+%Y-%m-%d %H:%M')"
 exit "$status"
