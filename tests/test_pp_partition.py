@@ -2,6 +2,7 @@
 import copy
 import itertools
 import random
+import time
 
 import pytest
 import torch
@@ -51,6 +52,37 @@ def test_partition_is_optimal_and_counts_embedding_and_head():
         assert [i for p in parts for i in p] == list(range(n)) and all(parts)
         got = max(_load(costs, parts, s) for s in range(stages))
         assert got == pytest.approx(_brute_force(costs, stages))
+
+
+def test_partition_of_equal_blocks_is_optimal_and_fast():
+    # Equal blocks (every layer of a Transformer) take a closed form instead of the DP.
+    rng = random.Random(1)
+    for _ in range(60):
+        n, stages = rng.randint(2, 11), rng.randint(2, 5)
+        if n < stages:
+            continue
+        c = rng.uniform(0.5, 2)
+        costs = [rng.uniform(0, 4 * c)] + [c] * n + [rng.uniform(0, 4 * c)]
+        parts = partition(costs, stages)
+        assert [i for p in parts for i in p] == list(range(n)) and all(parts)
+        got = max(_load(costs, parts, s) for s in range(stages))
+        assert got == pytest.approx(_brute_force(costs, stages)), (costs, stages, parts)
+    t0 = time.perf_counter()
+    parts = partition([7.0] + [1.0] * 160 + [12.0], 64)      # a 1T model's 160 layers
+    assert time.perf_counter() - t0 < 2.0
+    assert len(parts) == 64 and max(_load([7.0] + [1.0] * 160 + [12.0], parts, s)
+                                    for s in range(64)) == pytest.approx(_brute_force_uniform())
+
+
+def _brute_force_uniform():
+    # 160 blocks of 1, embedding 7, head 12, 64 stages: the best maximum over every block count
+    # of the first and the last stage, the middle stages sharing the rest evenly.
+    best = float("inf")
+    for n0 in range(1, 100):
+        for nl in range(1, 160 - n0 - 62 + 1):
+            q = -(-(160 - n0 - nl) // 62)
+            best = min(best, max(7 + n0, 12 + nl, q))
+    return best
 
 
 def test_partition_bad_input():

@@ -36,6 +36,8 @@ def partition(layer_costs: Sequence[float], pp_size: int,
                          f"entries: embedding, blocks, head) cannot fill {stages} stages "
                          f"(pp_size={pp_size} x virtual_stages={virtual_stages})")
     first, last, block = costs[0], costs[-1], costs[1:-1]
+    if len(set(block)) == 1 and stages > 1:
+        return _uniform(blocks, stages, first, last, block[0])
     prefix = [0.0]
     for c in block:
         prefix.append(prefix[-1] + c)
@@ -66,6 +68,46 @@ def partition(layer_costs: Sequence[float], pp_size: int,
         parts.append(range(a, e))
         e = a
     return parts[::-1]
+
+
+def _uniform(blocks: int, stages: int, first: float, last: float, c: float) -> list[range]:
+    """partition() when every block costs ``c``: the same objective (most expensive stage, then
+    the spread around the average) without the DP. The first and last stages take n0 and nl
+    blocks, the middle ones share the rest evenly; (n0, nl) pairs whose end stages already cost
+    more than the best maximum found are skipped."""
+    target = (blocks * c + first + last) / stages
+    mid = stages - 2
+    best_key, best = (float("inf"), float("inf")), None
+    for n0 in range(1, blocks - stages + 2):
+        head = first + n0 * c
+        if head > best_key[0]:
+            break
+        for nl in range(1, blocks - n0 - mid + 1):
+            tail = last + nl * c
+            if tail > best_key[0]:
+                break
+            rest = blocks - n0 - nl
+            if mid == 0:
+                if rest:
+                    continue
+                q = r = 0
+                top = max(head, tail)
+            else:
+                q, r = divmod(rest, mid)
+                top = max(head, tail, (q + 1) * c if r else q * c)
+            if top > best_key[0]:
+                continue
+            spread = ((head - target) ** 2 + (tail - target) ** 2 + r * ((q + 1) * c - target) ** 2
+                      + (mid - r) * (q * c - target) ** 2)
+            if (top, spread) < best_key:
+                best_key, best = (top, spread), (n0, q, r, nl)
+    n0, q, r, nl = best
+    sizes = [n0] + [q + 1] * r + [q] * (mid - r) + [nl]
+    parts, a = [], 0
+    for n in sizes:
+        parts.append(range(a, a + n))
+        a += n
+    return parts
 
 
 def _pieces(model: nn.Module, blocks: str, first: Sequence[str], last: Sequence[str]):
