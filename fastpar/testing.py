@@ -51,13 +51,8 @@ def _child(fn, rank, world_size, port, init_pg, args, queue):
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     try:
-        import torch
         import torch.distributed as dist
 
-        if "OMP_NUM_THREADS" not in os.environ:
-            # As torchrun does: ranks sharing the cores must not each spin a full thread pool
-            # (oversubscribed, a tiny model's step is ten times slower).
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         if init_pg:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
@@ -85,6 +80,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()  # unbuffered: a put is on the pipe before the child exits
     port = free_port()
+    if "OMP_NUM_THREADS" not in os.environ:
+        # As torchrun (and `fastpar train`) do: ranks sharing the cores must not each spin a
+        # full thread pool (oversubscribed, a tiny model's step is ten times slower).
+        env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world_size)), **(env or {})}
     saved = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     procs = []
