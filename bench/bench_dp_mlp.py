@@ -8,8 +8,10 @@
 ``hidden`` is the share of the reduction a variant hides; it is bounded by the backward's length
 over the reduction's, and by the last bucket, which can only start when backward ends.
 
-Variants, measured in the same run, interleaved round by round (medians reported):
+Variants, measured in the same run, interleaved round by round, the order rotated each round so
+that no variant always runs first (medians reported):
   ddp           torch DistributedDataParallel, same bucket size
+  ddp-again     a second, identical DDP model: an A/A control, its ratio to ddp is the noise
   overlap-off   fastpar DataParallel, every bucket reduced after backward
   overlap-on    fastpar DataParallel, each bucket reduced as soon as its gradients are ready
   zero1         overlap-on + DistributedOptimizer (reduce-scatter, sharded AdamW, all-gather
@@ -55,6 +57,8 @@ def _variants(mesh, hidden, layers, bucket_mb):
     out = {}
     m = DDP(_mlp(hidden, layers), process_group=g, bucket_cap_mb=bucket_mb)
     out["ddp"] = (m, adamw(m.parameters()))
+    m = DDP(_mlp(hidden, layers), process_group=g, bucket_cap_mb=bucket_mb)
+    out["ddp-again"] = (m, adamw(m.parameters()))
     for overlap in (False, True):
         m = DataParallel(_mlp(hidden, layers), dp_group=g, bucket_cap_mb=bucket_mb,
                          overlap=overlap)
@@ -87,8 +91,10 @@ def _measure(rank, world_size, hidden, layers, batch, bucket_mb, rounds, iters):
         for p, q in zip(variants[name][0].parameters(), ref):
             assert torch.allclose(p, q, atol=1e-6), f"{name} differs from ddp after a step"
     times = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, (model, opt) in variants.items():
+    names = list(variants)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            model, opt = variants[name]
             dist.barrier()
             t = common.time_it(lambda: step(model, opt), mesh.device, warmup=0, iters=iters)
             if name == "zero1":
@@ -125,7 +131,7 @@ def main(argv=None):
         row = {**common_row, "variant": name, "median_ms": t * 1e3, "vs_ddp": t / med["ddp"],
                "GFLOP/s/rank": flops / t / 1e9,
                "state_MB": state["zero1" if name == "zero1" else "plain"] / 2**20}
-        if name in ("ddp", "overlap-on", "zero1"):
+        if name in ("ddp", "ddp-again", "overlap-on", "zero1"):
             row["hidden"] = 1 - max(t - floor, 0.0) / exposed_off
         rows.append(row)
     # The reduction itself: what overlap-off adds to the floor.

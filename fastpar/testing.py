@@ -2,11 +2,11 @@
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, sets torchrun's environment
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) in each, gives each rank its share of the
-cores (unless OMP_NUM_THREADS is set), optionally initialises a gloo process group, and calls
-``fn(rank, world_size, *args)``. It returns the ranks' return values in
-rank order. A rank that raises fails the run with :class:`RankError`, which carries that rank's
-number and traceback; ranks that do not finish within ``timeout`` seconds are killed and fail
-the run with :class:`RankTimeout`, naming them. No process outlives the call.
+cores and the allocator settings of :mod:`fastpar.dist.host` (where not set), optionally
+initialises a gloo process group, and calls ``fn(rank, world_size, *args)``. It returns the ranks'
+return values in rank order. A rank that raises fails the run with :class:`RankError`, which
+carries that rank's number and traceback; ranks that do not finish within ``timeout`` seconds are
+killed and fail the run with :class:`RankTimeout`, naming them. No process outlives the call.
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import socket
 import time
 import traceback
 from typing import Any, Callable
+
+from .dist.host import worker_env
 
 # After one rank fails, the others usually wait on it inside a collective: give them this long to
 # report (their own errors are shown too), then kill them.
@@ -80,10 +82,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()  # unbuffered: a put is on the pipe before the child exits
     port = free_port()
-    if "OMP_NUM_THREADS" not in os.environ:
-        # As torchrun (and `fastpar train`) do: ranks sharing the cores must not each spin a
-        # full thread pool (oversubscribed, a tiny model's step is ten times slower).
-        env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world_size)), **(env or {})}
+    # As `fastpar train` does: the cores shared out among the ranks, and an allocator that
+    # keeps freed memory (fastpar.dist.host).
+    env = {**worker_env(world_size), **(env or {})}
     saved = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     procs = []

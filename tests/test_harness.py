@@ -76,3 +76,26 @@ def test_rank_that_dies_without_reporting_is_a_failure():
         run_ranks(_die_silently, 2, timeout=30, init_pg=False)
     assert "exited with code 7" in err.value.failures[1]
     assert all(_gone(pid) for pid in err.value.pids)
+
+
+def _env(rank, world_size):
+    keys = ("OMP_NUM_THREADS", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
+    return {k: os.environ.get(k) for k in keys}
+
+
+def test_ranks_share_the_cores_and_keep_freed_memory(monkeypatch):
+    from fastpar.dist.host import worker_env
+
+    for k in ("OMP_NUM_THREADS", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert worker_env(2)["OMP_NUM_THREADS"] == "4"
+    assert worker_env(16)["OMP_NUM_THREADS"] == "1"
+    assert int(worker_env(2)["MALLOC_MMAP_THRESHOLD_"]) == 2 ** 25    # glibc's largest
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "123")                # set by the user: kept
+    assert "MALLOC_TRIM_THRESHOLD_" not in worker_env(2)
+    out = run_ranks(_env, 2, init_pg=False)
+    assert out[0] == out[1]
+    assert out[0]["MALLOC_TRIM_THRESHOLD_"] == "123"
+    assert out[0]["OMP_NUM_THREADS"] == "4" and int(out[0]["MALLOC_MMAP_THRESHOLD_"]) == 2 ** 25
+    assert "MALLOC_MMAP_THRESHOLD_" not in os.environ                  # the parent is untouched

@@ -203,7 +203,6 @@ def _measure_compute(device, dtype, cuda):
 
 def _profile(name, group, cuda, grouped, peak, overhead, gemms, memory, attention):
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     mem_bw = memory[-1][1]
     matmul_curve = _curve(gemms, peak)

@@ -19,6 +19,7 @@ import sys
 import uuid
 from dataclasses import replace
 
+from ..dist.host import worker_env
 from .config import TrainConfig
 
 _RDZV = "fastpar-loopback"
@@ -115,12 +116,13 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0) -> None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     rendezvous_handler_registry.register(_RDZV, _loopback_handler)
-    # The spawned workers inherit these: gloo on loopback, and the cores shared out among
-    # the ranks rather than each rank's threads fighting for all of them (as torchrun does).
+    # The spawned workers inherit these: gloo on loopback, the cores shared out among the
+    # ranks rather than each rank's threads fighting for all of them (as torchrun does), and
+    # an allocator that keeps freed memory (fastpar.dist.host).
     lo = _loopback_interface()
     if lo and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = lo
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ.update(worker_env(nproc))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                           run_id=f"fastpar-{uuid.uuid4().hex[:8]}", rdzv_backend=_RDZV,
                           rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
