@@ -3,9 +3,9 @@ micro-batches, on gloo.
 
     flock /tmp/fastpar-bench.lock python bench/bench_pipeline.py [--pp 2 4] [--runs 3]
 
-For each pp, ``--runs`` times with fresh ranks; in each run the variants take turns step by step,
-a barrier before each step (``--rounds`` rounds of ``--iters`` steps; median per round, median
-over rounds, slowest rank). Every number is the median over the runs (fastpar / torch: the median
+For each pp, ``--runs`` times with fresh ranks; in each run the variants take turns step by step
+(the order rotated each time), a barrier before each step (``--rounds`` rounds of ``--iters``
+steps; median per round, median over rounds, slowest rank). Every number is the median over the runs (fastpar / torch: the median
 of each run's ratio):
   torch   ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (v=2),
           ScheduleInterleavedZeroBubble (one stage per rank: ZB-H1's setting)
@@ -166,11 +166,14 @@ def _measure(rank, world_size, a):
     for key in variants:                                     # warm-up (and shape inference)
         run(key)
     # Variants take turns step by step (a barrier before each), so a burst of load from
-    # elsewhere on the machine lands on all of them alike; median per round, then over rounds.
-    for _ in range(a.rounds):
+    # elsewhere on the machine lands on all of them alike, in an order rotated each time so that
+    # none always follows the same one; median per round, then over rounds.
+    keys = list(variants)
+    for r in range(a.rounds):
         steps = {key: [] for key in variants}
-        for _ in range(a.iters):
-            for key in variants:
+        for i in range(a.iters):
+            turn = (r * a.iters + i) % len(keys)
+            for key in keys[turn:] + keys[:turn]:
                 dist.barrier(mesh.pp_group)
                 t = common.time_it(lambda: run(key), mesh.device, warmup=0, iters=1)
                 steps[key] += t
