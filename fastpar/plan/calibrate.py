@@ -34,6 +34,11 @@ import torch.distributed as dist
 from .hardware import Hardware, save_hardware
 
 
+# Set by measure() while several ranks calibrate together: a barrier over their group, passed
+# before every timed measurement so that all ranks time the same thing at the same moment.
+_together = None
+
+
 def _timed(fn, device, iters: int) -> float:
     """Median seconds of ``fn`` over ``iters`` calls, after two untimed ones."""
     def sync():
@@ -42,6 +47,8 @@ def _timed(fn, device, iters: int) -> float:
     for _ in range(2):
         fn()
     sync()
+    if _together is not None:
+        _together()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -184,13 +191,20 @@ def measure_link(group=None, device=None) -> tuple[float, float]:
 def measure(name: str = "calibrated", group=None) -> Hardware:
     """This rank's profile; links are measured when a process group is initialised.
 
-    All ranks measure at once, each with its own thread count, so on a CPU whose cores the
-    ranks share the rates are those a rank gets while the others compute too."""
+    All ranks measure at once, each with its own thread count, and start every measurement
+    together (a barrier before each), so on a CPU whose cores the ranks share the rates are
+    those a rank gets while the others run the same work, as they will in training."""
     cuda = torch.cuda.is_available()
     grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    compute = _measure_compute(device, torch.bfloat16 if cuda else torch.float32, cuda)
-    return _profile(name, group, cuda, grouped, *compute)
+    global _together
+    if grouped:
+        _together = lambda: dist.barrier(group=group)       # noqa: E731
+    try:
+        compute = _measure_compute(device, torch.bfloat16 if cuda else torch.float32, cuda)
+        return _profile(name, group, cuda, grouped, *compute)
+    finally:
+        _together = None
 
 
 def _measure_compute(device, dtype, cuda):
