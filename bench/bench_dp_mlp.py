@@ -2,8 +2,8 @@
 
     python bench/bench_dp_mlp.py [--ranks 2] [--hidden 1024] [--layers 12] [--batch 128]
     ../shared/tools/shaped-link 1gbit python bench/bench_dp_mlp.py --label 1gbit
-    ../shared/tools/shaped-link 1gbit python bench/bench_dp_mlp.py --label 1gbit-b1024 \
-        --batch 1024 --bucket-mb 4      # a backward long enough to hide the reduction behind
+    ../shared/tools/shaped-link 1gbit python bench/bench_dp_mlp.py --label 1gbit-b1536 \
+        --batch 1536 --bucket-mb 4 --rounds 6 --iters 2   # a backward longer than the reduction
 
 ``hidden`` is the share of the reduction a variant hides; it is bounded by the backward's length
 over the reduction's, and by the last bucket, which can only start when backward ends.
