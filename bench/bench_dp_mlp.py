@@ -93,7 +93,7 @@ def _measure(rank, world_size, hidden, layers, batch, bucket_mb, rounds, iters):
     times = {name: [] for name in variants}
     names = list(variants)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in common.rotated(names, r):
             model, opt = variants[name]
             dist.barrier()
             t = common.time_it(lambda: step(model, opt), mesh.device, warmup=0, iters=iters)

@@ -5,8 +5,8 @@ micro-batches, on gloo.
 
 For each pp, ``--runs`` times with fresh ranks; in each run the variants take turns step by step
 (the order rotated each time), a barrier before each step (``--rounds`` rounds of ``--iters``
-steps; median per round, median over rounds, slowest rank). Every number is the median over the runs (fastpar / torch: the median
-of each run's ratio):
+steps; median per round, median over rounds, slowest rank). Every number is the median over the
+runs (fastpar / torch: the median of each run's ratio):
   torch   ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (v=2),
           ScheduleInterleavedZeroBubble (one stage per rank: ZB-H1's setting)
   fastpar gpipe, 1f1b, interleaved (v=2), zb-h1
@@ -172,8 +172,7 @@ def _measure(rank, world_size, a):
     for r in range(a.rounds):
         steps = {key: [] for key in variants}
         for i in range(a.iters):
-            turn = (r * a.iters + i) % len(keys)
-            for key in keys[turn:] + keys[:turn]:
+            for key in common.rotated(keys, r * a.iters + i):
                 dist.barrier(mesh.pp_group)
                 t = common.time_it(lambda: run(key), mesh.device, warmup=0, iters=1)
                 steps[key] += t

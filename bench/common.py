@@ -61,3 +61,10 @@ def _fmt(v) -> str:
     if v is None:
         return ""
     return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def rotated(items: list, turn: int) -> list:
+    """``items`` starting at position ``turn`` (mod its length): the order of one round of
+    variants that take turns, so that none always runs first or after the same one."""
+    k = turn % len(items)
+    return items[k:] + items[:k]

@@ -85,8 +85,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     # As `fastpar train` does: the cores shared out among the ranks, and an allocator that
     # keeps freed memory (fastpar.dist.host).
     env = {**worker_env(world_size), **(env or {})}
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     procs = []
     try:
         for rank in range(world_size):
