@@ -32,12 +32,14 @@ training step measured on this machine.
 2. This machine. In one run per layout (pp=2, pp=4, tp=2, dp=2; the ``tiny`` model, sequence 128,
    global batch 16, micro-batch 4, 1F1B), every rank first calibrates (matmul rate, copy
    bandwidth, gloo all-reduce), all ranks at once as they then train; then fastpar's trainer
-   runs ``--steps`` steps and the median step after the first two is compared with the
-   prediction from the calibrated profile of rank 0.
+   runs ``--steps`` steps, and every rank calibrates again. The median step after the first
+   two (slowest rank) is compared with the geometric mean of the predictions from rank 0's
+   two profiles.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -110,32 +112,39 @@ def _rank(rank, world, layout, steps, out, run):
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    hw = measure("cpu-gloo")
+    before = measure("cpu-gloo")
     preset, seq, batch, mbs = CPU_RUNS[run]
     cfg = TrainConfig(model=preset, seq_len=seq, global_batch_size=batch, micro_batch_size=mbs,
                       steps=steps, warmup_steps=1, log_every=1000, schedule="1f1b", out=out,
                       save_every=10 ** 6, **layout)
     rows = train(cfg)
-    return hw, [r["step_time_s"] for r in rows]
+    return (before, measure("cpu-gloo")), [r["step_time_s"] for r in rows]
 
 
 def cpu_once(run: str, layout: dict, steps: int) -> dict:
-    """One run: calibrate on every rank, train, predict from rank 0's profile."""
+    """One run: calibrate on every rank, train, calibrate again; the prediction is the
+    geometric mean of those from rank 0's two profiles, which bracket the training in time
+    (on a shared machine the rates drift by tens of percent within seconds)."""
     from fastpar.testing import run_ranks
 
     world = layout["tp"] * layout["pp"] * layout["dp"]
     with tempfile.TemporaryDirectory() as tmp:
         results = run_ranks(_rank, world, layout, steps, tmp, run, timeout=900, init_pg=False)
-    hw = results[0][0]
     measured = statistics.median(max(r[1][i] for r in results) for i in range(2, steps))
     preset, seq, batch, mbs = CPU_RUNS[run]
     model = get_config(preset, max_seq_len=max(seq, get_config(preset).max_seq_len))
-    est = evaluate(Workload(model, seq, batch), Cluster(world, world, hw),
-                   ParallelConfig(micro_batch_size=mbs, **layout))
-    return {"gflops": hw.peak_tflops * 1e3, "op_us": hw.kernel_overhead_us,
-            "link_gbps": hw.intra_node_gbps, "latency_us": hw.collective_latency_us,
-            "predicted_ms": est.step_time_s * 1e3, "measured_ms": measured * 1e3,
-            "ratio": est.step_time_s / measured}
+    preds = [evaluate(Workload(model, seq, batch), Cluster(world, world, hw),
+                      ParallelConfig(micro_batch_size=mbs, **layout)).step_time_s
+             for hw in results[0][0]]
+    predicted = math.sqrt(preds[0] * preds[1])
+
+    def mean(field):
+        return statistics.fmean(getattr(hw, field) for hw in results[0][0])
+    return {"gflops": mean("peak_tflops") * 1e3, "op_us": mean("kernel_overhead_us"),
+            "act_gbps": mean("activation_gbps"), "link_gbps": mean("intra_node_gbps"),
+            "latency_us": mean("collective_latency_us"), "before_ms": preds[0] * 1e3,
+            "after_ms": preds[1] * 1e3, "predicted_ms": predicted * 1e3,
+            "measured_ms": measured * 1e3, "ratio": predicted / measured}
 
 
 def cpu(steps: int, runs: list[str], repeats: int) -> list[dict]:
@@ -159,7 +168,7 @@ def main() -> None:
     p.add_argument("--skip-cpu", action="store_true")
     p.add_argument("--skip-search", action="store_true")
     p.add_argument("--skip-published", action="store_true")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--repeats", type=int, default=3, help="CPU runs per layout (median)")
     p.add_argument("--models", default="tiny,small", help="CPU runs: " + ",".join(CPU_RUNS))
     args = p.parse_args()

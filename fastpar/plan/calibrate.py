@@ -1,7 +1,8 @@
 """Measure this machine into a :class:`Hardware` profile: ``fastpar plan --calibrate``.
 
 - matmul: square GEMMs from 64 to 1024 and skinny ones (rows 4x or 16x the other sizes, or an
-  inner size of 32 / 64 as in attention) in the training dtype (bf16 on a GPU, fp32 on a CPU);
+  inner size of 32 / 64 as in attention) in the training dtype (bf16 on a GPU, fp32 on a CPU),
+  each shape taking turns over operands that do not fit in the cache, as in a model;
   the best rate is the profile's peak, every shape's fraction of it goes into ``matmul_curve``
   (by FLOPs per GEMM) and ``matmul_efficiency`` is the median fraction;
 - per-operator overhead: on a GPU the time of a tiny GEMM; on a CPU, where every operator runs
@@ -11,6 +12,9 @@
   bookkeeping per operator, with no arithmetic to speak of;
 - memory: copies of 256 KB to 64 MB (read + write) into ``memory_curve``; ``hbm_gbps`` is the
   64 MB one;
+- activations: SiLU, tanh-GELU and exp on 1M elements, the median bytes read + written per
+  second (``activation_gbps``): on a CPU core these transcendental kernels are compute-bound,
+  several times slower than a copy;
 - attention: forward and backward of torch's causal scaled-dot-product attention at a few
   sizes, as a fraction of peak on the FLOPs the cost model counts (``attention_curve``);
 - links, under torchrun (or any initialised process group): all-reduces of 64 KB and 16 MB, solved
@@ -67,16 +71,29 @@ def gemm_shapes(sizes=(64, 128, 256, 512, 1024)) -> list[tuple[int, int, int]]:
     return sorted(set(shapes), key=lambda s: s[0] * s[1] * s[2])
 
 
-def measure_matmul(device: torch.device, dtype: torch.dtype,
-                   shapes=None) -> tuple[float, float, list]:
-    """(best FLOP/s, seconds of a tiny GEMM, [(flops, FLOP/s)] per shape)."""
+def measure_matmul(device: torch.device, dtype: torch.dtype, shapes=None,
+                   working_set: float = 32e6) -> tuple[float, float, list]:
+    """(best FLOP/s, seconds of a tiny GEMM, [(flops, FLOP/s)] per shape).
+
+    Each shape's GEMMs take turns over operand pairs that together fill ``working_set`` bytes,
+    so they read operands from memory as a model's GEMMs do (each layer's weights and
+    activations were last touched by other operators), not from the cache the previous call
+    left them in, which makes small GEMMs look 10-20% faster than they run in a model."""
     points = []
     for m, n, k in shapes or gemm_shapes():
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
+        size = (m * k + k * n) * torch.finfo(dtype).bits // 8
+        pairs = [(torch.randn(m, k, device=device, dtype=dtype),
+                  torch.randn(k, n, device=device, dtype=dtype))
+                 for _ in range(max(2, min(64, int(working_set // size))))]
+        turn = iter(range(10 ** 9))
+
+        def gemm():
+            a, b = pairs[next(turn) % len(pairs)]
+            return a @ b
         flops = 2.0 * m * n * k
-        t = _timed(lambda: a @ b, device, iters=max(3, min(50, int(1e9 / flops))))
+        t = _timed(gemm, device, iters=max(3, min(50, int(1e9 / flops))))
         points.append((flops, flops / t))
+        del pairs
     a = torch.randn(8, 8, device=device, dtype=dtype)
     return max(r for _, r in points), _timed(lambda: a @ a, device, iters=200), points
 
@@ -167,6 +184,15 @@ def measure_memory(device: torch.device,
     return points
 
 
+def measure_activation(device: torch.device, dtype: torch.dtype, numel: int = 2 ** 20) -> float:
+    """Bytes per second (read + write) of SiLU, tanh-GELU and exp kernels: the median."""
+    x = torch.randn(numel, device=device, dtype=dtype)
+    nbytes = 2.0 * numel * x.element_size()
+    fns = (torch.nn.functional.silu, lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+           torch.exp)
+    return statistics.median(nbytes / _timed(lambda: fn(x), device, iters=20) for fn in fns)
+
+
 def measure_link(group=None, device=None) -> tuple[float, float]:
     """(bytes per second, seconds of latency per ring step) of all-reduce over ``group``."""
     n = dist.get_world_size(group)
@@ -212,10 +238,10 @@ def _measure_compute(device, dtype, cuda):
     overhead = tiny_gemm if cuda else max(tiny_gemm, measure_op_overhead(device))
     memory = measure_memory(device)
     attention = measure_attention(device, dtype, overhead)
-    return peak, overhead, gemms, memory, attention
+    return peak, overhead, gemms, memory, attention, measure_activation(device, dtype)
 
 
-def _profile(name, group, cuda, grouped, peak, overhead, gemms, memory, attention):
+def _profile(name, group, cuda, grouped, peak, overhead, gemms, memory, attention, activation):
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     mem_bw = memory[-1][1]
@@ -235,7 +261,7 @@ def _profile(name, group, cuda, grouped, peak, overhead, gemms, memory, attentio
                     bytes_per_element=2 if cuda else 4,
                     memory_reserve_gb=min(1.0, hbm / 4), kind="gpu" if cuda else "cpu",
                     attention_efficiency=min(1.0, statistics.median(
-                        r for _, r in attention) / peak),
+                        r for _, r in attention) / peak), activation_gbps=activation / 1e9,
                     matmul_curve=tuple(matmul_curve),
                     memory_curve=tuple((x, y / 1e9) for x, y in memory),
                     attention_curve=tuple((x, min(1.0, y / peak)) for x, y in attention))

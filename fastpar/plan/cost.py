@@ -153,9 +153,40 @@ def reference_ops(model: GPTConfig, feat: Features = None) -> tuple[int, int]:
     return f, b
 
 
-def _elementwise(shape: Shape, hw: Hardware, feat: Features) -> tuple[float, int, int]:
-    """Bytes moved by one layer's forward outside the GEMMs and the attention core, and the
-    kernels (operators) launched for them in the forward and in the backward."""
+# Bytes those reference operators read and write, forward / backward, in units of the tensor
+# each acts on (measured the same way): a norm, in (s, b, h) tensors (RMSNorm's forward: pow,
+# mean, the normalising mul and the weight's mul each read and write one); rotary, in the rotated
+# q or k; the activation, in (s, b, f) tensors, of which ``transcendental`` is the SiLU / GELU
+# kernel itself (compute-bound on a CPU core); the attention core, the copy of its output back
+# to (s, b, h) and, in the backward, of q's, k's and v's gradients; a residual add.
+REFERENCE_BYTES = {"rmsnorm": (7, 24), "layernorm": (12, 33), "rotary": (9.5, 10),
+                   "swiglu": (5, 9), "gelu": (2, 3), "transcendental": (2, 3), "residual": (3, 0)}
+
+
+def reference_bytes(shape: Shape) -> tuple[float, float, float, float]:
+    """Elements (forward, backward) one layer's reference operators move outside its GEMMs and
+    the attention kernel, and of them the activation's transcendental kernels' (forward,
+    backward)."""
+    m, t, T = shape.model, shape.tp, shape.tokens
+    rep = T * m.d_model / (t if shape.sp else 1)
+    q, kv, f = T * m.n_heads * m.head_dim / t, T * m.kv_heads * m.head_dim / t, T * m.ffn_dim / t
+    norm, act, tr = REFERENCE_BYTES[m.norm], REFERENCE_BYTES[m.activation], \
+        REFERENCE_BYTES["transcendental"]
+    fwd = 2 * norm[0] * rep + act[0] * f + 2 * REFERENCE_BYTES["residual"][0] * rep + 2 * q
+    bwd = 2 * norm[1] * rep + act[1] * f + 2 * (q + 2 * kv)
+    bwd += 3 * column_linears(m) * rep     # summing the gradients of a tensor's consumers
+    if m.rotary:
+        rot = REFERENCE_BYTES["rotary"]
+        fwd, bwd = fwd + rot[0] * (q + kv), bwd + rot[1] * (q + kv)
+    if m.bias:                             # each bias gradient reads its output gradient
+        bwd += T * (2 * (m.n_heads + m.kv_heads) * m.head_dim / t + m.ffn_dim / t * (
+            2 if m.activation == "swiglu" else 1)) + 2 * rep
+    return fwd, bwd, tr[0] * f, tr[1] * f
+
+
+def _elementwise(shape: Shape, hw: Hardware, feat: Features) -> tuple[float, float, int, int]:
+    """Seconds of one layer's forward and backward outside the GEMMs and the attention core,
+    and the kernels (operators) launched for them in the forward and in the backward."""
     m, t, E, T = shape.model, shape.tp, hw.bytes_per_element, shape.tokens
     h_rep = m.d_model / (t if shape.sp else 1)     # the replicated (or SP-split) hidden width
     f = m.ffn_dim / t
@@ -166,18 +197,25 @@ def _elementwise(shape: Shape, hw: Hardware, feat: Features) -> tuple[float, int
     if m.rotary:
         nbytes += 2 * T * (m.n_heads + m.kv_heads) * m.head_dim / t * E
         kernels += 2
+    extra = 0.0
     if feat.dropout:                               # hidden dropouts: mask write + apply
-        nbytes += 2 * T * h_rep * (1 + 2 * E)
+        extra += 2 * T * h_rep * (1 + 2 * E)
         kernels += 2
     if not feat.flash_attention:                   # scale-mask-softmax over stored scores
         scores = shape.micro_batch * m.n_heads / t * shape.seq_len ** 2
-        nbytes += 2 * scores * E + (scores * (1 + 2 * E) if feat.dropout else 0)
+        extra += 2 * scores * E + (scores * (1 + 2 * E) if feat.dropout else 0)
         kernels += 2 if feat.dropout else 1
-    if hw.kind == "cpu":                           # unfused reference ops, counted as they run
-        f, b = reference_ops(m, feat)
-        core_f, core_b = REFERENCE_OPS["core"]
-        return nbytes, f - core_f, b - core_b
-    return nbytes, kernels, 2 * kernels
+    if hw.kind != "cpu":    # fused kernels; backward: read the output gradient and the saved
+        nbytes += extra     # input, write one
+        return (hw.memory_time(nbytes, kernels), hw.memory_time(2 * nbytes, 2 * kernels),
+                kernels, 2 * kernels)
+    # Unfused reference ops, their operators and bytes counted as they run; the activation's
+    # transcendental kernels at their own rate.
+    fwd, bwd, tr_f, tr_b = (E * x for x in reference_bytes(shape))
+    k_f, k_b = reference_ops(m, feat)
+    k_f, k_b = k_f - REFERENCE_OPS["core"][0], k_b - REFERENCE_OPS["core"][1]
+    return (hw.memory_time(fwd - tr_f + extra, k_f) + hw.activation_time(tr_f),
+            hw.memory_time(bwd - tr_b + 2 * extra, k_b) + hw.activation_time(tr_b), k_f, k_b)
 
 
 @dataclass(frozen=True)
@@ -211,15 +249,13 @@ def layer_cost(shape: Shape, hw: Hardware, recompute: str = "none", tp_link_gbps
                        for m, n, k in group)
         gemm, gemm_b = gemm + chunked(rows), gemm + chunked([(m, k, n) for m, n, k in cols])
     core = _core_time(shape, hw, feat)
-    ew_bytes, ew_f, ew_b = _elementwise(shape, hw, feat)
-    elem_f = hw.memory_time(ew_bytes, ew_f)
+    elem_f, elem_b, _, _ = _elementwise(shape, hw, feat)
     f = gemm + core + elem_f
-    # Backward: each elementwise op reads the output gradient and its saved input, writes one.
     core_b = (2.5 if feat.flash_attention else 2.0) * core     # flash recomputes q k^T
     if hw.kind == "cpu" and feat.flash_attention:   # its backward's extra ops: overhead only
         core_b += (REFERENCE_OPS["core"][1] - 2.5 * REFERENCE_OPS["core"][0]) \
             * hw.kernel_overhead_us * 1e-6
-    b = gemm_b + core_b + hw.memory_time(2 * ew_bytes, ew_b)
+    b = gemm_b + core_b + elem_b
     comm_f, comm_b = tp_collectives(shape, hw, tp_link_gbps, feat)
     if recompute == "full":
         b, comm_b = b + f, comm_b + comm_f

@@ -51,6 +51,8 @@ class Hardware:
     memory_reserve_gb: float = 1.0        # runtime context and communication buffers
     kind: str = "gpu"                     # "gpu" or "cpu": the code path fastpar runs
     attention_efficiency: float = 0.0     # fused attention, fraction of peak; 0: matmul's
+    activation_gbps: float = 0.0          # transcendental elementwise kernels (SiLU, GELU, exp),
+    #                                       bytes read + written per second; 0: memory-bound
     matmul_curve: tuple = ()              # ((flops of one GEMM, fraction of peak), ...)
     memory_curve: tuple = ()              # ((bytes of one kernel, GB/s), ...)
     attention_curve: tuple = ()           # ((flops of one attention call, fraction), ...)
@@ -71,12 +73,11 @@ class Hardware:
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not math.isfinite(value):
                 raise ValueError(f"hardware {self.name!r}: {f.name}={value!r} must be a number")
-            low_ok = value >= 0 if f.name in ("collective_latency_us", "kernel_overhead_us",
-                                              "memory_reserve_gb", "attention_efficiency") \
-                else value > 0
-            if not low_ok:
+            zero_ok = f.name in ("collective_latency_us", "kernel_overhead_us",
+                                 "memory_reserve_gb", "attention_efficiency", "activation_gbps")
+            if value < 0 or (value == 0 and not zero_ok):
                 raise ValueError(f"hardware {self.name!r}: {f.name}={value!r} must be "
-                                 f"{'>= 0' if f.name.endswith(('_us', '_gb')) else '> 0'}")
+                                 f"{'>= 0' if zero_ok else '> 0'}")
         for name in ("matmul_efficiency", "attention_efficiency"):
             if getattr(self, name) > 1:
                 raise ValueError(f"hardware {self.name!r}: {name}={getattr(self, name)} must "
@@ -123,6 +124,14 @@ class Hardware:
             return kernels * self.kernel_overhead_us * 1e-6
         per = nbytes / max(kernels, 1)
         return nbytes / self.bandwidth(per) + kernels * self.kernel_overhead_us * 1e-6
+
+    def activation_time(self, nbytes: float) -> float:
+        """Seconds a transcendental elementwise kernel takes to read and write ``nbytes``
+        (no launch overhead: it is counted with the operator)."""
+        if nbytes <= 0:
+            return 0.0
+        return nbytes / (self.activation_gbps * 1e9 if self.activation_gbps
+                         else self.bandwidth(nbytes))
 
     def to_dict(self) -> dict:
         out = asdict(self)

@@ -113,6 +113,7 @@ class Estimate:
     tp_exposed_s: float              # TP communication the GEMMs do not hide (busiest rank)
     dp_exposed_s: float
     optimizer_s: float
+    grad_accumulation_s: float       # adding each micro-batch's weight gradients
     p2p_s: float                     # one activation between stages
     memory: dict = field(default_factory=dict)
     fits: bool = True
@@ -155,11 +156,18 @@ def _stage_costs(work, cluster, cfg, feat, split):
     embed = (hw.memory_time(2 * act / (t if cfg.sequence_parallel else 1), embed_k) + tp_ar,
              hw.memory_time(2 * act, embed_k), 0.0)
     logits = (m.d_model, m.padded_vocab // t)
-    ce_bytes = T * m.padded_vocab / t * (E + 3 * 4)    # logits, then fp32 softmax read / write
-    head = (hw.gemm_time(T, logits[1], logits[0]) + hw.memory_time(ce_bytes, ce_f)
-            + hw.memory_time(2 * act, norm_f) + ce_ar,
-            hw.gemm_time(T, logits[0], logits[1]) + hw.memory_time(ce_bytes, ce_b)
-            + hw.memory_time(4 * act, norm_b) + head_ar,
+    fp32_logits = T * m.padded_vocab / t * 4
+    if ref:     # reference ops, bytes counted as they run (cost.REFERENCE_BYTES); exp's own rate
+        nb_f, nb_b = cost.REFERENCE_BYTES[m.norm]
+        ce = (hw.memory_time(7 * fp32_logits, ce_f) + hw.activation_time(2 * fp32_logits),
+              hw.memory_time(7 * fp32_logits, ce_b))
+        norm = (hw.memory_time(nb_f * act, norm_f), hw.memory_time(nb_b * act, norm_b))
+    else:       # logits, then the fp32 softmax read and written; the fused norm reads and writes
+        ce_bytes = T * m.padded_vocab / t * E + 3 * fp32_logits
+        ce = (hw.memory_time(ce_bytes, ce_f), hw.memory_time(ce_bytes, ce_b))
+        norm = (hw.memory_time(2 * act, norm_f), hw.memory_time(4 * act, norm_b))
+    head = (hw.gemm_time(T, logits[1], logits[0]) + ce[0] + norm[0] + ce_ar,
+            hw.gemm_time(T, logits[0], logits[1]) + ce[1] + norm[1] + head_ar,
             hw.gemm_time(logits[0], logits[1], T))
     stages = cfg.pp * cfg.virtual_stages
     if stages == 1:
@@ -202,8 +210,9 @@ def _memory(work, cluster, cfg, feat, ranges, peaks) -> dict:
     return {k: (v if k == "params_per_gpu" else v / 1e9) for k, v in best.items()}
 
 
-def _dp_time(cluster, cfg, feat, params, last_backward) -> float:
-    """Exposed seconds of the gradient reduction (and ZeRO-1's parameter gather)."""
+def _dp_time(cluster, cfg, feat, params, last_backward, tensors) -> float:
+    """Exposed seconds of the gradient reduction (and ZeRO-1's parameter gather), with the
+    copy of each gradient into its bucket and the division by dp before it."""
     hw, dp = cluster.hardware, cfg.dp
     if dp == 1:
         return 0.0
@@ -216,7 +225,7 @@ def _dp_time(cluster, cfg, feat, params, last_backward) -> float:
     if hidden and hw.kind != "cpu":
         buckets = max(1, round(nbytes / (feat.bucket_mb * 1e6)))
         reduce = cost.exposed(reduce, last_backward, buckets)
-    return reduce + gather
+    return reduce + gather + hw.memory_time(4 * nbytes, tensors + 1)
 
 
 def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
@@ -240,13 +249,16 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
                              cluster.link_gbps(cfg.tp * cfg.dp * cfg.pp),
                              hw.collective_latency_us)
     sim = simulate(sched, *([row[i] for row in fbw] for i in range(3)), comm=p2p)
-    params = mem["params_per_gpu"]
-    dp_exposed = _dp_time(cluster, cfg, feat, params, fbw[-1][1] + fbw[-1][2])
+    params, tensors = mem["params_per_gpu"], _tensors_per_gpu(m, ranges, cfg)
+    dp_exposed = _dp_time(cluster, cfg, feat, params, fbw[-1][1] + fbw[-1][2], tensors)
+    # Every micro-batch after the first adds its weight gradients into the accumulated ones,
+    # one add per parameter tensor (autograd's AccumulateGrad): read two, write one.
+    accumulate = (num_mb - 1) * hw.memory_time(3 * params * feat.grad_bytes, tensors)
     # Adam reads weight, gradient and both moments and writes three; clipping reads the grads.
     # Multi-tensor kernels on a GPU; off CUDA torch's foreach ops loop over the tensors.
-    kernels = 8 if hw.kind != "cpu" else 14 * _tensors_per_gpu(m, ranges, cfg)
+    kernels = 8 if hw.kind != "cpu" else 14 * tensors
     optimizer = hw.memory_time(params / (cfg.dp if cfg.zero1 else 1) * 32, kernels)
-    step = sim.step_time + dp_exposed + optimizer + _step_collectives(cluster, cfg)
+    step = sim.step_time + accumulate + dp_exposed + optimizer + _step_collectives(cluster, cfg)
     model_flops = cost.model_flops_per_step(m, work.seq_len, work.global_batch)
     hw_flops = cost.hardware_flops_per_step(m, work.seq_len, work.global_batch, cfg.recompute)
     est = Estimate(
@@ -256,6 +268,7 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
         memory_gb_per_gpu=mem["total"], tokens_per_s=work.global_batch * work.seq_len / step,
         bubble_fraction=sim.bubble_fraction, compute_s=max(sim.busy),
         tp_exposed_s=tp_exposed * num_mb, dp_exposed_s=dp_exposed, optimizer_s=optimizer,
+        grad_accumulation_s=accumulate,
         p2p_s=p2p, memory={k: v for k, v in mem.items() if k != "params_per_gpu"})
     if mem["total"] > hw.hbm_gb:
         est.fits = False
