@@ -244,3 +244,109 @@ def test_curves_interpolate_and_round_trip(tmp_path):
         Hardware(**{**ROUND.to_dict(), "kind": "tpu"})
     with pytest.raises(ValueError, match="matmul_curve"):
         Hardware(**{**ROUND.to_dict(), "matmul_curve": [(1e6, -1.0)]})
+
+
+def _count_layer_bytes(model, seq=16, batch=2):
+    """Bytes the CPU path's operators of one layer read and write, forward and backward, except
+    its GEMMs and the attention kernel (views and metadata excluded)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from fastpar.models.layers import ParallelTransformerLayer, rotary_tables
+
+    skip = {"mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_flash_attention_for_cpu_backward", "view", "_unsafe_view",
+            "permute", "transpose", "t", "expand", "slice", "select", "as_strided", "unsqueeze",
+            "squeeze", "reshape", "alias", "detach", "split", "chunk", "unbind", "narrow",
+            "split_with_sizes", "promote_types"}
+
+    class _Bytes(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func._overloadpacket.__name__ not in skip:
+                _Bytes.n += sum(t.numel() * t.element_size() for t in
+                                tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor))
+            return out
+
+    torch.manual_seed(0)
+    layer = ParallelTransformerLayer(model)
+    rope = rotary_tables(model) if model.rotary else None
+    x = torch.randn(seq, batch, model.d_model, requires_grad=True)
+    with _Bytes():
+        y = layer(x, rope)
+    fwd, _Bytes.n = _Bytes.n, 0
+    grad = torch.ones_like(y)
+    with _Bytes():
+        y.backward(grad)
+    return fwd, _Bytes.n
+
+
+@pytest.mark.parametrize("model", [get_config("tiny"), GPTConfig(
+    n_layers=1, d_model=64, n_heads=4, norm="layernorm", activation="gelu", rotary=False,
+    bias=True)])
+def test_reference_bytes_match_the_layer(model):
+    """The CPU path's elementwise traffic comes from the layer's structure; re-count it."""
+    seq, batch = 64, 2
+    fwd, bwd = _count_layer_bytes(model, seq, batch)
+    f, b, tr_f, tr_b = (4 * x for x in cost.reference_bytes(Shape(model, seq, batch)))
+    assert abs(f - fwd) <= 0.15 * fwd and abs(b - bwd) <= 0.15 * bwd, (f, fwd, b, bwd)
+    assert 0 < tr_f < f and 0 < tr_b < b
+    # Twice the tokens, twice the bytes (the rotary and norm tables aside).
+    assert cost.reference_bytes(Shape(model, seq, 2 * batch))[1] == pytest.approx(2 * b / 4)
+
+
+def test_cpu_activations_run_at_their_own_rate():
+    cpu = Hardware(**{**ROUND.to_dict(), "kind": "cpu"})
+    assert cpu.activation_time(1e9) == pytest.approx(1e9 / cpu.bandwidth(1e9))
+    slow = Hardware(**{**cpu.to_dict(), "activation_gbps": 2.0})
+    assert slow.activation_time(1e9) == pytest.approx(0.5) and slow.activation_time(0) == 0.0
+    shape = Shape(get_config("tiny"), 128, 4)
+    tr_f, tr_b = cost.reference_bytes(shape)[2:]
+    fast_f, fast_b, _, _ = cost._elementwise(shape, cpu, cost.FASTPAR)
+    slow_f, slow_b, _, _ = cost._elementwise(shape, slow, cost.FASTPAR)
+    E = cpu.bytes_per_element
+    assert slow_f - fast_f == pytest.approx(E * tr_f * (1 / 2e9 - 1 / 1000e9))
+    assert slow_b - fast_b == pytest.approx(E * tr_b * (1 / 2e9 - 1 / 1000e9))
+    with pytest.raises(ValueError, match="activation_gbps=-1 must be >= 0"):
+        Hardware(**{**ROUND.to_dict(), "activation_gbps": -1})
+    with pytest.raises(ValueError, match="sync_us=-2 must be >= 0"):
+        Hardware(**{**ROUND.to_dict(), "sync_us": -2})
+
+
+def test_every_collective_call_site_pays_the_sync():
+    synced = Hardware(**{**ROUND.to_dict(), "sync_us": 50.0})
+    ring = cost.ring_time("all_reduce", 1e6 / 4, 4, 100.0, 0.0)
+    assert cost.collective_time("all_reduce", 1e6, 4, 100.0, synced, pieces=4) == \
+        pytest.approx(4 * ring + 50e-6)
+    assert cost.collective_time("all_reduce", 1e6, 1, 100.0, synced) == 0.0
+    shape = Shape(GPT, 2048, 1, tp=4)
+    (f0, b0), (f1, b1) = (cost.tp_collectives(shape, hw, 100.0) for hw in (ROUND, synced))
+    # Two row linears' outputs and four column linears' input gradients: one sync each.
+    assert f1 - f0 == pytest.approx(2 * 50e-6) and b1 - b0 == pytest.approx(4 * 50e-6)
+    work, cfg = _work(), ParallelConfig(tp=1, pp=1, dp=8, micro_batch_size=1)
+    slow = evaluate(work, Cluster(8, 8, synced), cfg).dp_exposed_s
+    assert slow > evaluate(work, Cluster(8, 8, ROUND), cfg).dp_exposed_s
+
+
+def test_gradient_accumulation_per_extra_micro_batch():
+    work, cluster = _work(), Cluster(8, 8, ROUND)
+    one = evaluate(work, cluster, ParallelConfig(tp=1, pp=1, dp=8, micro_batch_size=8))
+    eight = evaluate(work, cluster, ParallelConfig(tp=1, pp=1, dp=8, micro_batch_size=1))
+    assert one.grad_accumulation_s == 0.0
+    params = eight.memory["gradients"] * 1e9 / cost.FASTPAR.grad_bytes
+    # Seven micro-batches after the first each read two gradients and write one (fp32).
+    assert eight.grad_accumulation_s == pytest.approx(7 * 3 * 4 * params / 1000e9)
+
+
+def _measure_link_rank(rank, world):
+    from fastpar.plan.calibrate import measure_link
+    return measure_link()
+
+
+def test_measure_link_under_gloo():
+    from fastpar.testing import run_ranks
+    for bw, latency, sync in run_ranks(_measure_link_rank, 2, timeout=120):
+        assert bw > 1e6 and 0 <= latency < 0.1 and 0 <= sync < 0.1

@@ -17,8 +17,10 @@
   several times slower than a copy;
 - attention: forward and backward of torch's causal scaled-dot-product attention at a few
   sizes, as a fraction of peak on the FLOPs the cost model counts (``attention_curve``);
-- links, under torchrun (or any initialised process group): all-reduces of 64 KB and 16 MB, solved
-  for the per-step latency and the bandwidth of the ring model of :func:`cost.ring_time`.
+- links, under torchrun (or any initialised process group): all-reduces of 64 KB and 16 MB back to
+  back, solved for the per-step latency and the bandwidth of the ring model of
+  :func:`cost.ring_time`; and how much longer the 64 KB one takes when every rank first computes
+  on its own, as in training (``sync_us``, paid once per collective call site).
 
 With several ranks on one machine every rank measures at the same time, as they will train:
 run it under torchrun with the training run's ``--nproc-per-node`` so that every rate is the one
@@ -193,25 +195,49 @@ def measure_activation(device: torch.device, dtype: torch.dtype, numel: int = 2 
     return statistics.median(nbytes / _timed(lambda: fn(x), device, iters=20) for fn in fns)
 
 
-def measure_link(group=None, device=None) -> tuple[float, float]:
-    """(bytes per second, seconds of latency per ring step) of all-reduce over ``group``."""
+def measure_link(group=None, device=None) -> tuple[float, float, float]:
+    """(bytes per second, seconds of latency per ring step, seconds of sync per call) of
+    all-reduce over ``group``.
+
+    Bandwidth and latency come from all-reduces back to back, as the chunks of one overlapped
+    collective run. The sync is what a small all-reduce costs more when it is issued as
+    training issues a collective call, right after every rank has computed on its own (a few
+    GEMMs; their time alone is subtracted): ranks that drifted apart wait for each other, and
+    on cores the ranks share, waking the collective's threads preempts the others' compute."""
     n = dist.get_world_size(group)
     small, large = 16 * 2 ** 10, 4 * 2 ** 20           # float32 elements: 64 KB and 16 MB
-    times = {}
-    for numel in (small, large):
-        x = torch.ones(numel, device=device)
+    dev = device or torch.device("cpu")
+    a, b = (torch.randn(256, 256, device=dev) for _ in range(2))
 
-        def run():
-            dist.all_reduce(x, group=group)
-        dist.barrier(group=group)
-        t = _timed(run, device or torch.device("cpu"), iters=5 if numel == large else 20)
-        t = torch.tensor([t], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)   # the slowest rank's time
-        times[numel] = float(t)
+    def work():
+        for _ in range(3):
+            a @ b
+
+    def slowest(t):
+        t = torch.tensor([max(t, 0.0)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return float(t)
+    xs = {numel: torch.ones(numel, device=device) for numel in (small, large)}
+
+    def after_work():
+        work()
+        dist.all_reduce(xs[small], group=group)
+    # Three rounds, each timing every case, so that a slow spell of a shared machine does not
+    # fall on one case only; the median round of each.
+    rounds: dict = {}
+    for _ in range(3):
+        for key, fn, iters in (
+                (small, lambda: dist.all_reduce(xs[small], group=group), 10),
+                (large, lambda: dist.all_reduce(xs[large], group=group), 3),
+                ("work", work, 10), ("after_work", after_work, 10)):
+            dist.barrier(group=group)
+            rounds.setdefault(key, []).append(slowest(_timed(fn, dev, iters=iters)))
+    times = {k: statistics.median(v) for k, v in rounds.items()}
+    sync = max(0.0, times["after_work"] - times["work"] - times[small])
     steps, share = 2 * (n - 1), 2 * (n - 1) / n
     bw = share * 4 * (large - small) / max(times[large] - times[small], 1e-9)
     latency = max(0.0, (times[small] - share * 4 * small / bw) / steps)
-    return bw, latency
+    return bw, latency, sync
 
 
 def measure(name: str = "calibrated", group=None) -> Hardware:
@@ -251,13 +277,14 @@ def _profile(name, group, cuda, grouped, peak, overhead, gemms, memory, attentio
     else:
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         hbm = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / ranks
-    link, latency = (mem_bw, 0.0)
+    link, latency, sync = (mem_bw, 0.0, 0.0)
     if grouped:
-        link, latency = measure_link(group, device if cuda else None)
+        link, latency, sync = measure_link(group, device if cuda else None)
     return Hardware(name=name, peak_tflops=peak / 1e12,
                     matmul_efficiency=statistics.median(y for _, y in matmul_curve), hbm_gb=hbm,
                     hbm_gbps=mem_bw / 1e9, intra_node_gbps=link / 1e9, inter_node_gbps=link / 1e9,
-                    collective_latency_us=latency * 1e6, kernel_overhead_us=overhead * 1e6,
+                    collective_latency_us=latency * 1e6, sync_us=sync * 1e6,
+                    kernel_overhead_us=overhead * 1e6,
                     bytes_per_element=2 if cuda else 4,
                     memory_reserve_gb=min(1.0, hbm / 4), kind="gpu" if cuda else "cpu",
                     attention_efficiency=min(1.0, statistics.median(

@@ -280,6 +280,18 @@ def ring_time(kind: str, nbytes: float, n: int, link_gbps: float, latency_us: fl
     return steps * latency_us * 1e-6 + share * nbytes / (link_gbps * 1e9)
 
 
+def collective_time(kind: str, nbytes: float, n: int, link_gbps: float, hw: Hardware,
+                    pieces: int = 1) -> float:
+    """Seconds of one collective call site over ``n`` ranks, issued as ``pieces`` collectives of
+    equal parts (an overlapped linear's chunks): each is a ring (:func:`ring_time`); the first
+    also pays the hardware's ``sync_us``, the ranks' drift and wake-up when they meet after
+    computing apart, and paces the chunks after it."""
+    if n <= 1:
+        return 0.0
+    return pieces * ring_time(kind, nbytes / pieces, n, link_gbps, hw.collective_latency_us) \
+        + hw.sync_us * 1e-6
+
+
 def tp_collectives(shape: Shape, hw: Hardware, link_gbps: float,
                    feat: Features = FASTPAR) -> tuple[float, float]:
     """Seconds of one layer's TP communication, forward and backward, before any overlap.
@@ -298,11 +310,10 @@ def tp_collectives(shape: Shape, hw: Hardware, link_gbps: float,
     if t == 1:
         return 0.0, 0.0
     n = shape.tokens * shape.model.d_model * hw.bytes_per_element      # (s, b, h)
-    lat = hw.collective_latency_us
     col, row = column_linears(shape.model, feat), 2
 
     def ring(kind, pieces=1):
-        return pieces * ring_time(kind, n / pieces, t, link_gbps, lat)
+        return collective_time(kind, n, t, link_gbps, hw, pieces)
 
     if shape.sp:
         fwd = col * ring("all_gather") + row * ring("reduce_scatter")

@@ -10,7 +10,9 @@ from first principles for what a kernel achieves:
   ``matmul_efficiency`` of the datasheet peak (the fraction dense-GEMM microbenchmarks reach at
   sustained clocks, not a training-run number);
 - an elementwise kernel moves its bytes at ``hbm_bandwidth``, plus the same overhead;
-- a ring collective step costs ``collective_latency_us`` plus its bytes over the link.
+- a ring collective step costs ``collective_latency_us`` plus its bytes over the link, and a
+  collective call site ``sync_us`` more: ranks that computed apart meet there (0 in the built-in
+  profiles, which have no measured drift to go on).
 
 ``kind`` says which code path fastpar runs: ``"gpu"`` (fused Triton kernels, launches queued
 ahead of the device, TP collectives on their own streams overlapping the GEMMs) or ``"cpu"``
@@ -47,6 +49,8 @@ class Hardware:
     inter_node_gbps: float              # per GPU across nodes (its NIC), per direction, GB/s
     collective_latency_us: float = 10.0   # per ring step of a collective / per p2p message
     kernel_overhead_us: float = 4.0       # per kernel: launch and tail, even for tiny work
+    sync_us: float = 0.0                  # per collective call site, where ranks that computed
+    #                                       apart meet: their drift and wake-up (measured)
     bytes_per_element: int = 2            # training dtype of activations (bf16 = 2, fp32 = 4)
     memory_reserve_gb: float = 1.0        # runtime context and communication buffers
     kind: str = "gpu"                     # "gpu" or "cpu": the code path fastpar runs
@@ -74,7 +78,8 @@ class Hardware:
                     or not math.isfinite(value):
                 raise ValueError(f"hardware {self.name!r}: {f.name}={value!r} must be a number")
             zero_ok = f.name in ("collective_latency_us", "kernel_overhead_us",
-                                 "memory_reserve_gb", "attention_efficiency", "activation_gbps")
+                                 "memory_reserve_gb", "attention_efficiency", "activation_gbps",
+                                 "sync_us")
             if value < 0 or (value == 0 and not zero_ok):
                 raise ValueError(f"hardware {self.name!r}: {f.name}={value!r} must be "
                                  f"{'>= 0' if zero_ok else '> 0'}")

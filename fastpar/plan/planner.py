@@ -140,14 +140,14 @@ def _stage_costs(work, cluster, cfg, feat, split):
     layer = (lc.f + exp_f, lc.b + exp_b, lc.w)
     m, E, T = work.model, hw.bytes_per_element, shape.tokens
     act = T * m.d_model * E                        # one (s, b, h) activation
-    link, lat = cluster.link_gbps(t), hw.collective_latency_us
-    tp_ar = cost.ring_time("all_reduce", act, t, link, lat)
+    link = cluster.link_gbps(t)
+    tp_ar = cost.collective_time("all_reduce", act, t, link, hw)
     # The head's input-gradient all-reduce runs in row chunks like the layers'; the vocab-parallel
     # cross entropy all-reduces its row maxima and its (sum exp, target logit) pairs.
     pieces = feat.tp_chunks if feat.tp_overlap else 1
-    head_ar = pieces * cost.ring_time("all_reduce", act / pieces, t, link, lat)
-    ce_ar = cost.ring_time("all_reduce", T * 4, t, link, lat) \
-        + cost.ring_time("all_reduce", T * 8, t, link, lat)
+    head_ar = cost.collective_time("all_reduce", act, t, link, hw, pieces)
+    ce_ar = cost.collective_time("all_reduce", T * 4, t, link, hw) \
+        + cost.collective_time("all_reduce", T * 8, t, link, hw)
     # Kernels: the fused path's, or torch's reference ops (embedding and its backward; the final
     # norm and the cross entropy's max, sub, exp, sum, log, gather, ... and their backward).
     ref = hw.kind == "cpu"
@@ -217,10 +217,9 @@ def _dp_time(cluster, cfg, feat, params, last_backward, tensors) -> float:
     if dp == 1:
         return 0.0
     nbytes, link = params * feat.grad_bytes, cluster.link_gbps(cfg.tp * dp)
-    lat = hw.collective_latency_us
-    reduce = cost.ring_time("reduce_scatter" if cfg.zero1 else "all_reduce", nbytes, dp, link,
-                            lat)
-    gather = cost.ring_time("all_gather", nbytes, dp, link, lat) if cfg.zero1 else 0.0
+    reduce = cost.collective_time("reduce_scatter" if cfg.zero1 else "all_reduce", nbytes, dp,
+                                  link, hw)
+    gather = cost.collective_time("all_gather", nbytes, dp, link, hw) if cfg.zero1 else 0.0
     hidden = feat.dp_overlap if cfg.pp == 1 else feat.dp_overlap_pipeline
     if hidden and hw.kind != "cpu":
         buckets = max(1, round(nbytes / (feat.bucket_mb * 1e6)))
@@ -294,8 +293,7 @@ def _step_collectives(cluster: Cluster, cfg: ParallelConfig) -> float:
     hw = cluster.hardware
 
     def ar(n, span):
-        return cost.ring_time("all_reduce", 8, n, cluster.link_gbps(span),
-                              hw.collective_latency_us)
+        return cost.collective_time("all_reduce", 8, n, cluster.link_gbps(span), hw)
     world = cfg.tp * cfg.pp * cfg.dp
     total = ar(cfg.pp, world) + ar(cfg.dp, cfg.tp * cfg.dp)          # the loss
     total += ar(cfg.tp, cfg.tp) + ar(cfg.pp, world)                  # the gradient norm
