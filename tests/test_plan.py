@@ -305,8 +305,8 @@ def test_cpu_activations_run_at_their_own_rate():
     assert slow.activation_time(1e9) == pytest.approx(0.5) and slow.activation_time(0) == 0.0
     shape = Shape(get_config("tiny"), 128, 4)
     tr_f, tr_b = cost.reference_bytes(shape)[2:]
-    fast_f, fast_b, _, _ = cost._elementwise(shape, cpu, cost.FASTPAR)
-    slow_f, slow_b, _, _ = cost._elementwise(shape, slow, cost.FASTPAR)
+    fast_f, fast_b = cost._elementwise(shape, cpu, cost.FASTPAR)
+    slow_f, slow_b = cost._elementwise(shape, slow, cost.FASTPAR)
     E = cpu.bytes_per_element
     assert slow_f - fast_f == pytest.approx(E * tr_f * (1 / 2e9 - 1 / 1000e9))
     assert slow_b - fast_b == pytest.approx(E * tr_b * (1 / 2e9 - 1 / 1000e9))

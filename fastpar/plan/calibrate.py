@@ -29,6 +29,8 @@ None of this runs fastpar's model or trainer.
 """
 from __future__ import annotations
 
+import itertools
+import operator
 import os
 import statistics
 import time
@@ -87,15 +89,11 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, shapes=None,
         pairs = [(torch.randn(m, k, device=device, dtype=dtype),
                   torch.randn(k, n, device=device, dtype=dtype))
                  for _ in range(max(2, min(64, int(working_set // size))))]
-        turn = iter(range(10 ** 9))
-
-        def gemm():
-            a, b = pairs[next(turn) % len(pairs)]
-            return a @ b
+        turn = itertools.cycle(pairs)
         flops = 2.0 * m * n * k
-        t = _timed(gemm, device, iters=max(3, min(50, int(1e9 / flops))))
+        t = _timed(lambda: operator.matmul(*next(turn)), device,
+                   iters=max(3, min(50, int(1e9 / flops))))
         points.append((flops, flops / t))
-        del pairs
     a = torch.randn(8, 8, device=device, dtype=dtype)
     return max(r for _, r in points), _timed(lambda: a @ a, device, iters=200), points
 

@@ -159,8 +159,11 @@ def reference_ops(model: GPTConfig, feat: Features = None) -> tuple[int, int]:
 # q or k; the activation, in (s, b, f) tensors, of which ``transcendental`` is the SiLU / GELU
 # kernel itself (compute-bound on a CPU core); the attention core, the copy of its output back
 # to (s, b, h) and, in the backward, of q's, k's and v's gradients; a residual add.
+# The vocab-parallel cross entropy, in fp32 (s b, V) logits: 9 forward (of them 2 its exp's), 7
+# backward.
 REFERENCE_BYTES = {"rmsnorm": (7, 24), "layernorm": (12, 33), "rotary": (9.5, 10),
-                   "swiglu": (5, 9), "gelu": (2, 3), "transcendental": (2, 3), "residual": (3, 0)}
+                   "swiglu": (5, 9), "gelu": (2, 3), "transcendental": (2, 3), "residual": (3, 0),
+                   "cross_entropy": (9, 7), "cross_entropy_exp": (2, 0)}
 
 
 def reference_bytes(shape: Shape) -> tuple[float, float, float, float]:
@@ -184,20 +187,11 @@ def reference_bytes(shape: Shape) -> tuple[float, float, float, float]:
     return fwd, bwd, tr[0] * f, tr[1] * f
 
 
-def _elementwise(shape: Shape, hw: Hardware, feat: Features) -> tuple[float, float, int, int]:
-    """Seconds of one layer's forward and backward outside the GEMMs and the attention core,
-    and the kernels (operators) launched for them in the forward and in the backward."""
+def _elementwise(shape: Shape, hw: Hardware, feat: Features) -> tuple[float, float]:
+    """Seconds of one layer's forward and backward outside the GEMMs and the attention core."""
     m, t, E, T = shape.model, shape.tp, hw.bytes_per_element, shape.tokens
     h_rep = m.d_model / (t if shape.sp else 1)     # the replicated (or SP-split) hidden width
-    f = m.ffn_dim / t
-    nbytes = 2 * 2 * T * h_rep * E                 # two norms: read x, write y
-    nbytes += 2 * 3 * T * h_rep * E                # two residual adds: read two, write one
-    nbytes += (3 if m.activation == "swiglu" else 2) * T * f * E
-    kernels = 7
-    if m.rotary:
-        nbytes += 2 * T * (m.n_heads + m.kv_heads) * m.head_dim / t * E
-        kernels += 2
-    extra = 0.0
+    extra, kernels = 0.0, 0
     if feat.dropout:                               # hidden dropouts: mask write + apply
         extra += 2 * T * h_rep * (1 + 2 * E)
         kernels += 2
@@ -205,17 +199,25 @@ def _elementwise(shape: Shape, hw: Hardware, feat: Features) -> tuple[float, flo
         scores = shape.micro_batch * m.n_heads / t * shape.seq_len ** 2
         extra += 2 * scores * E + (scores * (1 + 2 * E) if feat.dropout else 0)
         kernels += 2 if feat.dropout else 1
-    if hw.kind != "cpu":    # fused kernels; backward: read the output gradient and the saved
-        nbytes += extra     # input, write one
-        return (hw.memory_time(nbytes, kernels), hw.memory_time(2 * nbytes, 2 * kernels),
-                kernels, 2 * kernels)
-    # Unfused reference ops, their operators and bytes counted as they run; the activation's
-    # transcendental kernels at their own rate.
-    fwd, bwd, tr_f, tr_b = (E * x for x in reference_bytes(shape))
-    k_f, k_b = reference_ops(m, feat)
-    k_f, k_b = k_f - REFERENCE_OPS["core"][0], k_b - REFERENCE_OPS["core"][1]
-    return (hw.memory_time(fwd - tr_f + extra, k_f) + hw.activation_time(tr_f),
-            hw.memory_time(bwd - tr_b + 2 * extra, k_b) + hw.activation_time(tr_b), k_f, k_b)
+    if hw.kind == "cpu":
+        # Unfused reference ops, their operators and bytes counted as they run; the
+        # activation's transcendental kernels at their own rate.
+        fwd, bwd, tr_f, tr_b = (E * x for x in reference_bytes(shape))
+        k_f, k_b = reference_ops(m, feat)
+        k_f, k_b = k_f - REFERENCE_OPS["core"][0], k_b - REFERENCE_OPS["core"][1]
+        return (hw.memory_time(fwd - tr_f + extra, k_f) + hw.activation_time(tr_f),
+                hw.memory_time(bwd - tr_b + 2 * extra, k_b) + hw.activation_time(tr_b))
+    # Fused kernels; each backward kernel reads the output gradient and the saved input and
+    # writes one, twice the forward's traffic.
+    f = m.ffn_dim / t
+    nbytes = extra + 2 * 2 * T * h_rep * E         # two norms: read x, write y
+    nbytes += 2 * 3 * T * h_rep * E                # two residual adds: read two, write one
+    nbytes += (3 if m.activation == "swiglu" else 2) * T * f * E
+    kernels += 7
+    if m.rotary:
+        nbytes += 2 * T * (m.n_heads + m.kv_heads) * m.head_dim / t * E
+        kernels += 2
+    return hw.memory_time(nbytes, kernels), hw.memory_time(2 * nbytes, 2 * kernels)
 
 
 @dataclass(frozen=True)
@@ -249,7 +251,7 @@ def layer_cost(shape: Shape, hw: Hardware, recompute: str = "none", tp_link_gbps
                        for m, n, k in group)
         gemm, gemm_b = gemm + chunked(rows), gemm + chunked([(m, k, n) for m, n, k in cols])
     core = _core_time(shape, hw, feat)
-    elem_f, elem_b, _, _ = _elementwise(shape, hw, feat)
+    elem_f, elem_b = _elementwise(shape, hw, feat)
     f = gemm + core + elem_f
     core_b = (2.5 if feat.flash_attention else 2.0) * core     # flash recomputes q k^T
     if hw.kind == "cpu" and feat.flash_attention:   # its backward's extra ops: overhead only

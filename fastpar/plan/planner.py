@@ -159,8 +159,11 @@ def _stage_costs(work, cluster, cfg, feat, split):
     fp32_logits = T * m.padded_vocab / t * 4
     if ref:     # reference ops, bytes counted as they run (cost.REFERENCE_BYTES); exp's own rate
         nb_f, nb_b = cost.REFERENCE_BYTES[m.norm]
-        ce = (hw.memory_time(7 * fp32_logits, ce_f) + hw.activation_time(2 * fp32_logits),
-              hw.memory_time(7 * fp32_logits, ce_b))
+        (ce_bf, ce_bb), (exp_b, _) = (cost.REFERENCE_BYTES[k] for k in
+                                      ("cross_entropy", "cross_entropy_exp"))
+        ce = (hw.memory_time((ce_bf - exp_b) * fp32_logits, ce_f)
+              + hw.activation_time(exp_b * fp32_logits),
+              hw.memory_time(ce_bb * fp32_logits, ce_b))
         norm = (hw.memory_time(nb_f * act, norm_f), hw.memory_time(nb_b * act, norm_b))
     else:       # logits, then the fp32 softmax read and written; the fused norm reads and writes
         ce_bytes = T * m.padded_vocab / t * E + 3 * fp32_logits
