@@ -6,7 +6,7 @@ import pytest
 from fastpar.models import GPTConfig, get_config
 from fastpar.plan import (BUILTIN, Cluster, Hardware, ParallelConfig, Workload, evaluate,
                           get_hardware, load_hardware, save_hardware, search)
-from fastpar.plan import cost
+from fastpar.plan import cost, planner
 from fastpar.plan.cost import Features, Shape
 
 # A GPT-3-style layer: a d = h, f = 4h, GELU.
@@ -350,3 +350,17 @@ def test_measure_link_under_gloo():
     from fastpar.testing import run_ranks
     for bw, latency, sync in run_ranks(_measure_link_rank, 2, timeout=120):
         assert bw > 1e6 and 0 <= latency < 0.1 and 0 <= sync < 0.1
+
+
+def test_dp_across_nodes_uses_every_nic_of_its_ranks():
+    cluster = Cluster(32, 8, ROUND)                 # NVLink 100 GB/s, one 10 GB/s NIC per GPU
+    assert cluster.link_gbps(8) == 100.0 and cluster.link_gbps(16) == 10.0
+    assert cluster.link_gbps(16, per_node=4) == 40.0
+    assert cluster.link_gbps(32, per_node=16) == 100.0      # NVLink bounds it
+    grads = 1e9                                     # bytes of gradients per GPU
+    for tp, per_node in ((1, 8), (2, 4), (8, 1)):
+        dp = 32 // tp
+        cfg = ParallelConfig(tp=tp, pp=1, dp=dp)
+        t = planner._dp_time(cluster, cfg, Features(dp_overlap=False), grads / 4, 0.0, 1)
+        ring = 2 * (dp - 1) / dp * grads / (min(100.0, 10.0 * per_node) * 1e9)
+        assert t == pytest.approx(ring + 4 * grads / 1000e9)      # plus the bucket copy

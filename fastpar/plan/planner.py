@@ -35,10 +35,16 @@ class Cluster:
             raise ValueError(f"gpus={self.gpus} is not divisible by gpus_per_node="
                              f"{self.gpus_per_node} (whole nodes only)")
 
-    def link_gbps(self, span: int) -> float:
-        """Bandwidth of a group whose ranks lie within ``span`` consecutive ranks."""
+    def link_gbps(self, span: int, per_node: int = 1) -> float:
+        """Bandwidth per rank of a group whose ranks lie within ``span`` consecutive ranks,
+        ``per_node`` of them in each node it spans. Across nodes every GPU has its own NIC, and
+        a ring collective runs one ring per NIC (as NCCL does), each leaving the node through
+        another of the group's GPUs, so its inter-node hops carry ``per_node`` NICs' worth at
+        once; the intra-node link still bounds it."""
         hw = self.hardware
-        return hw.intra_node_gbps if span <= self.gpus_per_node else hw.inter_node_gbps
+        if span <= self.gpus_per_node:
+            return hw.intra_node_gbps
+        return min(hw.intra_node_gbps, hw.inter_node_gbps * max(1, per_node))
 
 
 @dataclass(frozen=True)
@@ -219,7 +225,9 @@ def _dp_time(cluster, cfg, feat, params, last_backward, tensors) -> float:
     hw, dp = cluster.hardware, cfg.dp
     if dp == 1:
         return 0.0
-    nbytes, link = params * feat.grad_bytes, cluster.link_gbps(cfg.tp * dp)
+    # tp-dp-pp placement: a DP group is every tp-th rank, min(dp, gpus_per_node / tp) per node.
+    per_node = min(dp, max(1, cluster.gpus_per_node // cfg.tp))
+    nbytes, link = params * feat.grad_bytes, cluster.link_gbps(cfg.tp * dp, per_node)
     reduce = cost.collective_time("reduce_scatter" if cfg.zero1 else "all_reduce", nbytes, dp,
                                   link, hw)
     gather = cost.collective_time("all_gather", nbytes, dp, link, hw) if cfg.zero1 else 0.0
