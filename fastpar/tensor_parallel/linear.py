@@ -84,6 +84,20 @@ class _ParallelLinear(nn.Module):
                            self.tp_size > 1 else b)
         return out
 
+    def _cast(self, x: torch.Tensor):
+        """(x, weight, bias) as ``F.linear`` sees them: under autocast all in the autocast dtype.
+
+        The overlapped paths call the extension's ops and add the bias themselves, which autocast
+        does not reach; without this they would get bf16 activations next to fp32 weights. The
+        casts are differentiable, so the fp32 parameters still get fp32 gradients.
+        """
+        device = x.device.type
+        if not torch.is_autocast_enabled(device):
+            return x, self.weight, self.bias
+        dtype = torch.get_autocast_dtype(device)
+        cast = (lambda t: t if t is None or not t.is_floating_point() else t.to(dtype))
+        return cast(x), cast(self.weight), cast(self.bias)
+
     def _check_width(self, x: torch.Tensor, expected: int) -> None:
         if x.dim() < 1 or x.shape[-1] != expected:
             raise ValueError(f"{type(self).__name__}: input has width {tuple(x.shape)[-1:]} "
@@ -111,19 +125,20 @@ class ColumnParallelLinear(_ParallelLinear):
         self._check_width(x, self.in_features)
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
+        x, weight, bias = self._cast(x)              # cast before the gather: half the bytes
         if self.overlap:
             rows = x.reshape(-1, x.shape[-1])        # (S*B, in); a sequence shard under SP
-            y = ColumnLinearOverlap.apply(rows, self.weight, self.tp_group,
-                                          self.sequence_parallel, self.chunks)
+            y = ColumnLinearOverlap.apply(rows, weight, self.tp_group,
+                                          self.sequence_parallel, self.chunks, id(self.weight))
             lead = ((x.shape[0] * self.tp_size,) + x.shape[1:-1]) if self.sequence_parallel \
                 else x.shape[:-1]
             y = y.view(*lead, -1)
-            if self.bias is not None:
-                y = y + self.bias
+            if bias is not None:
+                y = y + bias
         else:
             x = gather_from_sp(x, self.tp_group) if self.sequence_parallel \
                 else copy_to_tp(x, self.tp_group)
-            y = F.linear(x, self.weight, self.bias)
+            y = F.linear(x, weight, bias)
         return gather_from_tp(y, self.tp_group) if self.gather_output else y   # (S, B, out[/tp])
 
 
@@ -152,18 +167,19 @@ class RowParallelLinear(_ParallelLinear):
         if self.sequence_parallel and x.shape[0] % self.tp_size:
             raise ValueError(f"RowParallelLinear: sequence length (dim 0) {x.shape[0]} is not "
                              f"divisible by tp={self.tp_size} under sequence parallelism")
+        x, weight, bias = self._cast(x)
         if self.overlap:
             rows = x.reshape(-1, x.shape[-1])
-            y = RowLinearOverlap.apply(rows, self.weight, self.tp_group, self.sequence_parallel,
-                                       self.chunks)
+            y = RowLinearOverlap.apply(rows, weight, self.tp_group, self.sequence_parallel,
+                                       self.chunks, id(self.weight))
             lead = ((x.shape[0] // self.tp_size,) + x.shape[1:-1]) if self.sequence_parallel \
                 else x.shape[:-1]
             y = y.view(*lead, -1)
         else:
-            y = F.linear(x, self.weight)
+            y = F.linear(x, weight)
             y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel \
                 else reduce_from_tp(y, self.tp_group)
-        if self.bias is None:
+        if bias is None:
             return y
         # Under SP each rank adds the bias to its own rows only: its gradient is a partial sum.
-        return y + (copy_to_tp(self.bias, self.tp_group) if self.sequence_parallel else self.bias)
+        return y + (copy_to_tp(bias, self.tp_group) if self.sequence_parallel else bias)

@@ -1,7 +1,9 @@
 """Autograd Functions for the linear layers' overlapped paths, built on the extension's ops.
 
 Inputs are 2-D ``(rows, features)``: rows are the flattened sequence-first tokens, so a
-sequence-parallel shard is a contiguous block of rows. ``w`` is an nn.Linear weight shard.
+sequence-parallel shard is a contiguous block of rows. ``w`` is an nn.Linear weight shard, or
+its autocast copy; ``weight_id`` is ``id()`` of the parameter itself, which names it to
+:func:`backward_phase` (the copy is a new tensor at every forward).
 
 A zero-bubble pipeline schedule splits backward into B (input gradients) and W (weight
 gradients). Built-in autograd nodes compute only the gradient edges a call asks for; these
@@ -53,8 +55,8 @@ class ColumnLinearOverlap(torch.autograd.Function):
     all-reduce (in row chunks) / reduce-scatter overlaps the weight-grad GEMM."""
 
     @staticmethod
-    def forward(ctx, x, w, group, sequence_parallel, chunks):
-        ctx.group, ctx.sp, ctx.chunks, ctx.weight_id = group, sequence_parallel, chunks, id(w)
+    def forward(ctx, x, w, group, sequence_parallel, chunks, weight_id):
+        ctx.group, ctx.sp, ctx.chunks, ctx.weight_id = group, sequence_parallel, chunks, weight_id
         ctx.save_for_backward(x, w)
         if sequence_parallel:
             # The gathered input is not kept: backward gathers it again while it computes.
@@ -67,7 +69,7 @@ class ColumnLinearOverlap(torch.autograd.Function):
         need_x, need_w = _needs(ctx)
         gx, gw = ops.column_linear_backward(g.contiguous(), x, w, ctx.group, ctx.sp,
                                             need_x, need_w, ctx.chunks)
-        return (gx if need_x else None), (gw if need_w else None), None, None, None
+        return (gx if need_x else None), (gw if need_w else None), None, None, None, None
 
 
 class RowLinearOverlap(torch.autograd.Function):
@@ -75,8 +77,8 @@ class RowLinearOverlap(torch.autograd.Function):
     communication (under SP: ring all-gather of the output grad fused with the input-grad GEMM)."""
 
     @staticmethod
-    def forward(ctx, x, w, group, sequence_parallel, chunks):
-        ctx.group, ctx.sp, ctx.weight_id = group, sequence_parallel, id(w)
+    def forward(ctx, x, w, group, sequence_parallel, chunks, weight_id):
+        ctx.group, ctx.sp, ctx.weight_id = group, sequence_parallel, weight_id
         ctx.save_for_backward(x, w)
         if sequence_parallel:
             return ops.matmul_reducescatter(x, w, group)
@@ -97,4 +99,4 @@ class RowLinearOverlap(torch.autograd.Function):
         elif need_x:
             gx = g @ w
         gw = g.t() @ x if need_w else None
-        return gx, gw, None, None, None
+        return gx, gw, None, None, None, None
