@@ -17,10 +17,10 @@ on every rank and sliced), so under the same seed the shards are slices of that 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fastpar.dist.groups import all_gather_tensor
 from fastpar.tensor_parallel.mappings import (
     Group, group_rank, group_size, reduce_from_tp, reduce_scatter_to_sp)
 
@@ -79,7 +79,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.tp_size == 1:
             return w.clone()
         out = w.new_empty((self.num_embeddings, self.embedding_dim))
-        dist.all_gather_single(out, w, group=self.tp_group)  # shards in group-rank order
+        all_gather_tensor(out, w, group=self.tp_group)  # shards in group-rank order
         return out
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
