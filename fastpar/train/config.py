@@ -7,6 +7,7 @@ from ..models import GPTConfig, get_config
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "full", "selective")
+PRECISIONS = ("auto", "bf16", "fp32")
 
 
 @dataclass
@@ -39,6 +40,8 @@ class TrainConfig:
     zero1: bool = False                 # shard optimizer state over the DP group
     recompute: str = "none"             # activation checkpointing: none | full | selective
     sequence_parallel: bool = False     # sequence parallelism inside TP
+    precision: str = "auto"             # bf16 (autocast over fp32 weights) | fp32 | auto: bf16
+                                        # on GPU, fp32 on CPU; bf16 on CPU runs the GPU's casts
     log_every: int = 10                 # steps between log lines
     peak_tflops: float | None = None    # per device, for MFU; None = not reported
 
@@ -61,6 +64,8 @@ class TrainConfig:
             raise ValueError(f"--min-lr={self.min_lr} is above --lr={self.lr}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--schedule={self.schedule!r} is not one of {SCHEDULES}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision={self.precision!r} is not one of {PRECISIONS}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"--recompute={self.recompute!r} is not one of {RECOMPUTE}")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
@@ -93,6 +98,10 @@ class TrainConfig:
             raise ValueError(f"--seq-len={self.seq_len} is not divisible by tp={tp} under "
                              f"sequence parallelism")
         return dp
+
+    def bf16(self, device_type: str) -> bool:
+        """Whether steps run under bf16 autocast on a device of this type."""
+        return self.precision == "bf16" or (self.precision == "auto" and device_type == "cuda")
 
     def num_microbatches(self, dp: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * dp)

@@ -205,10 +205,10 @@ def train(cfg: TrainConfig) -> list[dict]:
             g["lr"] = lr
         x, y = sampler.batch(step)
         x, y = x.to(mesh.device), y.to(mesh.device)
-        # bf16 autocast over fp32 master weights on GPU; plain fp32 on CPU.
+        # bf16 autocast over fp32 master weights (by default on GPU; --precision bf16 on CPU too).
         with wd.region(step, "forward and backward", ("tp", "pp", "dp")), \
                 torch.autocast(mesh.device.type, torch.bfloat16,
-                               enabled=mesh.device.type == "cuda"):
+                               enabled=cfg.bf16(mesh.device.type)):
             loss = _step(chunks, ddp, pipe, x, y, M, mesh)
         faults.poison(fault, step, mesh.rank, loss, chunks)
         with wd.region(step, "the loss all-reduce", ("dp",)):
