@@ -1,4 +1,11 @@
-"""What the kernel launchers share: argument checks, 2-D row views, block sizes, program counts."""
+"""What the kernel launchers share: argument checks, 2-D row views, block sizes, program counts,
+and launch grids checked against CUDA's limits.
+
+CUDA launches at most 2^31 - 1 programs on grid axis 0 and 65,535 on axes 1 and 2; the Triton
+interpreter has no such limit, so every launcher builds its grid with :func:`checked_grid`, and the
+elementwise kernels fold their (row block, column block) tiles into axis 0
+(:func:`elementwise_grid`, :func:`tile_coords`).
+"""
 from __future__ import annotations
 
 import functools
@@ -6,6 +13,16 @@ import os
 
 import torch
 import triton
+import triton.language as tl
+
+# Programs per grid axis that CUDA accepts: (x, y, z).
+MAX_GRID = (2**31 - 1, 65535, 65535)
+
+# Widest row chunk (elements, a power of two) a row kernel holds in registers at once. Rows up to
+# this width are one tile; wider rows loop over chunks of it (norms: one pass per row reduction,
+# then the output pass). On sm_90 a whole bf16 row in registers spills above 8192 elements
+# (16384: ~200 bytes a thread in the norm backwards; 65536: ~9 KB).
+ROW_CHUNK = 8192
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -51,6 +68,15 @@ def block_n(n: int, limit: int = 65536) -> int:
     return b
 
 
+def row_blocks(n: int) -> tuple[int, int, int, bool]:
+    """``(BLOCK_M, BLOCK_N, num_warps, chunked)`` for a row kernel (norms) over rows of ``n``
+    elements: the whole row in one tile up to :data:`ROW_CHUNK`, else ``chunked`` with tiles of
+    ROW_CHUNK columns that the kernel loops over."""
+    BLOCK_N = min(block_n(n, limit=1 << 31), ROW_CHUNK)
+    BLOCK_M = rows_per_block(BLOCK_N)
+    return BLOCK_M, BLOCK_N, warps_for(BLOCK_M * BLOCK_N), n > BLOCK_N
+
+
 def tile_elements() -> int:
     """Elements per tile of the row and elementwise kernels: 4096 on a GPU; more under the
     interpreter, whose cost is per program and per op rather than per element."""
@@ -85,3 +111,30 @@ def elementwise_blocks(n: int) -> tuple[int, int, int]:
     BLOCK_N = min(block_n(n, limit=1 << 30), 1024)
     BLOCK_M = rows_per_block(BLOCK_N, cap=64)
     return BLOCK_M, BLOCK_N, warps_for(BLOCK_M * BLOCK_N)
+
+
+def checked_grid(op: str, *programs: int) -> tuple[int, ...]:
+    """``programs`` per axis as a launch grid; one clear error if CUDA would refuse it (axis 0
+    above 2^31 - 1, axes 1 and 2 above 65,535), which the interpreter would not."""
+    if not 1 <= len(programs) <= 3:
+        raise ValueError(f"{op}: a launch grid has 1 to 3 axes, got {len(programs)}")
+    for axis, (count, limit) in enumerate(zip(programs, MAX_GRID)):
+        if count > limit:
+            raise ValueError(f"{op}: grid {tuple(programs)} has {count} programs on axis {axis}; "
+                             f"CUDA allows at most {limit} there (axis 0: 2^31 - 1, axes 1-2: "
+                             "65,535)")
+    return tuple(int(c) for c in programs)
+
+
+def elementwise_grid(op: str, M: int, N: int, BLOCK_M: int, BLOCK_N: int) -> tuple[int]:
+    """The 1-D grid of an elementwise kernel over (M, N): every (row block, column block) tile on
+    axis 0, unpacked in the kernel by :func:`tile_coords`."""
+    return checked_grid(op, triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N))
+
+
+@triton.jit
+def tile_coords(N, BLOCK_N: tl.constexpr):
+    """(row block, column block) of this program in an :func:`elementwise_grid` over N columns."""
+    pid = tl.program_id(0)
+    col_blocks = tl.cdiv(N, BLOCK_N)
+    return pid // col_blocks, pid % col_blocks

@@ -12,7 +12,13 @@ With the upstream gradient ``dy`` and ``g = dy * w``:
 
 The variance is taken around the mean (two passes over registers), not as E[x^2] - E[x]^2, so
 rows with a large offset keep their precision. dw and db are reduced in two stages: fp32 partial
-rows, one per program, then a sum. Arithmetic is fp32. Reference: Triton tutorial
+rows, one per program, then a sum. Arithmetic is fp32.
+
+Rows up to ``ROW_CHUNK`` elements (see ``launch.py``) are held in registers whole. Wider rows
+(``CHUNKED``) are walked in chunks of BLOCK_N columns, so no program holds more than one chunk: the
+forward makes three passes (mean, variance around it, output), the backward two (the row sums
+mean(g), mean(g * xhat), then dx); its dw, db partial rows then live in memory (zeroed by the
+launcher), each chunk adding into them. Reference: Triton tutorial
 ``05-layer-norm.py``; Liger-Kernel ``ops/layer_norm.py``.
 """
 from __future__ import annotations
@@ -22,8 +28,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import impl_for
-from .launch import (block_n, check_float, reduction_programs, row_stride, rows, rows_per_block,
-                     warps_for)
+from .launch import check_float, checked_grid, reduction_programs, row_blocks, row_stride, rows
 
 
 @triton.jit
@@ -34,20 +39,51 @@ def _layer_norm_fwd_kernel(
     stride_x, stride_y,                   # row strides (last dim is contiguous)
     eps,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNKED: tl.constexpr,                # N > BLOCK_N: three passes over column chunks
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    row_ok, col_ok = rows < M, cols < N
-    mask = row_ok[:, None] & col_ok[None, :]
+    row_ok = rows < M
     r64 = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=1) / N                                          # (BLOCK_M,)
-    xc = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    y = xc * rstd[:, None] * tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + r64 * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    if CHUNKED:
+        total = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = row_ok[:, None] & (cols < N)[None, :]
+            x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0)
+            total += tl.sum(x.to(tl.float32), axis=1)
+        mean = total / N                                                  # (BLOCK_M,)
+        total_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = row_ok[:, None] & (cols < N)[None, :]
+            x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0)
+            xc = tl.where(mask, x.to(tl.float32) - mean[:, None], 0.0)
+            total_sq += tl.sum(xc * xc, axis=1)
+        rstd = 1.0 / tl.sqrt(total_sq / N + eps)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_ok = cols < N
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0)
+            w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            y = (x.to(tl.float32) - mean[:, None]) * rstd[:, None] * w[None, :]
+            if HAS_BIAS:
+                y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + r64 * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=mask)
+    else:
+        cols = tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / N                                      # (BLOCK_M,)
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        y = xc * rstd[:, None] * w[None, :]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + r64 * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(mean_ptr + rows, mean, mask=row_ok)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
@@ -59,34 +95,80 @@ def _layer_norm_bwd_kernel(
     M, N,                                         # sizes
     stride_dy, stride_x, stride_dx,               # row strides
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNKED: tl.constexpr,                # N > BLOCK_N: two passes; partials zeroed, in memory
 ):
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    # Program p owns row blocks p, p + P, p + 2P, ... and sums their dw, db in registers.
-    for start in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        mask = row_ok[:, None] & col_ok[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
-        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        g = dy * w[None, :]
-        c1 = tl.sum(g * xhat, axis=1) / N                                   # (BLOCK_M,)
-        c2 = tl.sum(g, axis=1) / N
-        dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
-        tl.store(dx_ptr + r64 * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
-                 mask=mask)
-        dw += tl.sum(dy * xhat, axis=0)
-        db += tl.sum(dy, axis=0)
-    tl.store(dw_part_ptr + pid * N + cols, dw, mask=col_ok)
-    tl.store(db_part_ptr + pid * N + cols, db, mask=col_ok)
+    dw_row = dw_part_ptr + pid.to(tl.int64) * N
+    db_row = db_part_ptr + pid.to(tl.int64) * N
+    # Program p owns row blocks p, p + P, p + 2P, ... and sums their dw, db.
+    if CHUNKED:
+        for start in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            row_ok = rows < M
+            r64 = rows.to(tl.int64)[:, None]
+            mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+            c1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            c2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for col0 in range(0, N, BLOCK_N):
+                cols = col0 + tl.arange(0, BLOCK_N)
+                mask = row_ok[:, None] & (cols < N)[None, :]
+                x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0)
+                dy = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=mask, other=0.0)
+                w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+                xhat = tl.where(mask, (x.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
+                g = dy.to(tl.float32) * w[None, :]
+                c1 += tl.sum(g * xhat, axis=1)
+                c2 += tl.sum(g, axis=1)
+            c1 = c1 / N                                                     # (BLOCK_M,)
+            c2 = c2 / N
+            # The previous row block's dw, db stores (by other threads) land before they are
+            # re-read.
+            tl.debug_barrier()
+            for col0 in range(0, N, BLOCK_N):
+                cols = col0 + tl.arange(0, BLOCK_N)
+                col_ok = cols < N
+                mask = row_ok[:, None] & col_ok[None, :]
+                x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0)
+                dy = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=mask, other=0.0)
+                w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                xhat = tl.where(mask, (x.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
+                dy = dy.to(tl.float32)
+                g = dy * w[None, :]
+                dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+                tl.store(dx_ptr + r64 * stride_dx + cols[None, :],
+                         dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                dw = tl.load(dw_row + cols, mask=col_ok, other=0.0)
+                tl.store(dw_row + cols, dw + tl.sum(dy * xhat, axis=0), mask=col_ok)
+                db = tl.load(db_row + cols, mask=col_ok, other=0.0)
+                tl.store(db_row + cols, db + tl.sum(dy, axis=0), mask=col_ok)
+    else:
+        cols = tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for start in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            row_ok = rows < M
+            mask = row_ok[:, None] & col_ok[None, :]
+            r64 = rows.to(tl.int64)[:, None]
+            x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0)
+            dy = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=mask, other=0.0)
+            mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+            xhat = tl.where(mask, (x.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
+            dy = dy.to(tl.float32)
+            g = dy * w[None, :]
+            c1 = tl.sum(g * xhat, axis=1) / N                               # (BLOCK_M,)
+            c2 = tl.sum(g, axis=1) / N
+            dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+            tl.store(dx_ptr + r64 * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
+                     mask=mask)
+            dw += tl.sum(dy * xhat, axis=0)
+            db += tl.sum(dy, axis=0)
+        tl.store(dw_row + cols, dw, mask=col_ok)
+        tl.store(db_row + cols, db, mask=col_ok)
 
 
 def _check(x, weight, bias):
@@ -107,14 +189,13 @@ def layer_norm_forward(x, weight, bias, eps):
     mean = torch.empty((M,), dtype=torch.float32, device=x.device)
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M:
-        BLOCK_N = block_n(N)
-        BLOCK_M = rows_per_block(BLOCK_N)
+        BLOCK_M, BLOCK_N, warps, chunked = row_blocks(N)
         w = weight.contiguous()
-        _layer_norm_fwd_kernel[(triton.cdiv(M, BLOCK_M),)](
+        _layer_norm_fwd_kernel[checked_grid("layer_norm", triton.cdiv(M, BLOCK_M))](
             x2, w, w if bias is None else bias.contiguous(), y, mean, rstd, M, N,
             row_stride(x2), N, eps,
-            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            num_warps=warps_for(BLOCK_M * BLOCK_N))
+            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNKED=chunked,
+            num_warps=warps)
     return y.view(x.shape), mean, rstd
 
 
@@ -123,18 +204,17 @@ def layer_norm_backward(dy, x, weight, mean, rstd):
     x2, dy2 = rows(x), rows(dy)
     M, N = x2.shape
     dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    BLOCK_N = block_n(N)
-    BLOCK_M = rows_per_block(BLOCK_N)
+    BLOCK_M, BLOCK_N, warps, chunked = row_blocks(N)
     programs = reduction_programs(x.device, triton.cdiv(M, BLOCK_M))
-    dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
-    db_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
+    # Chunked rows add into their partial rows in memory, so they start at zero.
+    alloc = torch.zeros if chunked or not M else torch.empty
+    dw_part = alloc((programs, N), dtype=torch.float32, device=x.device)
+    db_part = alloc((programs, N), dtype=torch.float32, device=x.device)
     if M:
-        _layer_norm_bwd_kernel[(programs,)](
+        _layer_norm_bwd_kernel[checked_grid("layer_norm", programs)](
             dy2, x2, weight.contiguous(), mean, rstd, dx, dw_part, db_part, M, N,
             row_stride(dy2), row_stride(x2), N,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=warps_for(BLOCK_M * BLOCK_N))
-    else:
-        dw_part.zero_(), db_part.zero_()
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNKED=chunked, num_warps=warps)
     return dx.view(x.shape), dw_part.sum(0).to(weight.dtype), db_part.sum(0)
 
 

@@ -12,7 +12,13 @@ With ``xhat = x * rstd`` and the upstream gradient ``dy``:
 
 The backward reduces dw in two stages: each program accumulates the rows it owns into a fp32
 partial row, then the partials (one per program, about one per SM) are summed. Inputs are loaded in
-their dtype and all arithmetic is fp32. References: Liger-Kernel ``ops/rms_norm.py``; Triton
+their dtype and all arithmetic is fp32.
+
+Rows up to ``ROW_CHUNK`` elements (see ``launch.py``) are held in registers whole. Wider rows
+(``CHUNKED``) are walked in chunks of BLOCK_N columns, so no program holds more than one chunk:
+a first pass sums the row reduction (``sum x^2``, or ``sum dy*w*xhat`` in the backward), a second
+writes the outputs; the backward's dw partial row then lives in memory (zeroed by the launcher),
+each chunk adding into it. References: Liger-Kernel ``ops/rms_norm.py``; Triton
 tutorial ``05-layer-norm.py``.
 """
 from __future__ import annotations
@@ -22,8 +28,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import impl_for
-from .launch import (block_n, check_float, reduction_programs, row_stride, rows, rows_per_block,
-                     warps_for)
+from .launch import check_float, checked_grid, reduction_programs, row_blocks, row_stride, rows
 
 
 @triton.jit
@@ -33,17 +38,36 @@ def _rms_norm_fwd_kernel(
     stride_x, stride_y,                   # row strides (last dim is contiguous)
     eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNKED: tl.constexpr,                # N > BLOCK_N: two passes over column chunks
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
     row_ok = rows < M
-    mask = row_ok[:, None] & (cols < N)[None, :]
     r64 = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)                 # (BLOCK_M,)
-    y = x * rstd[:, None] * w[None, :]
-    tl.store(y_ptr + r64 * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    if CHUNKED:
+        sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = row_ok[:, None] & (cols < N)[None, :]
+            x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0)
+            x = x.to(tl.float32)
+            sum_sq += tl.sum(x * x, axis=1)
+        rstd = 1.0 / tl.sqrt(sum_sq / N + eps)                                # (BLOCK_M,)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = row_ok[:, None] & (cols < N)[None, :]
+            x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0)
+            w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+            y = x.to(tl.float32) * rstd[:, None] * w[None, :]
+            tl.store(y_ptr + r64 * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=mask)
+    else:
+        cols = tl.arange(0, BLOCK_N)
+        mask = row_ok[:, None] & (cols < N)[None, :]
+        x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)                 # (BLOCK_M,)
+        y = x * rstd[:, None] * w[None, :]
+        tl.store(y_ptr + r64 * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
 
@@ -54,29 +78,65 @@ def _rms_norm_bwd_kernel(
     M, N,                                 # sizes
     stride_dy, stride_x, stride_dx,       # row strides
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNKED: tl.constexpr,                # N > BLOCK_N: two passes; dw partials zeroed, in memory
 ):
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    # Program p owns row blocks p, p + P, p + 2P, ... and sums their dw in registers.
-    for start in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        mask = row_ok[:, None] & col_ok[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-        xhat = x * rstd[:, None]
-        wdy = dy * w[None, :]
-        c = tl.sum(xhat * wdy, axis=1) / N                                  # (BLOCK_M,)
-        dx = (wdy - xhat * c[:, None]) * rstd[:, None]
-        tl.store(dx_ptr + r64 * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
-                 mask=mask)
-        dw += tl.sum(dy * xhat, axis=0)
-    tl.store(dw_part_ptr + pid * N + cols, dw, mask=col_ok)
+    dw_row = dw_part_ptr + pid.to(tl.int64) * N
+    # Program p owns row blocks p, p + P, p + 2P, ... and sums their dw.
+    if CHUNKED:
+        for start in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            row_ok = rows < M
+            r64 = rows.to(tl.int64)[:, None]
+            rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+            c = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for col0 in range(0, N, BLOCK_N):
+                cols = col0 + tl.arange(0, BLOCK_N)
+                mask = row_ok[:, None] & (cols < N)[None, :]
+                x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0)
+                dy = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=mask, other=0.0)
+                w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+                xhat = x.to(tl.float32) * rstd[:, None]
+                c += tl.sum(xhat * dy.to(tl.float32) * w[None, :], axis=1)
+            c = c / N                                                       # (BLOCK_M,)
+            # The previous row block's dw stores (by other threads) land before they are re-read.
+            tl.debug_barrier()
+            for col0 in range(0, N, BLOCK_N):
+                cols = col0 + tl.arange(0, BLOCK_N)
+                col_ok = cols < N
+                mask = row_ok[:, None] & col_ok[None, :]
+                x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0)
+                dy = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=mask, other=0.0)
+                w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                xhat = x.to(tl.float32) * rstd[:, None]
+                dy = dy.to(tl.float32)
+                dx = (dy * w[None, :] - xhat * c[:, None]) * rstd[:, None]
+                tl.store(dx_ptr + r64 * stride_dx + cols[None, :],
+                         dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                dw = tl.load(dw_row + cols, mask=col_ok, other=0.0)
+                tl.store(dw_row + cols, dw + tl.sum(dy * xhat, axis=0), mask=col_ok)
+    else:
+        cols = tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for start in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            row_ok = rows < M
+            mask = row_ok[:, None] & col_ok[None, :]
+            r64 = rows.to(tl.int64)[:, None]
+            x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0)
+            dy = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=mask, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+            xhat = x.to(tl.float32) * rstd[:, None]
+            dy = dy.to(tl.float32)
+            wdy = dy * w[None, :]
+            c = tl.sum(xhat * wdy, axis=1) / N                              # (BLOCK_M,)
+            dx = (wdy - xhat * c[:, None]) * rstd[:, None]
+            tl.store(dx_ptr + r64 * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
+                     mask=mask)
+            dw += tl.sum(dy * xhat, axis=0)
+        tl.store(dw_row + cols, dw, mask=col_ok)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -94,11 +154,10 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M:
-        BLOCK_N = block_n(N)
-        BLOCK_M = rows_per_block(BLOCK_N)
-        _rms_norm_fwd_kernel[(triton.cdiv(M, BLOCK_M),)](
+        BLOCK_M, BLOCK_N, warps, chunked = row_blocks(N)
+        _rms_norm_fwd_kernel[checked_grid("rms_norm", triton.cdiv(M, BLOCK_M))](
             x2, weight.contiguous(), y, rstd, M, N, row_stride(x2), N, eps,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=warps_for(BLOCK_M * BLOCK_N))
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNKED=chunked, num_warps=warps)
     return y.view(x.shape), rstd
 
 
@@ -108,17 +167,16 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     x2, dy2 = rows(x), rows(dy)
     M, N = x2.shape
     dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    BLOCK_N = block_n(N)
-    BLOCK_M = rows_per_block(BLOCK_N)
+    BLOCK_M, BLOCK_N, warps, chunked = row_blocks(N)
     programs = reduction_programs(x.device, triton.cdiv(M, BLOCK_M))
-    dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
+    # Chunked rows add into their dw partial row in memory, so it starts at zero.
+    dw_part = (torch.zeros if chunked or not M else torch.empty)(
+        (programs, N), dtype=torch.float32, device=x.device)
     if M:
-        _rms_norm_bwd_kernel[(programs,)](
+        _rms_norm_bwd_kernel[checked_grid("rms_norm", programs)](
             dy2, x2, weight.contiguous(), rstd, dx, dw_part, M, N,
             row_stride(dy2), row_stride(x2), N,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=warps_for(BLOCK_M * BLOCK_N))
-    else:
-        dw_part.zero_()
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNKED=chunked, num_warps=warps)
     return dx.view(x.shape), dw_part.sum(0).to(weight.dtype)
 
 

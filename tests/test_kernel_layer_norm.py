@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from fastpar.kernels import layer_norm
+from fastpar.kernels import launch, layer_norm
 from fastpar.kernels.testing import assert_close, leaf64, poisoned_outputs, randn, triton_path
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -10,6 +10,12 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # blocks into its dw, db partials.
 CASES = [((1, 1), False, True), ((3, 127), True, True), ((9, 1000), False, False),
          ((2, 5, 96), True, True), ((4, 75, 24), False, True)]
+# Rows wider than launch.ROW_CHUNK, walked in column chunks: (shape, strided, with bias, chunk cap or
+# None for the real one). 75 rows of 123 in chunks of 32: four chunks, the last ragged, and more row
+# blocks than backward programs, so each program adds several row blocks into its partials in
+# memory; 12288 is a genuinely wide row (two chunks at the real cap).
+WIDE_CASES = [((75, 123), True, True, 32), ((3, 1000), False, False, 256),
+              ((2, 12288), False, True, None)]
 
 
 def reference(x, w, b, eps):
@@ -26,9 +32,7 @@ def _triton(monkeypatch):
         yield
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape,strided,with_bias", CASES)
-def test_forward_and_gradients_match_float64(shape, strided, with_bias, dtype):
+def _check_against_float64(shape, strided, with_bias, dtype):
     torch.manual_seed(0)
     n = shape[-1]
     x = randn(*shape, dtype=dtype, strided=strided, scale=2.0, requires_grad=True)
@@ -52,8 +56,28 @@ def test_forward_and_gradients_match_float64(shape, strided, with_bias, dtype):
         assert_close(b.grad, b64.grad, dtype, "db")
 
 
-def test_rows_with_a_large_offset_keep_their_precision():
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,strided,with_bias", CASES)
+def test_forward_and_gradients_match_float64(shape, strided, with_bias, dtype):
+    _check_against_float64(shape, strided, with_bias, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,strided,with_bias,chunk", WIDE_CASES)
+def test_wide_rows_in_column_chunks_match_float64(monkeypatch, shape, strided, with_bias, chunk,
+                                                   dtype):
+    if chunk is not None:
+        monkeypatch.setattr(launch, "ROW_CHUNK", chunk)
+    BLOCK_M, BLOCK_N, _, chunked = launch.row_blocks(shape[-1])
+    assert chunked and BLOCK_N == launch.ROW_CHUNK < shape[-1]
+    _check_against_float64(shape, strided, with_bias, dtype)
+
+
+@pytest.mark.parametrize("chunk", [None, 64], ids=["whole_row", "chunked"])
+def test_rows_with_a_large_offset_keep_their_precision(monkeypatch, chunk):
     # E[x^2] - E[x]^2 in fp32 would lose every digit of the variance here.
+    if chunk is not None:
+        monkeypatch.setattr(launch, "ROW_CHUNK", chunk)
     torch.manual_seed(2)
     x = (randn(6, 300, dtype=torch.float32) + 3000.0).requires_grad_()
     w = randn(300, dtype=torch.float32)

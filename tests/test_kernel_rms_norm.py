@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from fastpar.kernels import rms_norm
+from fastpar.kernels import launch, rms_norm
 from fastpar.kernels.rms_norm import rms_norm_reference
 from fastpar.kernels.testing import assert_close, leaf64, poisoned_outputs, randn, triton_path
 
@@ -11,6 +11,11 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # rows, so each program of the backward folds several row blocks into its dw partial.
 CASES = [((1, 1), False), ((3, 127), True), ((9, 1000), False), ((2, 5, 96), True),
          ((4, 75, 24), False)]
+# Rows wider than launch.ROW_CHUNK, walked in column chunks: (shape, strided, chunk cap or None for
+# the real one). 75 rows of 123 in chunks of 32: four chunks, the last ragged, and more row blocks
+# than backward programs, so each program adds several row blocks into its dw partial in memory;
+# 12288 is a genuinely wide row (two chunks at the real cap).
+WIDE_CASES = [((75, 123), True, 32), ((3, 1000), False, 256), ((2, 12288), False, None)]
 
 
 def reference(x, w, eps):
@@ -24,9 +29,7 @@ def _triton(monkeypatch):
         yield
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape,strided", CASES)
-def test_forward_and_gradients_match_float64(shape, strided, dtype):
+def _check_against_float64(shape, strided, dtype):
     torch.manual_seed(0)
     x = randn(*shape, dtype=dtype, strided=strided, scale=3.0, requires_grad=True)
     w = randn(shape[-1], dtype=dtype, requires_grad=True)
@@ -41,6 +44,22 @@ def test_forward_and_gradients_match_float64(shape, strided, dtype):
     assert_close(y, y64, dtype, "y")
     assert_close(x.grad, x64.grad, dtype, "dx")
     assert_close(w.grad, w64.grad, dtype, "dw")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,strided", CASES)
+def test_forward_and_gradients_match_float64(shape, strided, dtype):
+    _check_against_float64(shape, strided, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,strided,chunk", WIDE_CASES)
+def test_wide_rows_in_column_chunks_match_float64(monkeypatch, shape, strided, chunk, dtype):
+    if chunk is not None:
+        monkeypatch.setattr(launch, "ROW_CHUNK", chunk)
+    BLOCK_M, BLOCK_N, _, chunked = launch.row_blocks(shape[-1])
+    assert chunked and BLOCK_N == launch.ROW_CHUNK < shape[-1]
+    _check_against_float64(shape, strided, dtype)
 
 
 def test_fp32_weight_with_bf16_input_and_transposed_input():
