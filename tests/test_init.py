@@ -87,3 +87,67 @@ def test_missing_master_addr_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(ValueError, match="WORLD_SIZE='two' is not an integer"):
         fastpar.init()
+
+
+def _fake_gpus(monkeypatch, count):
+    """This host "has" ``count`` CUDA devices and a torch built with NCCL."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+
+
+@pytest.mark.parametrize("gpus,local_ranks,backend,expect", [
+    (8, 8, None, "nccl"),
+    (2, 1, None, "nccl"),
+    (0, 2, None, "gloo"),                      # a CPU machine: gloo, nothing to warn about
+    (1, 2, None, "gloo!"),                     # too few GPUs: gloo, and say why
+    (1, 2, "gloo", "gloo"),                    # asked for: no warning
+    (2, 2, "nccl", "nccl"),
+])
+def test_backend_needs_one_gpu_per_local_rank(monkeypatch, gpus, local_ranks, backend, expect):
+    _fake_gpus(monkeypatch, gpus)
+    chosen, why = fastpar.dist.mesh.pick_backend(backend, local_ranks)
+    assert chosen == expect.rstrip("!")
+    if expect.endswith("!"):
+        assert why and "\n" not in why
+        assert f"{local_ranks} ranks on this host but {gpus} CUDA device(s)" in why
+        assert f"--nproc-per-node {gpus}" in why
+    else:
+        assert why is None
+
+
+def test_nccl_with_too_few_gpus_is_one_clear_error(monkeypatch):
+    _fake_gpus(monkeypatch, 1)
+    with pytest.raises(ValueError, match=r"backend='nccl' needs one GPU per rank, but this host "
+                       r"runs 4 ranks and sees 1 CUDA device\(s\)"):
+        fastpar.dist.mesh.pick_backend("nccl", 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert fastpar.dist.mesh.local_world_size(8) == 3
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert fastpar.dist.mesh.local_world_size(8) == 8
+
+
+def _init_on_one_gpu(rank, world_size):
+    mp = pytest.MonkeyPatch()
+    _fake_gpus(mp, 1)
+    try:
+        with pytest.raises(ValueError, match="this host runs 2 ranks and sees 1 CUDA device"):
+            fastpar.init(backend="nccl")
+        assert not dist.is_initialized()
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mesh = fastpar.init()
+        t = torch.ones(1)
+        dist.all_reduce(t, group=mesh.dp_group)
+        return (dist.get_backend(), str(mesh.device), t.item(),
+                [str(w.message) for w in caught if "CUDA device" in str(w.message)])
+    finally:
+        mp.undo()
+
+
+def test_init_with_fewer_gpus_than_local_ranks_runs_gloo_and_warns_once():
+    out = run_ranks(_init_on_one_gpu, 2, init_pg=False, timeout=60)
+    assert [o[:3] for o in out] == [("gloo", "cpu", 2.0)] * 2
+    assert len(out[0][3]) == 1 and out[1][3] == []       # one warning per host (local rank 0)
+    assert "2 ranks on this host but 1 CUDA device(s)" in out[0][3][0]

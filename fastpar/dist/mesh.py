@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -69,16 +70,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pick_backend(backend: str | None) -> str:
-    if backend is None:
-        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    if backend not in _BACKENDS:
+def local_world_size(world_size: int) -> int:
+    """Ranks on this host: torchrun's LOCAL_WORLD_SIZE, else every rank (a one-host launch)."""
+    return _env_int("LOCAL_WORLD_SIZE", world_size)
+
+
+def pick_backend(backend: str | None, local_ranks: int) -> tuple[str, str | None]:
+    """The backend for ``local_ranks`` ranks on this host, and why gloo if NCCL was passed over.
+
+    NCCL needs one GPU per rank: ``backend=None`` picks it only when CUDA, NCCL and at least
+    ``local_ranks`` devices are there, else gloo on CPU (with the reason when GPUs exist but
+    are too few). ``backend="nccl"`` without them is a ``ValueError`` naming the counts. The
+    answer depends only on this host, so every rank of it decides the same, before any
+    collective.
+    """
+    if backend is not None and backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {_BACKENDS}")
-    if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+    if backend == "gloo":
+        return "gloo", None
+    cuda, nccl = torch.cuda.is_available(), dist.is_nccl_available()
+    gpus = torch.cuda.device_count() if cuda else 0
+    if backend == "nccl" and not (cuda and nccl):
         raise ValueError("backend='nccl' needs CUDA devices and a torch built with NCCL; "
-                         f"torch.cuda.is_available()={torch.cuda.is_available()}, "
-                         f"nccl available={dist.is_nccl_available()}; use backend='gloo'")
-    return backend
+                         f"torch.cuda.is_available()={cuda}, nccl available={nccl}; "
+                         "use backend='gloo'")
+    if backend == "nccl" and gpus < local_ranks:
+        raise ValueError(f"backend='nccl' needs one GPU per rank, but this host runs "
+                         f"{local_ranks} ranks and sees {gpus} CUDA device(s); launch at most "
+                         f"{gpus} ranks per host (torchrun --nproc-per-node {gpus}) or use "
+                         f"backend='gloo'")
+    if backend == "nccl" or (cuda and nccl and gpus >= local_ranks):
+        return "nccl", None
+    if not (cuda and nccl):
+        return "gloo", None
+    return "gloo", (f"fastpar: {local_ranks} ranks on this host but {gpus} CUDA device(s), and "
+                    f"NCCL needs one GPU per rank: running on CPU with gloo; launch at most "
+                    f"{gpus} ranks per host (torchrun --nproc-per-node {gpus}) to use the GPUs, "
+                    f"or pass backend='gloo' to silence this")
 
 
 def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-dp-pp",
@@ -88,8 +116,9 @@ def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-dp-pp
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Without RANK and WORLD_SIZE
     it runs as a single process (world size 1 on a free local port). If torch.distributed is
-    already initialised its world is used as it is. ``backend=None`` picks NCCL when CUDA is
-    available, else gloo. Every check (layout against the world size, the backend) runs before
+    already initialised its world is used as it is. ``backend=None`` picks NCCL when this host
+    has a GPU for each of its ranks (LOCAL_WORLD_SIZE, else the world size), else gloo on CPU,
+    with a warning when GPUs exist but are too few (see :func:`pick_backend`). Every check (layout against the world size, the backend) runs before
     any collective, so a bad configuration raises the same ``ValueError`` on every rank.
 
     ``timeout`` (seconds) bounds every collective of every group: a rank that stops taking part
@@ -111,7 +140,9 @@ def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-dp-pp
         world_size = 1 if single else _env_int("WORLD_SIZE")
         local_rank = _env_int("LOCAL_RANK", 0 if single else rank)
         lay = layout(world_size, tp=tp, pp=pp, dp=dp, order=order)
-        backend = _pick_backend(backend)
+        backend, why_gloo = pick_backend(backend, local_world_size(world_size))
+        if why_gloo and local_rank == 0:            # once per host
+            warnings.warn(why_gloo, RuntimeWarning, stacklevel=2)
         if single:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
