@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from .dispatch import impl_for
-from .launch import check_float, elementwise_blocks, reduction_programs, row_stride, rows
+from .launch import (check_float, checked_grid, elementwise_blocks, elementwise_grid,
+                     reduction_programs, row_stride, rows, tile_coords)
 
 _MASK32 = 0xFFFFFFFF
 # Philox-4x32 round multipliers and key increments (the constants tl.randint uses).
@@ -43,8 +44,9 @@ def _bias_dropout_add_fwd_kernel(
     HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_m, pid_n = tile_coords(N, BLOCK_N)          # tiles folded into grid axis 0
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     z = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -67,12 +69,12 @@ def _bias_dropout_add_bwd_kernel(
     HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(1)                # reduction program; column blocks on axis 0
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    # Program (p, j) owns row blocks p, p + P, ... of column block j and sums their db.
-    for start in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+    # Program (j, p) owns row blocks p, p + P, ... of column block j and sums their db.
+    for start in range(pid * BLOCK_M, M, tl.num_programs(1) * BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & col_ok[None, :]
         r64 = rows.to(tl.int64)[:, None]
@@ -82,7 +84,7 @@ def _bias_dropout_add_bwd_kernel(
         tl.store(dx_ptr + r64 * N + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         db += tl.sum(dx, axis=0)
     if HAS_BIAS:
-        tl.store(db_part_ptr + pid * N + cols, db, mask=col_ok)
+        tl.store(db_part_ptr + pid.to(tl.int64) * N + cols, db, mask=col_ok)
 
 
 def _mask_args(p: float, training: bool, seed: int | None, offset: int):
@@ -115,7 +117,7 @@ def bias_dropout_add_forward(x, bias, residual, dropout, seed, offset, threshold
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M and N:
         BLOCK_M, BLOCK_N, warps = elementwise_blocks(N)
-        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+        grid = elementwise_grid("bias_dropout_add", M, N, BLOCK_M, BLOCK_N)
         _bias_dropout_add_fwd_kernel[grid](
             x2, x2 if bias is None else bias.contiguous(), r2, y, M, N,
             row_stride(x2), row_stride(r2), N, seed, offset, threshold, scale,
@@ -133,7 +135,8 @@ def bias_dropout_add_backward(dy, has_bias, x_dtype, dropout, seed, offset, thre
     programs = reduction_programs(dy.device, triton.cdiv(M, BLOCK_M))
     db_part = torch.empty((programs, N), dtype=torch.float32, device=dy.device)
     if M and N:
-        _bias_dropout_add_bwd_kernel[(programs, triton.cdiv(N, BLOCK_N))](
+        _bias_dropout_add_bwd_kernel[checked_grid("bias_dropout_add", triton.cdiv(N, BLOCK_N),
+                                                   programs)](
             dy2, dx, db_part, M, N, row_stride(dy2), seed, offset, threshold, scale,
             HAS_BIAS=has_bias, DROPOUT=dropout,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=warps)

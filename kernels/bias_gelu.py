@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from .dispatch import impl_for
-from .launch import check_float, elementwise_blocks, reduction_programs, row_stride, rows
+from .launch import (check_float, checked_grid, elementwise_blocks, elementwise_grid,
+                     reduction_programs, row_stride, rows, tile_coords)
 
 _APPROXIMATIONS = ("tanh", "none")
 
@@ -61,8 +62,9 @@ def _bias_gelu_fwd_kernel(
     HAS_BIAS: tl.constexpr, TANH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_m, pid_n = tile_coords(N, BLOCK_N)          # tiles folded into grid axis 0
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     z = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -81,14 +83,14 @@ def _bias_gelu_bwd_kernel(
     HAS_BIAS: tl.constexpr, TANH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(1)                # reduction program; column blocks on axis 0
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     if HAS_BIAS:
         b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    # Program (p, j) owns row blocks p, p + P, ... of column block j and sums their db.
-    for start in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+    # Program (j, p) owns row blocks p, p + P, ... of column block j and sums their db.
+    for start in range(pid * BLOCK_M, M, tl.num_programs(1) * BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & col_ok[None, :]
         r64 = rows.to(tl.int64)[:, None]
@@ -100,7 +102,7 @@ def _bias_gelu_bwd_kernel(
         tl.store(dx_ptr + r64 * N + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         db += tl.sum(dx, axis=0)
     if HAS_BIAS:
-        tl.store(db_part_ptr + pid * N + cols, db, mask=col_ok)
+        tl.store(db_part_ptr + pid.to(tl.int64) * N + cols, db, mask=col_ok)
 
 
 def _check(x, bias, approximate):
@@ -120,7 +122,7 @@ def bias_gelu_forward(x, bias, approximate="tanh"):
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M and N:
         BLOCK_M, BLOCK_N, warps = elementwise_blocks(N)
-        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+        grid = elementwise_grid("bias_gelu", M, N, BLOCK_M, BLOCK_N)
         _bias_gelu_fwd_kernel[grid](
             x2, x2 if bias is None else bias.contiguous(), y, M, N, row_stride(x2), N,
             HAS_BIAS=bias is not None, TANH=approximate == "tanh",
@@ -137,7 +139,7 @@ def bias_gelu_backward(dy, x, bias, approximate="tanh"):
     programs = reduction_programs(x.device, triton.cdiv(M, BLOCK_M))
     db_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
     if M and N:
-        _bias_gelu_bwd_kernel[(programs, triton.cdiv(N, BLOCK_N))](
+        _bias_gelu_bwd_kernel[checked_grid("bias_gelu", triton.cdiv(N, BLOCK_N), programs)](
             dy2, x2, x2 if bias is None else bias.contiguous(), dx, db_part, M, N,
             row_stride(dy2), row_stride(x2),
             HAS_BIAS=bias is not None, TANH=approximate == "tanh",

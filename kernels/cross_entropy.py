@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import impl_for
-from .launch import check_float, row_stride, rows, warps_for
+from .launch import check_float, checked_grid, row_stride, rows, warps_for
 
 
 @triton.jit
@@ -114,7 +114,7 @@ def cross_entropy_forward(logits, target, vocab_start=0, ignore_index=-100, bloc
     stats = [torch.empty((N,), dtype=torch.float32, device=logits.device) for _ in range(3)]
     if N:
         BLOCK_V = _block_v(V, block_v)
-        _cross_entropy_fwd_kernel[(N,)](
+        _cross_entropy_fwd_kernel[checked_grid("cross_entropy", N)](
             z2, t, *stats, V, row_stride(z2), vocab_start, ignore_index,
             BLOCK_V=BLOCK_V, num_warps=warps_for(BLOCK_V))
     return tuple(stats)
@@ -131,7 +131,7 @@ def cross_entropy_backward(logits, target, row_max, log_sum, grad_loss, vocab_st
     dz = torch.empty((N, V), dtype=logits.dtype, device=logits.device)
     if N:
         BLOCK_V = _block_v(V, block_v)
-        _cross_entropy_bwd_kernel[(N,)](
+        _cross_entropy_bwd_kernel[checked_grid("cross_entropy", N)](
             z2, t, row_max.contiguous(), log_sum.contiguous(), dloss, dz, V, row_stride(z2),
             dloss.stride(0) if N > 1 else 0, vocab_start, ignore_index,
             BLOCK_V=BLOCK_V, num_warps=warps_for(BLOCK_V))

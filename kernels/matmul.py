@@ -28,7 +28,8 @@ import triton.language as tl
 
 from .bias_gelu import _gelu_tanh, _gelu_tanh_grad
 from .dispatch import impl_for
-from .launch import check_float, elementwise_blocks, interpreting, reduction_programs, rows
+from .launch import (check_float, checked_grid, elementwise_blocks, interpreting,
+                     reduction_programs, rows)
 from .swiglu import _silu, _silu_grad
 
 ACTIVATIONS = {None: 0, "gelu": 1, "silu": 2}
@@ -131,12 +132,12 @@ def _matmul_bwd_kernel(
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(1)                # reduction program; column blocks on axis 0
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    # Program (p, j) owns row blocks p, p + P, ... of column block j and sums their dbias.
-    for start in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+    # Program (j, p) owns row blocks p, p + P, ... of column block j and sums their dbias.
+    for start in range(pid * BLOCK_M, M, tl.num_programs(1) * BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & col_ok[None, :]
         r64 = rows.to(tl.int64)[:, None]
@@ -150,7 +151,7 @@ def _matmul_bwd_kernel(
             tl.store(dz_ptr + r64 * N + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
         db += tl.sum(dz, axis=0)
     if HAS_BIAS:
-        tl.store(db_part_ptr + pid * N + cols, db, mask=col_ok)
+        tl.store(db_part_ptr + pid.to(tl.int64) * N + cols, db, mask=col_ok)
 
 
 def _check(a, b, bias, activation, residual):
@@ -185,7 +186,8 @@ def matmul_forward(a, b, bias=None, activation=None, residual=None, store_pre=Fa
                 torch.zeros((1, N), dtype=b.dtype, device=b.device), 1
         # "ieee" only for fp32 without TF32: for 16-bit inputs it would turn off tensor cores.
         ieee = a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        grid = lambda meta: checked_grid(
+            "matmul", triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]))
         _matmul_fwd_kernel[grid](
             a2, b, c if bias is None else bias, c if r2 is None else r2, c,
             c if pre is None else pre, M, N, K, *a2.stride(), *b.stride(),
@@ -209,7 +211,7 @@ def matmul_backward(dc, a, b, pre, activation, has_bias, needs_a=True, needs_b=T
         programs = reduction_programs(a.device, triton.cdiv(M, BLOCK_M))
         db_part = torch.empty((programs, N), dtype=torch.float32, device=a.device)
         if M and N:
-            _matmul_bwd_kernel[(programs, triton.cdiv(N, BLOCK_N))](
+            _matmul_bwd_kernel[checked_grid("matmul", triton.cdiv(N, BLOCK_N), programs)](
                 dc2, dc2 if pre is None else pre, dz, db_part, M, N, dc2.stride(0) if M > 1 else N,
                 ACTIVATION=ACTIVATIONS[activation], HAS_BIAS=has_bias,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=warps)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import impl_for
-from .launch import check_float, warps_for
+from .launch import check_float, checked_grid, warps_for
 
 
 @triton.jit
@@ -44,8 +44,9 @@ def _rotary_fwd_kernel(
     s = tl.load(sin_ptr + t * stride_cos + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if CONJUGATE:
         s = -s
-    x_row = x_ptr + b * sx_b + t * sx_t + heads[:, None] * sx_h          # (BLOCK_H, 1)
-    y_row = y_ptr + b * sy_b + t * sy_t + heads[:, None] * sy_h
+    h64 = heads.to(tl.int64)[:, None]     # heads * stride may pass 2^31 in a (B, H, T, D) view
+    x_row = x_ptr + b * sx_b + t * sx_t + h64 * sx_h                     # (BLOCK_H, 1)
+    y_row = y_ptr + b * sy_b + t * sy_t + h64 * sy_h
     x1 = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + R2 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(y_row + cols[None, :], (x1 * c - x2 * s).to(y_ptr.dtype.element_ty), mask=mask)
@@ -85,7 +86,7 @@ def _launch(x: torch.Tensor, y: torch.Tensor, cos, sin, conjugate: bool) -> None
     BLOCK_H = min(triton.next_power_of_2(H), max(1, 2048 // BLOCK_R2))
     copy_rest = y is not x and 2 * R2 < D
     BLOCK_REST = triton.next_power_of_2(D - 2 * R2) if copy_rest else 1
-    _rotary_fwd_kernel[(B * T, triton.cdiv(H, BLOCK_H))](
+    _rotary_fwd_kernel[checked_grid("rotary", B * T, triton.cdiv(H, BLOCK_H))](
         x, y, cos, sin, T, H, D, R2, *x.stride()[:3], *y.stride()[:3], cos.stride(0),
         CONJUGATE=conjugate, COPY_REST=copy_rest,
         BLOCK_H=BLOCK_H, BLOCK_R2=BLOCK_R2, BLOCK_REST=BLOCK_REST,

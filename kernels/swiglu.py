@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import impl_for
-from .launch import check_float, elementwise_blocks, row_stride, rows
+from .launch import check_float, elementwise_blocks, elementwise_grid, row_stride, rows, tile_coords
 
 
 @triton.jit
@@ -41,8 +41,9 @@ def _swiglu_fwd_kernel(
     stride_gate, stride_up, stride_y,         # row strides (last dim is contiguous)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_m, pid_n = tile_coords(N, BLOCK_N)          # tiles folded into grid axis 0
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     g = tl.load(gate_ptr + r64 * stride_gate + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -59,8 +60,9 @@ def _swiglu_bwd_kernel(
     stride_dy, stride_gate, stride_up,        # row strides (outputs use N)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_m, pid_n = tile_coords(N, BLOCK_N)          # tiles folded into grid axis 0
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     dy = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -82,7 +84,7 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = torch.empty((M, N), dtype=gate.dtype, device=gate.device)
     if M and N:
         BLOCK_M, BLOCK_N, warps = elementwise_blocks(N)
-        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+        grid = elementwise_grid("swiglu", M, N, BLOCK_M, BLOCK_N)
         _swiglu_fwd_kernel[grid](g2, u2, y, M, N, row_stride(g2), row_stride(u2), N,
                                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=warps)
     return y.view(gate.shape)
@@ -96,7 +98,7 @@ def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
     dup = torch.empty((M, N), dtype=up.dtype, device=up.device)
     if M and N:
         BLOCK_M, BLOCK_N, warps = elementwise_blocks(N)
-        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+        grid = elementwise_grid("swiglu", M, N, BLOCK_M, BLOCK_N)
         _swiglu_bwd_kernel[grid](dy2, g2, u2, dgate, dup, M, N,
                                  row_stride(dy2), row_stride(g2), row_stride(u2),
                                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=warps)
