@@ -151,3 +151,45 @@ def test_init_with_fewer_gpus_than_local_ranks_runs_gloo_and_warns_once():
     assert [o[:3] for o in out] == [("gloo", "cpu", 2.0)] * 2
     assert len(out[0][3]) == 1 and out[1][3] == []       # one warning per host (local rank 0)
     assert "2 ranks on this host but 1 CUDA device(s)" in out[0][3][0]
+
+
+class _FakeNCCL:
+    """Stands in for dist.ProcessGroupNCCL where this torch has no NCCL (the CPU wheel)."""
+
+    class Options:
+        def __init__(self):
+            self.is_high_priority_stream = False
+
+
+def _nccl_options_class(monkeypatch):
+    if not hasattr(dist, "ProcessGroupNCCL"):
+        monkeypatch.setattr(dist, "ProcessGroupNCCL", _FakeNCCL, raising=False)
+    return dist.ProcessGroupNCCL.Options
+
+
+def test_nccl_groups_get_high_priority_streams(monkeypatch):
+    options_class = _nccl_options_class(monkeypatch)
+    monkeypatch.delenv("TORCH_NCCL_HIGH_PRIORITY", raising=False)
+    a, b = fastpar.dist.mesh.group_options("nccl"), fastpar.dist.mesh.group_options("nccl")
+    assert isinstance(a, options_class) and a.is_high_priority_stream and a is not b
+    assert fastpar.dist.mesh.group_options("gloo") is None
+    monkeypatch.setenv("TORCH_NCCL_HIGH_PRIORITY", "0")       # the user's opt-out wins
+    assert fastpar.dist.mesh.group_options("nccl") is None
+
+
+def test_init_passes_high_priority_options_to_every_nccl_group(monkeypatch):
+    """A single-process init on a faked one-GPU NCCL host, torch.distributed recorded."""
+    _fake_gpus(monkeypatch, 1)
+    _nccl_options_class(monkeypatch)
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in (
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCH_NCCL_HIGH_PRIORITY")})
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend, **kw: calls.append((backend, kw["pg_options"])))
+    monkeypatch.setattr(dist, "new_group",
+                        lambda ranks, **kw: calls.append(("group", kw["pg_options"])) or object())
+    mesh = fastpar.init()
+    assert mesh.device == torch.device("cuda", 0)
+    assert [c[0] for c in calls] == ["nccl", "group", "group", "group"]
+    assert all(c[1].is_high_priority_stream for c in calls)

@@ -109,6 +109,24 @@ def pick_backend(backend: str | None, local_ranks: int) -> tuple[str, str | None
                     f"or pass backend='gloo' to silence this")
 
 
+def group_options(backend: str):
+    """``pg_options`` for a new group: on NCCL, high-priority streams, else None.
+
+    fastpar overlaps chunked collectives with GEMMs that fill every SM; on a normal-priority
+    stream NCCL's kernels wait behind the GEMM's blocks and the overlap is lost. A fresh object
+    per group (torch writes the group's ranks and name into it). TORCH_NCCL_HIGH_PRIORITY=0 in
+    the environment keeps torch's normal priority.
+    """
+    if backend != "nccl" or not hasattr(dist, "ProcessGroupNCCL"):
+        return None
+    opt_out = os.environ.get("TORCH_NCCL_HIGH_PRIORITY", "1").strip().lower()
+    if opt_out in ("0", "false", "no", "off"):
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return options
+
+
 def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-dp-pp",
          backend: str | None = None, timeout: float | timedelta = 600.0,
          nccl_trace: str | None = None) -> Mesh:
@@ -118,13 +136,15 @@ def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-dp-pp
     it runs as a single process (world size 1 on a free local port). If torch.distributed is
     already initialised its world is used as it is. ``backend=None`` picks NCCL when this host
     has a GPU for each of its ranks (LOCAL_WORLD_SIZE, else the world size), else gloo on CPU,
-    with a warning when GPUs exist but are too few (see :func:`pick_backend`). Every check (layout against the world size, the backend) runs before
-    any collective, so a bad configuration raises the same ``ValueError`` on every rank.
+    with a warning when GPUs exist but are too few (see :func:`pick_backend`). Every check
+    (layout against the world size, the backend) runs before any collective, so a bad
+    configuration raises the same ``ValueError`` on every rank.
 
     ``timeout`` (seconds) bounds every collective of every group: a rank that stops taking part
     makes the others fail instead of hanging. On NCCL the watchdog's error handling and the
     flight recorder are turned on (unless set already); ``nccl_trace`` is the path prefix of its
-    per-rank dumps (see :func:`fastpar.dist.watchdog.nccl_debug_env`).
+    per-rank dumps (see :func:`fastpar.dist.watchdog.nccl_debug_env`). NCCL groups get
+    high-priority streams (:func:`group_options`).
     """
     timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
     if timeout.total_seconds() <= 0:
@@ -155,7 +175,8 @@ def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-dp-pp
             for key, value in nccl_debug_env(nccl_trace).items():
                 os.environ.setdefault(key, value)
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                                pg_options=group_options(backend))
     if "nccl" in str(backend):
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -165,7 +186,7 @@ def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-dp-pp
     mine = {}
     for dim in ("tp", "pp", "dp"):
         for ranks in lay.groups(dim):
-            group = dist.new_group(ranks, timeout=timeout)
+            group = dist.new_group(ranks, timeout=timeout, pg_options=group_options(backend))
             if rank in ranks:
                 mine[dim] = group
     return Mesh(layout=lay, rank=rank, device=device, tp_group=mine["tp"],
