@@ -11,9 +11,9 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CASES = [((1, 1), False, True), ((3, 127), True, True), ((9, 1000), False, False),
          ((2, 5, 96), True, True), ((4, 75, 24), False, True)]
 # Rows wider than launch.ROW_CHUNK, walked in column chunks: (shape, strided, with bias, chunk cap
-# or None for the real one). 75 rows of 123 in chunks of 32: four chunks, the last ragged, and more row
-# blocks than backward programs, so each program adds several row blocks into its partials in
-# memory; 12288 is a genuinely wide row (two chunks at the real cap).
+# or None for the real one). 75 rows of 123 in chunks of 32: four chunks, the last ragged, and
+# more row blocks than backward programs, so each program adds several row blocks into its
+# partials in memory; 12288 is a genuinely wide row (two chunks at the real cap).
 WIDE_CASES = [((75, 123), True, True, 32), ((3, 1000), False, False, 256),
               ((2, 12288), False, True, None)]
 
