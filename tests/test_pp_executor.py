@@ -249,3 +249,32 @@ def test_dead_peer_fails_with_stage_and_microbatch(tmp_path):
                               "micro-batch 0 out of stage 0 from stage 1 (pp rank 1, global "
                               "rank 1) did not complete"), message
     assert 1.5 < waited < 15
+
+
+class _Work:
+    """A fake c10d Work that records how it is waited for, and can fail like a timed-out one."""
+
+    def __init__(self, error=None):
+        self.calls, self.error = [], error
+
+    def wait(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+
+def test_p2p_wait_never_passes_a_timeout_to_work_wait():
+    """Work.wait(timeout) spins the host under NCCL; the group's own timeout bounds the wait."""
+    from datetime import timedelta
+
+    from fastpar.pipeline import p2p
+
+    works = [_Work(), _Work()]
+    for timeout in (None, timedelta(seconds=5)):
+        p2p.wait(works, "receiving x", timeout)
+    assert all(w.calls == [((), {}), ((), {})] for w in works)
+    failed = _Work("Timed out waiting 2000ms for recv operation to complete")
+    with pytest.raises(PipelineTimeoutError, match="^receiving x did not complete: Timed out"):
+        p2p.wait([failed], "receiving x", timedelta(seconds=1))
+    assert failed.calls == [((), {})]

@@ -50,10 +50,19 @@ def post(ops: list[dist.P2POp], stream=None) -> list[list[dist.Work]]:
     return [[w] for w in works] if len(works) == len(ops) else [list(works)] * len(ops)
 
 
-def wait(works: list[dist.Work], what: str, timeout: timedelta | None) -> None:
+def wait(works: list[dist.Work], what: str, timeout: timedelta | None = None) -> None:
+    """Wait for ``works``; a failure raises :class:`PipelineTimeoutError` naming ``what``.
+
+    ``Work.wait`` gets no timeout: under NCCL a wait with one spins the host until the work is
+    done, where a plain wait only queues the dependency on the current stream. The process
+    group's own timeout (``fastpar.init`` gives one to every group) bounds the wait and makes it
+    fail, and the trainer's watchdog names a stuck collective. ``timeout`` is not used; it is
+    kept for callers that still pass one.
+    """
+    del timeout
     try:
         for w in works:
-            w.wait() if timeout is None else w.wait(timeout)
+            w.wait()
     except RuntimeError as e:
         raise PipelineTimeoutError(f"{what} did not complete: {e}") from e
 
