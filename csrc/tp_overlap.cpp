@@ -37,6 +37,25 @@ void gemm_into(at::Tensor out, const at::Tensor& x, const at::Tensor& w, int64_t
   trace_event("gemm_end", index);
 }
 
+// One ring step as one grouped exchange: `send` goes to rank `next` while `recv` arrives from
+// rank `prev`. Two separate p2p calls would hang under NCCL: a send blocks its stream until the
+// peer's receive runs, so at tp=2 both ranks' sends wait on each other, and at tp>=3 the first
+// p2p of each pair builds that pair's communicator, a cycle of blocking rendezvous. An all-to-all
+// whose only non-empty splits are the two neighbours is NCCL's grouped send/receive on the
+// group's own communicator (and gloo's alltoallv on CPU): both progress together, no new
+// communicator, one work to wait for.
+Work ring_exchange(c10d::ProcessGroup& pg, at::Tensor send, at::Tensor recv, int64_t next,
+                   int64_t prev) {
+  std::vector<int64_t> send_splits(pg.getSize(), 0), recv_splits(pg.getSize(), 0);
+  send_splits[next] = send.size(0);
+  recv_splits[prev] = recv.size(0);
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+  return pg.all_to_all_single(recv, send, recv_splits, send_splits);
+#else
+  return pg.alltoall_base(recv, send, recv_splits, send_splits);
+#endif
+}
+
 void wait(Work& work, int64_t index) {
   work->wait();
   trace_event("comm_done", index);
@@ -78,17 +97,14 @@ std::tuple<at::Tensor, at::Tensor> allgather_matmul(const at::Tensor& x_, const 
   for (int64_t s = 0; s < tp; ++s) {
     // At step s this rank holds block (r - s) and receives block (r - s - 1) from prev.
     const int64_t cur = (r - s + tp) % tp, incoming = (r - s - 1 + 2 * tp) % tp;
-    std::vector<Work> works;
+    Work work;
     if (s + 1 < tp) {
-      std::vector<at::Tensor> send{gathered.narrow(0, cur * m, m)};
-      std::vector<at::Tensor> recv{gathered.narrow(0, incoming * m, m)};
       trace_event("comm_start", s);
-      works.push_back(pg->send(send, next, static_cast<int>(s)));
-      works.push_back(pg->recv(recv, prev, static_cast<int>(s)));
+      work = ring_exchange(*pg, gathered.narrow(0, cur * m, m),
+                           gathered.narrow(0, incoming * m, m), next, prev);
     }
     gemm_into(out.narrow(0, cur * m, m), gathered.narrow(0, cur * m, m), w, s);
-    for (auto& work : works) work->wait();
-    if (!works.empty()) trace_event("comm_done", s);
+    if (work) wait(work, s);
   }
   return {out, gathered};
 }
@@ -108,21 +124,18 @@ at::Tensor matmul_reducescatter(const at::Tensor& x_, const at::Tensor& w,
   at::Tensor out = at::empty({m, n}, x.options());
   at::Tensor partial[2] = {at::empty({m, n}, x.options()), at::empty({m, n}, x.options())};
   at::Tensor incoming = at::empty({m, n}, x.options());
-  Work send_work, recv_work;
+  Work work;
   for (int64_t s = 0; s < tp; ++s) {
     const int64_t b = (r - s - 1 + 2 * tp) % tp;  // == r at the last step
     at::Tensor acc = (s + 1 == tp) ? out : partial[s % 2];
     gemm_into(acc, x.narrow(0, b * m, m), w, s);  // overlaps the transfer of step s-1
     if (s > 0) {
-      wait(recv_work, s - 1);
+      wait(work, s - 1);
       acc.add_(incoming);
-      send_work->wait();
     }
     if (s + 1 < tp) {
-      std::vector<at::Tensor> send{acc}, recv{incoming};
       trace_event("comm_start", s);
-      send_work = pg->send(send, next, static_cast<int>(s));
-      recv_work = pg->recv(recv, prev, static_cast<int>(s));
+      work = ring_exchange(*pg, acc, incoming, next, prev);
     }
   }
   return out;
