@@ -1,4 +1,4 @@
-"""Rank checks for bad input and unused parameters: one clear error on every rank, never a hang.
+"""Rank checks for bad input and unused parameters: one clear error, never a hang.
 
 Run inside the ranks of tests/test_dp_data_parallel.py, which also compares the messages across
 ranks.
@@ -51,11 +51,16 @@ def error_checks(rank, world):
     model = DataParallel(_Two())
     x = torch.randn(2, 3)
     expect("unused everywhere", RuntimeError, lambda: model(x, use_b=False).sum().backward(),
-           f"'b.weight' \\(used on 0 of {world} ranks\\)")
-    # ... and so does one used on rank 0 only (the others learn it from the used-map).
-    expect("unused on some ranks", RuntimeError,
-           lambda: model(x, use_b=rank == 0).sum().backward(),
-           f"'b.weight' \\(used on 1 of {world} ranks\\).*find_unused_parameters=True")
+           "no gradient in this step on this data-parallel rank: 'b.weight'")
+    # ... and one used on rank 0 only raises on the other ranks: as in torch DDP, telling rank 0
+    # would cost a host sync every step. Every rank's reduction still completes (no hang).
+    if rank == 0:
+        model(x).sum().backward()
+        seen["unused on some ranks"] = None
+    else:
+        expect("unused on some ranks", RuntimeError,
+               lambda: model(x, use_b=False).sum().backward(),
+               "'b.weight'.*find_unused_parameters=True")
     model.zero_grad()
     model(x).sum().backward()                      # the wrapper is still usable afterwards
     assert all(p.grad is not None for p in model.parameters())

@@ -91,7 +91,8 @@ def _no_sync_accumulates_without_communication(rank, world):
                                        for _, (xs, ys) in micro[:2]])
     assert inside == 0, f"{inside} collectives ran inside no_sync"
     last = _collectives(lambda: F.mse_loss(dp(micro[2][1][0]), micro[2][1][1]).backward())
-    assert last == len(dp.bucket_specs) + 1, last      # the buckets and the used-parameter map
+    assert last == len(dp.bucket_specs), last      # the buckets; no used-map without
+    #                                                find_unused_parameters
     for (x, y), _ in micro:                             # reference: mean over ranks of the sums
         (F.mse_loss(ref(x), y, reduction="sum") / (y.numel() // world) / world).backward()
     for (n, p), q in zip(dp.module.named_parameters(), ref.parameters()):
@@ -246,8 +247,11 @@ def test_data_parallel(world):
     # Every rank raised the same errors (one names the rank it runs on).
     assert all(e.keys() == errors[0].keys() for e in errors) and len(errors[0]) == 17
     for case in errors[0]:
-        if case != "shapes differ":
+        if case not in ("shapes differ", "unused on some ranks"):
             assert all(e[case] == errors[0][case] for e in errors), case
+    # A parameter used on rank 0 only: an error on the ranks without its gradient, not on 0.
+    some = [e["unused on some ranks"] for e in errors]
+    assert some[0] is None and all(m is not None and m == some[1] for m in some[1:])
 
 
 def test_single_process_without_torch_distributed():

@@ -46,8 +46,10 @@ class DataParallel(nn.Module):
             ``None``: the parameters' dtype, and then each ``.grad`` is a view into its bucket
             (nothing is packed).
         find_unused_parameters: allow parameters that get no gradient in a step (they count as
-            zero; a parameter that no rank used keeps its ``.grad``). ``False``: such a
-            parameter is an error, raised on every rank after the step's reduction.
+            zero; a parameter that no rank used keeps its ``.grad``); this costs a small
+            all-reduce and a host sync per step, as in torch DDP. ``False``: no host sync, and
+            such a parameter is an error raised after the step's reduction on the ranks where
+            it got no gradient (the others cannot know without a sync).
 
     The constructor checks its arguments locally (``ValueError``), then compares the parameter
     shapes across the group with one small collective and broadcasts dp rank 0's parameters and

@@ -6,9 +6,13 @@ Life of one synchronised backward:
   2. the bucket's last gradient arrives -> its collective is started asynchronously, in bucket
      order (the same order on every rank); with ``overlap=False`` nothing starts before step 3;
   3. the engine has finished -> ``finish``: buckets not started yet (parameters that got no
-     gradient) are started, with a small all-reduce of which parameters each rank used; then
-     everything is waited for, the averaged gradients are handed to ``.grad``, and unused
-     parameters are checked.
+     gradient) are started; then everything is waited for, the averaged gradients are handed to
+     ``.grad``, and unused parameters are checked.
+The hot path never waits for the device on the host (no ``.item()``, ``.tolist()``, tensors
+built from Python lists or timed waits): on CUDA, waiting only makes the compute stream wait for
+the comm stream. As in torch DDP, only ``find_unused_parameters`` pays for a host sync: a small
+all-reduce of which parameters each rank used, read back on the host. Without it, a parameter
+that got no gradient is an error on the ranks where it got none, found from host-side state.
 With ``wait_in_backward=False`` (pipeline schedules) step 3 is skipped: buckets keep starting
 from hooks across any number of backward calls, and the schedule calls ``finish`` itself.
 ``reduce_now`` starts everything at once, for gradients computed outside hooks.
@@ -168,7 +172,8 @@ class GradReducer:
         self.finish()
 
     def launch_all(self) -> None:
-        """Start every bucket not started yet, whatever its gradients, and the used-map."""
+        """Start every bucket not started yet, whatever its gradients (and, to find unused
+        parameters, the used-map)."""
         for b in range(self._next, len(self.buckets)):
             bucket = self.buckets[b]
             for k, i in enumerate(bucket.spec.indices):
@@ -178,7 +183,7 @@ class GradReducer:
                 elif bucket.as_views:
                     bucket.adopt(k)          # a gradient assigned to .grad by hand
             self._launch(b)
-        if self.world > 1 and self._used_counts is None:
+        if self.find_unused and self.world > 1 and self._used_counts is None:
             self._used_counts = torch.tensor(self._touched, dtype=torch.int32,
                                              device=self.buckets[0].buffer.device)
             with self.stream.issue():
@@ -208,19 +213,19 @@ class GradReducer:
         if self._used_work is not None:
             self._used_work.wait()
         self.stream.join()
+        # Ranks that used each parameter: the used-map's host sync only to find unused ones.
         counts = (self._used_counts.tolist() if self._used_counts is not None
                   else [int(t) for t in self._touched])
-        self.unused = {i for i, c in enumerate(counts) if c == 0}
+        self.unused = {i for i, c in enumerate(counts) if c == 0} if self.find_unused else set()
         for bucket in self.buckets:
             self._deliver(bucket)
             bucket.reset()
         self._touched = [False] * len(self.params)
         self._next, self._used_counts, self._used_work = 0, None, None
         self.in_flight, self.reduced = False, True
-        partial = [i for i, c in enumerate(counts) if c < self.world]
-        if partial and not self.find_unused:
-            self.unused = set()
-            raise RuntimeError(_unused_message(self.names, partial, counts, self.world))
+        missing = [i for i, c in enumerate(counts) if c == 0]
+        if missing and not self.find_unused:
+            raise RuntimeError(_unused_message(self.names, missing))
 
     def _deliver(self, bucket: _Bucket) -> None:
         """Point .grad at the reduced values; globally unused parameters keep what they had."""
@@ -249,9 +254,10 @@ def _hook(reducer: GradReducer, i: int):
     return hook
 
 
-def _unused_message(names, partial, counts, world) -> str:
-    shown = ", ".join(f"{names[i]!r} (used on {counts[i]} of {world} ranks)" for i in partial[:8])
-    more = f" and {len(partial) - 8} more" if len(partial) > 8 else ""
-    return (f"DataParallel: parameters got no gradient in this step on some data-parallel ranks: "
+def _unused_message(names, missing) -> str:
+    shown = ", ".join(repr(names[i]) for i in missing[:8])
+    more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+    return (f"DataParallel: parameters got no gradient in this step on this data-parallel rank: "
             f"{shown}{more}. Every trainable parameter must get a gradient in each step; pass "
-            f"find_unused_parameters=True to allow this, or freeze them (requires_grad_(False)).")
+            f"find_unused_parameters=True to allow this, or freeze them (requires_grad_(False)). "
+            f"The step's reduction completed; ranks that had every gradient do not raise.")
