@@ -1,76 +1,112 @@
 #!/usr/bin/env bash
-# The GPU check in one command, on a machine with a CUDA GPU (about 8 minutes on one H100/H200):
-#   1. build fastpar with its CUDA sources (pip install --no-build-isolation -e .),
-#   2. run the test suite with the real Triton path: the kernel tests on the GPU, bf16 included,
-#   3. benchmark the kernels against torch eager and torch.compile (bench/bench_kernels.py),
-#   4. train the 1b preset for a few steps on one GPU (bf16 autocast) and print tokens/s and MFU.
+# Everything GPU-side in one command, for one GPU (written for one H200 with torch 2.11,
+# triton 3.6, Python 3.12 and no network): under 8 minutes, each step with a hard time limit,
+# each step's failure recorded and the next step run anyway, then one summary table.
 #
-#   bash bench/gpu_check.sh                        # kernel tests on the GPU, then the benchmark
-#   GPU_CHECK_TESTS=all bash bench/gpu_check.sh    # the whole suite in step 2 (over 8 minutes:
-#                                                  # the multi-rank CPU tests take most of it)
-#   PYTHON=/path/to/python BENCH_ARGS="--quick" bash bench/gpu_check.sh
+#   1. build     fastpar with its CUDA sources for this GPU's arch (pip --no-deps, offline)
+#   2. kernels   the kernel tests compiled on the GPU (TRITON_INTERPRET=0), bf16 included
+#   3. tp-nccl   the extension's GEMM<->collective ops, the overlapped TP autograd Functions under
+#                CUDA bf16 autocast and DataParallel's CUDA path, on a one-rank NCCL group
+#   4. accuracy  rms_norm / layer_norm at hidden 8192 and 16384, cross-entropy at 16K tokens x
+#                128K vocabulary, compiled, against torch (bench/gpu_kernel_check.py)
+#   5. bench     the kernels against torch eager / torch.compile / cuBLAS, matmul first, with a
+#                time budget (bench/bench_kernels.py)
+#   6. train-1b  a few steps of the 1b preset on this GPU (bf16), no checkpoint: tokens/s, MFU
 #
-# tests/conftest.py sets TRITON_INTERPRET=1 only when it is unset, so TRITON_INTERPRET=0 here makes
-# the kernel tests run compiled on the GPU (fastpar.kernels.testing.DEVICE is then "cuda").
-set -euo pipefail
+#   bash bench/gpu_check.sh 2>&1 | tee gpu_check.log
+#   PYTHON=/path/to/python STEPS="build kernels" bash bench/gpu_check.sh    # some steps only
+#
+# Exit status: the number of failed steps. tests/conftest.py sets TRITON_INTERPRET=1 only when it
+# is unset, so TRITON_INTERPRET=0 here runs the kernel tests compiled on the GPU.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+STEPS=${STEPS:-"build kernels tp-nccl accuracy bench train-1b"}
+DEADLINE=${DEADLINE:-460}          # seconds for the whole script; steps are cut to fit
 start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - start )); }
+summary=()
 
-"$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else
-  'gpu_check.sh: torch sees no CUDA GPU here; run it on a GPU machine')"
-"$PY" - <<'PY'
-import torch, triton
+# step NAME LIMIT CMD...: run CMD with a hard limit of min(LIMIT, time left before the deadline,
+# keeping RESERVE seconds for the steps after it), record ok / FAIL (rc) / TIMEOUT and seconds.
+step() {
+  local name=$1 limit=$2; shift 2
+  if [[ " $STEPS " != *" $name "* ]]; then return; fi
+  local left=$(( DEADLINE - $(elapsed) - ${RESERVE:-0} ))
+  (( limit > left )) && limit=$left
+  if (( limit < 10 )); then summary+=("$name|skipped (no time left)|0"); return; fi
+  echo; echo "== $name (limit ${limit} s, at $(elapsed) s) =="
+  local t0 rc status
+  t0=$(date +%s)
+  # bash -c: the step may be one of the functions below (exported), which timeout cannot exec.
+  timeout --kill-after=10 "$limit" bash -c '"$@"' _ "$@"
+  rc=$?
+  case $rc in 0) status=ok ;; 124|137) status="TIMEOUT after ${limit} s" ;; *) status="FAIL (rc $rc)" ;; esac
+  summary+=("$name|$status|$(( $(date +%s) - t0 ))")
+}
+
+echo "== gpu_check.sh, $(date '+%Y-%m-%d %H:%M') =="
+"$PY" - <<'PY' || { echo "gpu_check.sh: torch sees no CUDA GPU here; run it on a GPU machine"; exit 1; }
+import sys, torch, triton
+if not torch.cuda.is_available():
+    sys.exit(1)
 p = torch.cuda.get_device_properties(0)
-print(f"== {p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB; "
-      f"torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}")
+print(f"{p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB; "
+      f"torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
+      f"Python {sys.version.split()[0]}")
 PY
-
-echo "== 1. build (CUDA sources for this GPU's arch) =="
 arch=$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability(0))")
-# The image has torch and numpy; --no-deps keeps pip off the network.
-CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch} \
-  FASTPAR_REQUIRE_CUDA=1 MAX_JOBS=${MAX_JOBS:-$(nproc)} \
-  "$PY" -m pip install -q --no-build-isolation --no-deps -e .
-"$PY" -c "import fastpar; print(fastpar._C.build_info())"
-echo "build done at $(elapsed) s"
 
-echo "== 2. tests, real Triton path =="
-export TRITON_INTERPRET=0
-parallel=()
-if "$PY" -c "import xdist" 2>/dev/null; then parallel=(-n 8); fi
-status=0
-"$PY" -m pytest -q -p no:cacheprovider ${parallel[@]+"${parallel[@]}"} tests/test_kernel_*.py \
-  || status=$?
-if [ "${GPU_CHECK_TESTS:-kernels}" = all ]; then
-  # The rest serially (multi-rank tests pick free ports). Two package tests assert the CPU
-  # interpreter setup itself and do not apply with TRITON_INTERPRET=0.
-  "$PY" -m pytest -q -p no:cacheprovider --ignore-glob='tests/test_kernel_*' \
-    --deselect tests/test_package.py::test_triton_interpreter_is_on_for_tests \
-    --deselect tests/test_package.py::test_kernel_dispatcher || status=$?
-fi
-echo "tests done at $(elapsed) s (status $status)"
-
-echo "== 3. benchmark =="
-budget=$(( 390 - $(elapsed) ))
-[ "$budget" -lt 60 ] && budget=60
-# shellcheck disable=SC2086
-"$PY" bench/bench_kernels.py --budget "$budget" ${BENCH_ARGS:-}
-
-echo "== 4. the 1b preset on one GPU: tokens/s and MFU =="
-# PEAK_TFLOPS: the GPU's dense bf16 peak (H100/H200 SXM: 989). The stdlib corpus, byte tokens.
-run=$(mktemp -d)
-"$PY" -m fastpar train --model 1b --nproc 1 --steps "${TRAIN_STEPS:-30}" --seq-len 2048 \
-  --global-batch-size 8 --micro-batch-size 4 --warmup-steps 5 --log-every 10 \
-  --peak-tflops "${PEAK_TFLOPS:-989}" --out "$run" || status=$?
-"$PY" - "$run/metrics.jsonl" <<'PY' || status=$?
+build() {
+  CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch} \
+    FASTPAR_REQUIRE_CUDA=1 MAX_JOBS=${MAX_JOBS:-$(nproc)} \
+    "$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . &&
+  "$PY" -c "import fastpar; i = fastpar._C.build_info(); print(i); assert i['cuda'], i"
+}
+kernel_tests() {
+  local parallel=()
+  "$PY" -c "import xdist" 2>/dev/null && parallel=(-n 8)
+  TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider ${parallel[@]+"${parallel[@]}"} \
+    tests/test_kernel_*.py
+}
+train_1b() {
+  # PEAK_TFLOPS: the GPU's dense bf16 peak (H100/H200 SXM: 989). The stdlib corpus, byte tokens.
+  local run rc=0
+  run=$(mktemp -d)
+  "$PY" -m fastpar train --model 1b --nproc 1 --steps "${TRAIN_STEPS:-12}" --seq-len 2048 \
+    --global-batch-size 8 --micro-batch-size 4 --warmup-steps 3 --log-every 4 --no-save \
+    --peak-tflops "${PEAK_TFLOPS:-989}" --out "$run" || rc=$?
+  "$PY" - "$run/metrics.jsonl" <<'PY' || rc=$?
 import json, statistics, sys
-rows = [json.loads(line) for line in open(sys.argv[1])][5:]      # after compilation / warm-up
+rows = [json.loads(line) for line in open(sys.argv[1])][3:]      # after warm-up and autotuning
 tok = statistics.median(r["tokens_per_s"] for r in rows)
 mfu = statistics.median(r["mfu"] for r in rows)
-print(f"1b, seq 2048, batch 8: {tok:,.0f} tokens/s, MFU {mfu:.1%} (median of {len(rows)} steps)")
+print(f"1b, seq 2048, batch 8, bf16: {tok:,.0f} tokens/s, MFU {mfu:.1%} "
+      f"(median of steps {rows[0]['step']}-{rows[-1]['step']})")
 PY
-rm -rf "$run"
-echo "gpu_check.sh done in $(elapsed) s on $(date '+%Y-%m-%d %H:%M')"
-exit "$status"
+  rm -rf "$run"
+  return $rc
+}
+
+export PY arch
+export -f build kernel_tests train_1b
+
+# Limits (s): sum of the later steps' minimum needs is kept in RESERVE so an early overrun
+# cannot starve them.
+RESERVE=300 step build 150 build
+RESERVE=240 step kernels 90 kernel_tests
+RESERVE=180 step tp-nccl 60 "$PY" bench/gpu_tp_check.py
+RESERVE=120 step accuracy 90 "$PY" bench/gpu_kernel_check.py
+RESERVE=100 step bench 120 "$PY" bench/bench_kernels.py --budget 80 ${BENCH_ARGS:-}
+RESERVE=0 step train-1b 110 train_1b
+
+echo
+echo "== summary ($(date '+%Y-%m-%d %H:%M'), $(elapsed) s in all) =="
+printf '%-10s %-26s %s\n' step result seconds
+failed=0
+for row in "${summary[@]}"; do
+  IFS='|' read -r name status secs <<<"$row"
+  printf '%-10s %-26s %s\n' "$name" "$status" "$secs"
+  [[ $status == ok ]] || failed=$((failed + 1))
+done
+exit "$failed"

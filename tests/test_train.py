@@ -157,3 +157,12 @@ def test_precision_is_checked():
         TrainConfig(precision="fp16")
     assert TrainConfig(precision="auto").bf16("cuda") and not TrainConfig().bf16("cpu")
     assert TrainConfig(precision="bf16").bf16("cpu") and not TrainConfig(precision="fp32").bf16("cuda")
+
+
+def test_no_save_writes_no_checkpoint(tmp_path):
+    losses = _losses(1, tmp_path, steps=2, no_save=True)
+    assert len(losses) == 2
+    ckpt = tmp_path / "checkpoints"
+    assert not ckpt.exists() or not any(ckpt.iterdir())
+    with pytest.raises(ValueError, match="--no-save contradicts --save-every=5"):
+        TrainConfig(no_save=True, save_every=5)

@@ -31,6 +31,7 @@ class TrainConfig:
     data: str | None = None             # text file, folder, or uint16 .bin; None = stdlib corpus
     out: str = "runs/fastpar"           # metrics, plot, config, checkpoints
     save_every: int = 0                 # steps between checkpoints; 0 = only at the end
+    no_save: bool = False               # write no checkpoint at all (benchmarks, smoke runs)
     resume: bool = False                # continue from the latest checkpoint in OUT
     keep_last: int = 0                  # complete checkpoints kept, the newest; 0 keeps all
     async_save: bool = False            # write checkpoints on a background thread
@@ -60,6 +61,8 @@ class TrainConfig:
         for name in ("lr", "timeout") + (("peak_tflops",) if self.peak_tflops is not None else ()):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be > 0")
+        if self.no_save and self.save_every:
+            raise ValueError(f"--no-save contradicts --save-every={self.save_every}")
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr={self.min_lr} is above --lr={self.lr}")
         if self.schedule not in SCHEDULES:

@@ -226,7 +226,8 @@ def train(cfg: TrainConfig) -> list[dict]:
             raise guard.error(writer.wait() or resume_from)
         rows.append(metrics.log(step, loss, lr, step_tokens, time.perf_counter() - t0,
                                 flops * step_tokens, world, skipped=not ok))
-        if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
+        if not cfg.no_save and ((cfg.save_every and step % cfg.save_every == 0)
+                                or step == cfg.steps):
             zero = _zero_tensors(opt) if isinstance(opt, DistributedOptimizer) else None
             with wd.region(step, "saving the checkpoint"):
                 writer.save(step, chunks, None if zero else torch_opt,
