@@ -57,6 +57,10 @@ setup(
     package_dir={"fastpar": "fastpar", "fastpar.kernels": "kernels"},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    install_requires=["torch>=2.4", "numpy", "safetensors", "tqdm", "matplotlib"],
+    # The floor is what CI tests (.ci/run step 2: torch 2.11.0 with its triton 3.6.0). triton
+    # publishes wheels for Linux only; fastpar.kernels imports it, so elsewhere it must be
+    # installed by hand.
+    install_requires=["torch>=2.11", 'triton>=3.6; platform_system == "Linux"', "numpy",
+                      "safetensors", "tqdm", "matplotlib"],
     entry_points={"console_scripts": ["fastpar = fastpar.cli:main"]},
 )
