@@ -129,7 +129,7 @@ def fastpar_variant(cfg, mesh):
 # -- torch: DDP, DTensor TP, torch.distributed.pipelining -------------------------------------
 def torch_dp(cfg, mesh):
     model = GPT(cfg.model_config, device=mesh.device)
-    ddp = DDP(model, process_group=mesh.dp_group, forward_sync_buffers=False)
+    ddp = DDP(model, process_group=mesh.dp_group, broadcast_buffers=False)
     opt, params = _adamw(cfg, [model]), list(model.parameters())
     M = cfg.num_microbatches(mesh.dp_size)
     norm = torch.nn.utils.get_total_norm

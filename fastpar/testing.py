@@ -75,7 +75,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
 
     ``fn`` and ``args`` must be picklable (a module-level function). ``init_pg=False`` leaves
     torch.distributed uninitialised so ``fn`` can call ``fastpar.init`` itself. ``env`` adds
-    environment variables to every rank.
+    environment variables to every rank. The ranks see no GPU (``CUDA_VISIBLE_DEVICES=""``,
+    unless ``env`` sets it): they are gloo ranks, and ``fastpar.init`` would otherwise pick NCCL
+    on a machine with a GPU per rank.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
@@ -84,7 +86,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     port = free_port()
     # As `fastpar train` does: the cores shared out among the ranks, and an allocator that
     # keeps freed memory (fastpar.dist.host).
-    env = {**worker_env(world_size), **(env or {})}
+    env = {**worker_env(world_size), "CUDA_VISIBLE_DEVICES": "", **(env or {})}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     procs = []

@@ -48,14 +48,7 @@ def _violations(pattern: str) -> list[str]:
     return found
 
 
-# Known uses in files whose owners have been told; drop the entry once fixed.
-_KNOWN = {r"\bforward_sync_buffers\s*=": "bench/bench_train.py's DDP peer passes "
-          "forward_sync_buffers=, a TypeError on torch 2.11"}
-
-
-@pytest.mark.parametrize("pattern", [
-    pytest.param(p, marks=pytest.mark.xfail(reason=_KNOWN[p], strict=False)) if p in _KNOWN
-    else p for p in _NEWER_THAN_FLOOR])
+@pytest.mark.parametrize("pattern", list(_NEWER_THAN_FLOOR))
 def test_no_api_newer_than_the_floor_outside_the_fallbacks(pattern):
     found = _violations(pattern)
     assert not found, (f"API newer than torch 2.11 used directly (use "

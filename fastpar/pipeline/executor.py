@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -63,8 +62,9 @@ class PipelineExecutor:
     ``loss_fn(output, target)`` runs on the last stage. ``grads_ready(chunk, stage)`` is called
     once per step per chunk right after that chunk's last gradient is in ``.grad`` (often in the
     cool-down, while other chunks and ranks still compute): the place for data-parallel code to
-    start reducing that chunk's gradients. ``timeout`` bounds each wait (default: the process
-    group's timeout). ``overlap=False`` waits for each batch of sends and receives right after
+    start reducing that chunk's gradients. Waits are bounded by the pipeline group's own timeout
+    (``fastpar.init(timeout=...)``): a host-side timeout would spin the CPU under NCCL.
+    ``overlap=False`` waits for each batch of sends and receives right after
     posting it (the strict model every schedule is validated under, so it cannot deadlock): the
     same numbers, no communication behind compute. ``record=True`` keeps each step's measured
     timeline in ``events`` (compute only: an action's time starts when its input has arrived;
@@ -73,7 +73,7 @@ class PipelineExecutor:
 
     def __init__(self, stages: list[nn.Module], schedule: Schedule, pp_group=None, *,
                  loss_fn: Callable, grads_ready: Callable | None = None,
-                 timeout: float | timedelta | None = None, overlap: bool = True,
+                 overlap: bool = True,
                  record: bool = False):
         if not isinstance(schedule, Schedule):
             raise ValueError(f"PipelineExecutor: schedule must be a Schedule (build_schedule), "
@@ -101,7 +101,6 @@ class PipelineExecutor:
         self.stages, self.schedule, self.pp_group = stages, schedule, pp_group
         self.loss_fn, self.grads_ready, self.record = loss_fn, grads_ready, record
         self.overlap = overlap
-        self.timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         params = [p for st in stages for p in st.parameters()]
         self.device = params[0].device if params else torch.device("cpu")
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -129,7 +128,7 @@ class PipelineExecutor:
         ts, t_err = self._split_batch(targets, has_last, 3)
         if not self._meta:
             self._meta = exchange_shapes(self.stages, s, self.rank, self._peers, self.pp_group,
-                                         self.device, self.timeout, xs, x_err, t_err)
+                                         self.device, xs, x_err, t_err)
         elif x_err or t_err:
             raise batch_error(*(x_err or t_err))
         if has_first and xs[0].shape != self._meta[("in", 0)][0]:
@@ -158,7 +157,7 @@ class PipelineExecutor:
             st.sends = [x for x in st.sends if not all(w.is_completed() for w in x[0])]
             i += 1
         for works, _, msg in st.sends:
-            p2p.wait(works, self._where(msg, "sending"), self.timeout)
+            p2p.wait(works, self._where(msg, "sending"))
         self.peak_activations, self.events = st.peak, st.events
         return torch.stack(st.losses).mean() if has_last else None
 
@@ -235,8 +234,7 @@ class PipelineExecutor:
         for op, msg, works in zip(ops, msgs, posted):
             send = op.op is dist.isend
             if not self.overlap:                # a gloo work must be waited on only once
-                p2p.wait(works, self._where(msg, "sending" if send else "receiving"),
-                         self.timeout)
+                p2p.wait(works, self._where(msg, "sending" if send else "receiving"))
                 works = []
             if send:
                 st.sends.append((works, op.tensor, msg))
@@ -245,7 +243,7 @@ class PipelineExecutor:
 
     def _take(self, st: _Step, msg) -> torch.Tensor:
         buf, works = st.recvs.pop(msg)
-        p2p.wait(works, self._where(msg, "receiving"), self.timeout)
+        p2p.wait(works, self._where(msg, "receiving"))
         st.arrived = time.perf_counter()
         return buf
 

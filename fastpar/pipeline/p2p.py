@@ -8,8 +8,6 @@ raises :class:`PipelineTimeoutError` naming this stage, the peer stage and the m
 """
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 
@@ -50,16 +48,14 @@ def post(ops: list[dist.P2POp], stream=None) -> list[list[dist.Work]]:
     return [[w] for w in works] if len(works) == len(ops) else [list(works)] * len(ops)
 
 
-def wait(works: list[dist.Work], what: str, timeout: timedelta | None = None) -> None:
+def wait(works: list[dist.Work], what: str) -> None:
     """Wait for ``works``; a failure raises :class:`PipelineTimeoutError` naming ``what``.
 
     ``Work.wait`` gets no timeout: under NCCL a wait with one spins the host until the work is
     done, where a plain wait only queues the dependency on the current stream. The process
     group's own timeout (``fastpar.init`` gives one to every group) bounds the wait and makes it
-    fail, and the trainer's watchdog names a stuck collective. ``timeout`` is not used; it is
-    kept for callers that still pass one.
+    fail, and the trainer's watchdog names a stuck collective.
     """
-    del timeout
     try:
         for w in works:
             w.wait()
@@ -90,11 +86,11 @@ def decode_meta(meta: torch.Tensor):
     return 0, (torch.Size(values[3:3 + ndim]), _DTYPES[values[1]])
 
 
-def send_meta(meta: torch.Tensor, peer: int, group, device, what: str, timeout) -> None:
-    wait([dist.isend(meta.to(device), peer, group=group, tag=HANDSHAKE_TAG)], what, timeout)
+def send_meta(meta: torch.Tensor, peer: int, group, device, what: str) -> None:
+    wait([dist.isend(meta.to(device), peer, group=group, tag=HANDSHAKE_TAG)], what)
 
 
-def recv_meta(peer: int, group, device, what: str, timeout) -> torch.Tensor:
+def recv_meta(peer: int, group, device, what: str) -> torch.Tensor:
     meta = torch.zeros(_META_LEN, dtype=torch.int64, device=device)
-    wait([dist.irecv(meta, peer, group=group, tag=HANDSHAKE_TAG)], what, timeout)
+    wait([dist.irecv(meta, peer, group=group, tag=HANDSHAKE_TAG)], what)
     return meta.cpu()

@@ -28,7 +28,7 @@ def batch_error(code: int, numbers) -> ValueError:
                       f"split into num_microbatches={numbers[1]} equal micro-batches")
 
 
-def exchange_shapes(stages, schedule, rank, peers, group, device, timeout, xs, x_err,
+def exchange_shapes(stages, schedule, rank, peers, group, device, xs, x_err,
                     t_err) -> dict:
     """``{("in" | "out", stage): (shape, dtype)}`` for this rank's stages, or the batch's error.
 
@@ -46,14 +46,14 @@ def exchange_shapes(stages, schedule, rank, peers, group, device, timeout, xs, x
             x = None if x_err else xs[0]
         else:
             what = f"pipeline stage {idx} (pp rank {rank}) waiting for stage {idx - 1}'s shapes"
-            got = p2p.recv_meta(peers[(idx - 1) % s.pp_size], group, device, what, timeout)
+            got = p2p.recv_meta(peers[(idx - 1) % s.pp_size], group, device, what)
             status, value = p2p.decode_meta(got)
             if not status:
                 x = torch.zeros(value[0], dtype=value[1], device=device)
         if status:
             if idx + 1 < s.pp_size:              # pass it on to the ranks that have not seen it
                 p2p.send_meta(p2p.encode_meta(None, status, value), nxt, group, device,
-                              f"pipeline stage {idx} passing on an error", timeout)
+                              f"pipeline stage {idx} passing on an error")
             raise batch_error(status, value)
         meta[("in", idx)] = (x.shape, x.dtype)
         if idx < s.num_stages - 1:
@@ -62,23 +62,23 @@ def exchange_shapes(stages, schedule, rank, peers, group, device, timeout, xs, x
                 y = stage(x)
             meta[("out", idx)] = (y.shape, y.dtype)
             p2p.send_meta(p2p.encode_meta(y), nxt, group, device,
-                          f"pipeline stage {idx} sending its shapes to stage {idx + 1}", timeout)
-    _targets_verdict(schedule, rank, peers, group, device, timeout, t_err)
+                          f"pipeline stage {idx} sending its shapes to stage {idx + 1}")
+    _targets_verdict(schedule, rank, peers, group, device, t_err)
     return meta
 
 
-def _targets_verdict(schedule, rank, peers, group, device, timeout, t_err) -> None:
+def _targets_verdict(schedule, rank, peers, group, device, t_err) -> None:
     """The last rank's check of the targets goes back to rank 0, rank by rank."""
     if schedule.pp_size > 1:
         if rank < schedule.pp_size - 1:
             got = p2p.recv_meta(peers[rank + 1], group, device,
                                 f"pipeline pp rank {rank} waiting for the last stage's check of "
-                                f"the targets", timeout)
+                                f"the targets")
             status, value = p2p.decode_meta(got)
             t_err = (status, value) if status else None
         if rank > 0:
             verdict = p2p.encode_meta(None, *t_err) if t_err else p2p.encode_meta(torch.zeros(0))
             p2p.send_meta(verdict, peers[rank - 1], group, device,
-                          f"pipeline pp rank {rank} passing on the targets check", timeout)
+                          f"pipeline pp rank {rank} passing on the targets check")
     if t_err:
         raise batch_error(*t_err)
