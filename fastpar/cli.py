@@ -94,7 +94,14 @@ def _add_train(sub) -> None:
     defaults = TrainConfig()
     for name, value in vars(defaults).items():
         flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
+        if name == "resume":
+            p.add_argument(flag, nargs="?", const=True, default=False, type=_resume_arg,
+                           metavar="auto", help="continue the run in --out from its latest "
+                           "checkpoint (an error if there is none); 'auto': start fresh then")
+        elif name == "out":
+            p.add_argument(flag, default=None, help="the run's folder (default: a new one "
+                           "under runs/); one folder holds one run")
+        elif isinstance(value, bool):
             p.add_argument(flag, action="store_true", default=value)
         elif name in ("dp", "data", "peak_tflops"):
             p.add_argument(flag, type=float if name == "peak_tflops" else
@@ -105,6 +112,12 @@ def _add_train(sub) -> None:
                    help="ranks to start on this machine (default tp*pp*dp, dp=2 if not given)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart failed workers this many times, resuming from the checkpoint")
+
+
+def _resume_arg(value: str):
+    if value != "auto":
+        raise argparse.ArgumentTypeError(f"--resume takes no value or 'auto', not {value!r}")
+    return value
 
 
 def _train(args) -> int:

@@ -4,14 +4,16 @@
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) in each, gives each rank its share of the
 cores and the allocator settings of :mod:`fastpar.dist.host` (where not set), optionally
 initialises a gloo process group, and calls ``fn(rank, world_size, *args)``. It returns the ranks'
-return values in rank order. A rank that raises fails the run with :class:`RankError`, which
-carries that rank's number and traceback; ranks that do not finish within ``timeout`` seconds are
-killed and fail the run with :class:`RankTimeout`, naming them. No process outlives the call.
+return values in rank order (tensors in them come back detached, on the CPU). A rank that raises
+fails the run with :class:`RankError`, which carries that rank's number and traceback; ranks that
+do not finish within ``timeout`` seconds are killed and fail the run with :class:`RankTimeout`,
+naming them. No process outlives the call.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -62,11 +64,28 @@ def _child(fn, rank, world_size, port, init_pg, args, queue):
             # Barrier before destroy: p2p-heavy ranks can abort at exit otherwise.
             dist.barrier()
             dist.destroy_process_group()
-        queue.put((rank, "ok", result))
+        queue.put((rank, "ok", _portable(result)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         queue.put((rank, "error", traceback.format_exc()))
         os._exit(1)
     os._exit(0)  # skip interpreter teardown, which can abort after gloo p2p
+
+
+def _portable(result) -> bytes:
+    """The result as plain pickle bytes, tensors moved to the CPU and detached: the queue's own
+    pickler would pass a tensor as shared memory, which is gone once this process has exited."""
+    import torch
+
+    def cpu(x):
+        if isinstance(x, torch.Tensor):
+            return x.detach().cpu().clone()
+        if isinstance(x, (list, tuple)):
+            return type(x)(cpu(v) for v in x) if not hasattr(x, "_fields") else \
+                type(x)(*(cpu(v) for v in x))
+        if isinstance(x, dict):
+            return {k: cpu(v) for k, v in x.items()}
+        return x
+    return pickle.dumps(cpu(result))
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 45.0,
@@ -117,7 +136,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 continue
             rank, status, payload = queue.get()
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 failures[rank] = payload
                 first_failure = first_failure or now

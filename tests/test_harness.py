@@ -99,3 +99,17 @@ def test_ranks_share_the_cores_and_keep_freed_memory(monkeypatch):
     assert out[0]["MALLOC_TRIM_THRESHOLD_"] == "123"
     assert out[0]["OMP_NUM_THREADS"] == "4" and int(out[0]["MALLOC_MMAP_THRESHOLD_"]) == 2 ** 25
     assert "MALLOC_MMAP_THRESHOLD_" not in os.environ                  # the parent is untouched
+
+
+def _tensors(rank, world_size):
+    t = torch.full((3, 4), float(rank), requires_grad=True) * 2
+    return {"t": t, "parts": [t[0], (t.sum(), rank)]}
+
+
+def test_ranks_return_tensors():
+    # The queue would pass a tensor as shared memory, gone once the rank has exited.
+    out = run_ranks(_tensors, 2)
+    for rank, r in enumerate(out):
+        assert torch.equal(r["t"], torch.full((3, 4), 2.0 * rank)) and not r["t"].requires_grad
+        assert torch.equal(r["parts"][0], torch.full((4,), 2.0 * rank))
+        assert r["parts"][1][0].item() == 24.0 * rank and r["parts"][1][1] == rank

@@ -57,7 +57,7 @@ CLI_CASES = {
     "virtual-without-interleaved": (["--virtual-stages", "2"], "needs --schedule interleaved"),
     "sp-seq-not-divisible": (["--tp", "2", "--sequence-parallel", "--seq-len", "33"],
                              "--seq-len=33 is not divisible by tp=2"),
-    "negative-steps": (["--steps", "-1"], "--steps=-1 must be >= 0"),
+    "negative-steps": (["--steps", "-1"], "--steps=-1 must be >= 1"),
     "zero-micro-batch": (["--micro-batch-size", "0"], "--micro-batch-size=0 must be >= 1"),
     "zero-seq-len": (["--seq-len", "0"], "--seq-len=0 must be >= 1"),
     "negative-save-every": (["--save-every", "-4"], "--save-every=-4 must be >= 0"),

@@ -101,7 +101,7 @@ def test_cli_trains_and_its_loss_falls(tmp_path):
     (["--tp", "3"], "n_heads=4 is not divisible by tp=3"),
     (["--pp", "8", "--nproc", "8"], "fewer than pp x virtual stages = 8 x 1"),
     (["--global-batch-size", "10"], "global batch 10 is not divisible by micro-batch size x dp"),
-    (["--steps", "-1"], "--steps=-1 must be >= 0"),
+    (["--steps", "-1"], "--steps=-1 must be >= 1"),
     (["--schedule", "pipedream"], "--schedule='pipedream'"),
     (["--data", "/nonexistent/corpus.txt"], "does not exist"),
     (["--model", "gpt5"], "unknown model 'gpt5'"),

@@ -120,6 +120,25 @@ def latest_checkpoint(root) -> Path | None:
     return done[-1] if done else None
 
 
+def pointer_note(root, chosen: Path | None) -> str | None:
+    """What is wrong with ``root/latest`` when it does not name ``chosen`` (None if all is
+    well): it names a checkpoint that is missing or incomplete, or an older one."""
+    pointer = Path(root) / "latest"
+    if not pointer.exists():
+        return None
+    name = pointer.read_text().strip()
+    target = Path(root) / name
+    if chosen is not None and target == chosen:
+        return None
+    use = f"using {chosen.name}, the newest complete checkpoint" if chosen is not None else \
+        "no complete checkpoint is left"
+    if not target.is_dir():
+        return f"{pointer} names {name}, which is missing; {use}"
+    if not (target / "manifest.json").exists():
+        return f"{pointer} names {name}, which is incomplete (no manifest.json); {use}"
+    return f"{pointer} names {name}, older than {chosen.name}; {use}" if chosen else None
+
+
 def read_rank_tensors(path, rank: int) -> dict:
     """The ``rank_tensors`` that rank ``rank`` saved (empty if none)."""
     name = f"rank{rank}.safetensors"

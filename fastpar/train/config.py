@@ -29,10 +29,13 @@ class TrainConfig:
     grad_clip: float = 1.0              # clip by the true global norm; 0 disables
     seed: int = 0                       # model init and data order
     data: str | None = None             # text file, folder, or uint16 .bin; None = stdlib corpus
-    out: str = "runs/fastpar"           # metrics, plot, config, checkpoints
+    out: str | None = None              # metrics, plot, config, checkpoints; None = a fresh
+                                        # folder under runs/ (fastpar.train.outdir)
     save_every: int = 0                 # steps between checkpoints; 0 = only at the end
     no_save: bool = False               # write no checkpoint at all (benchmarks, smoke runs)
-    resume: bool = False                # continue from the latest checkpoint in OUT
+    resume: bool | str = False          # continue the run in OUT from its latest checkpoint;
+                                        # "auto": resume if there is one, else start fresh
+    overwrite: bool = False             # move an earlier run in OUT aside, then start anew
     keep_last: int = 0                  # complete checkpoints kept, the newest; 0 keeps all
     async_save: bool = False            # write checkpoints on a background thread
     timeout: float = 600.0              # seconds a collective waits for a peer before failing
@@ -54,7 +57,16 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
         if self.dp is not None and self.dp < 1:
             raise ValueError(f"--dp={self.dp} must be >= 1")
-        for name in ("steps", "save_every", "keep_last", "warmup_steps", "weight_decay",
+        if self.steps < 1:
+            raise ValueError(f"--steps={self.steps} must be >= 1: a run trains at least one "
+                             "step (to evaluate or convert a checkpoint, load it with "
+                             "fastpar.train.load_checkpoint)")
+        if self.resume not in (False, True, "auto"):
+            raise ValueError(f"--resume={self.resume!r} must be given alone or as 'auto'")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume and --overwrite contradict each other: continue the run "
+                             "in --out, or move it aside and start anew")
+        for name in ("save_every", "keep_last", "warmup_steps", "weight_decay",
                      "grad_clip", "min_lr"):
             if not getattr(self, name) >= 0:        # also refuses NaN
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 0")
@@ -101,6 +113,11 @@ class TrainConfig:
             raise ValueError(f"--seq-len={self.seq_len} is not divisible by tp={tp} under "
                              f"sequence parallelism")
         return dp
+
+    @property
+    def warmup(self) -> int:
+        """The warm-up actually used: at most half the run, so a short run still decays."""
+        return min(self.warmup_steps, self.steps // 2)
 
     def bf16(self, device_type: str) -> bool:
         """Whether steps run under bf16 autocast on a device of this type."""

@@ -67,9 +67,11 @@ def load_tokens(path: str | None = None, max_bytes: int | None = DEFAULT_MAX_BYT
     return tokens
 
 
-def check_data(path: str | None, seq_len: int = 0) -> None:
+def check_data(path: str | None, seq_len: int = 0, vocab_size: int | None = None,
+               model: str = "") -> None:
     """Fail fast (ValueError) on a data path that is missing, holds no bytes, is a token file of
-    an odd size, or holds fewer than ``seq_len + 2`` tokens. Reads sizes only."""
+    an odd size, holds fewer than ``seq_len + 2`` tokens, or (with ``vocab_size``) a token id
+    the model has no embedding for. Reads sizes only, and a token file's ids."""
     if path is None:
         return
     p = Path(path)
@@ -84,7 +86,20 @@ def check_data(path: str | None, seq_len: int = 0) -> None:
         if size % 2:
             raise ValueError(f"token file {path!r} has an odd size: not uint16 tokens")
         size //= 2
+        if vocab_size is not None:
+            check_vocab(np.memmap(p, dtype=np.uint16, mode="r"), vocab_size, model, path)
     check_length(size, seq_len, path)
+
+
+def check_vocab(tokens: np.ndarray, vocab_size: int, model: str, path: str | None) -> None:
+    """Every token id must be an index of the model's embedding: one error naming the largest."""
+    if tokens.dtype == np.uint8 and vocab_size >= 256:
+        return                                   # bytes: nothing to scan
+    top = int(tokens.max()) if len(tokens) else 0
+    if top >= vocab_size:
+        raise ValueError(f"data {path or 'stdlib corpus'!r} has token ids up to {top}, but model "
+                         f"{model!r} has a vocabulary of {vocab_size} (ids 0-{vocab_size - 1}): "
+                         "pick a model whose vocabulary holds them, or re-tokenize the data")
 
 
 def check_length(n_tokens: int, seq_len: int, path: str | None) -> None:

@@ -13,6 +13,7 @@ failed and how, and exits 1 (``SystemExit``), with no traceback.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -29,12 +30,14 @@ def _worker(cfg: TrainConfig) -> None:
     from .trainer import train
 
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        cfg = replace(cfg, resume=True)          # a restarted worker continues, not restarts
+        # A restarted worker continues (from scratch if no checkpoint was written yet).
+        cfg = replace(cfg, resume=cfg.resume or "auto")
     train(cfg)
 
 
 def _spawned_worker(cfg: TrainConfig) -> None:
-    """A rank started by the launcher: a named failure is one line on stderr and exit code 1."""
+    """A rank started by the launcher: a named failure is one line on stderr and exit code 1;
+    Ctrl-C ends it at once and silently (the launcher says what happened)."""
     from .trainer import CLEAR_ERRORS
 
     try:
@@ -43,6 +46,31 @@ def _spawned_worker(cfg: TrainConfig) -> None:
         print(f"fastpar train: error: rank {os.environ.get('RANK', '?')}: {e}", file=sys.stderr,
               flush=True)
         raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        os._exit(130)           # no teardown: its threads and progress bar would print
+
+
+def interrupted(cfg: TrainConfig) -> str:
+    """The one line for a run stopped by Ctrl-C: the step reached and how to go on."""
+    import json
+    from pathlib import Path
+
+    from .checkpoint import latest_checkpoint
+
+    out = Path(cfg.out)
+    step = 0
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        step = json.loads(lines[-1])["step"] if lines else 0
+    except (OSError, ValueError, KeyError):
+        pass
+    ckpt = latest_checkpoint(out / "checkpoints")
+    if ckpt is None:
+        return (f"fastpar train: interrupted after step {step} of {cfg.steps}; no checkpoint was "
+                f"written, so a new run starts over (--save-every N writes one every N steps)")
+    return (f"fastpar train: interrupted after step {step} of {cfg.steps}; the last complete "
+            f"checkpoint is {ckpt}: continue with the same options and "
+            f"--out {cfg.out} --resume")
 
 
 def _loopback_store():
@@ -102,15 +130,27 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0) -> None:
     """Run ``cfg`` on ``nproc`` local ranks (checks the configuration first, in this process).
     A failed job raises ``SystemExit(1)`` after printing one line (see the module doc)."""
     from .data import check_data
+    from .outdir import check_out, prepare_out, resolve_out
     from .trainer import check_resume
 
     cfg.check_layout(nproc)
-    check_data(cfg.data, cfg.seq_len)
+    check_data(cfg.data, cfg.seq_len, cfg.model_config.vocab_size, cfg.model)
     spawn = "RANK" not in os.environ and nproc > 1
-    check_resume(cfg, full=spawn)       # here once; under torchrun each rank checks sizes
-    if not spawn:
-        _worker(cfg)
+    if not spawn:                       # one process, or a torchrun rank: train() does the rest
+        cfg = resolve_out(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        check_out(cfg)
+        try:
+            _worker(cfg)
+        except KeyboardInterrupt:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(interrupted(cfg), file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
         return
+    # Here, once, before any rank starts: the run's folder (a fresh one, or an earlier run moved
+    # aside by --overwrite), and the checkpoint to resume from with every file's sha256.
+    cfg = prepare_out(resolve_out(cfg, 1))
+    check_resume(cfg, full=True)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -127,9 +167,21 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0) -> None:
                           run_id=f"fastpar-{uuid.uuid4().hex[:8]}", rdzv_backend=_RDZV,
                           rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
                           monitor_interval=0.5, start_method="spawn", local_addr="127.0.0.1")
+    # The agent's own warnings (a worker shut down, a signal received) would repeat what the
+    # one line below says; torch sets a level on each of its loggers, so each is quietened.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    # Workers leave with os._exit (see _spawned_worker), which the resource tracker would report
+    # as leaked semaphores when the job ends.
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [
+        os.environ.get("PYTHONWARNINGS"), "ignore:resource_tracker:UserWarning"]))
     try:
         elastic_launch(config, _spawned_worker)(cfg)
     except ChildFailedError as e:
         print(f"fastpar train: error: {_describe(e.failures, max_restarts)}", file=sys.stderr,
               flush=True)
         raise SystemExit(1) from None
+    except (KeyboardInterrupt, SignalException):
+        print(interrupted(cfg), file=sys.stderr, flush=True)
+        raise SystemExit(130) from None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -30,8 +31,9 @@ class Metrics:
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         from tqdm import tqdm
 
+        # A bar only on a terminal: in a log file it would be a line per update.
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                        leave=True)
+                        leave=True, disable=not sys.stderr.isatty())
 
     def _read(self) -> list[dict]:
         if not self.path.exists():
@@ -57,8 +59,12 @@ class Metrics:
         if step % self.log_every == 0 or step == 1:
             extra = f" mfu {row['mfu']:.1%}" if "mfu" in row else ""
             mem = f" mem {row['max_memory_gb']:.1f}GB" if "max_memory_gb" in row else ""
-            self.bar.write(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
-                           f"{row['tokens_per_s']:.0f} tok/s | {step_time * 1e3:.0f} ms{extra}{mem}")
+            line = (f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
+                    f"{row['tokens_per_s']:.0f} tok/s | {step_time * 1e3:.0f} ms{extra}{mem}")
+            if self.bar.disable:
+                print(line, flush=True)
+            else:
+                self.bar.write(line)
         return row
 
     def close(self) -> Path | None:

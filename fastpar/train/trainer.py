@@ -30,13 +30,14 @@ from ..models import GPT
 from ..pipeline import PipelineExecutor, build_schedule, partition
 from ..tensor_parallel import vocab_parallel_cross_entropy
 from . import faults
-from .checkpoint import Verifier, latest_checkpoint, load_checkpoint, read_manifest, \
-    read_rank_tensors, shard_specs
+from .checkpoint import Verifier, latest_checkpoint, load_checkpoint, pointer_note, \
+    read_manifest, read_rank_tensors, shard_specs
 from .checkpoint_writer import CheckpointWriter
 from .config import TrainConfig
-from .data import BatchSampler, check_length, load_tokens
+from .data import BatchSampler, check_length, check_vocab, load_tokens
 from .guard import NonFiniteError, NonFiniteGuard
 from .metrics import Metrics, flops_per_token
+from .outdir import nothing_to_resume, prepare_out, resolve_out
 from .schedule import lr_at
 
 
@@ -120,13 +121,23 @@ def _loss_fn(tp_group):
     return loss_fn
 
 
-def check_resume(cfg: TrainConfig, full: bool = False) -> Path | None:
-    """The checkpoint to resume from; a checkpoint of another model shape, or one whose files
-    do not match its manifest (sizes; with ``full`` also the sha256), is refused here."""
+def check_resume(cfg: TrainConfig, full: bool = False, say=None) -> Path | None:
+    """The checkpoint to resume from (None: start fresh); a checkpoint of another model shape,
+    or one whose files do not match its manifest (sizes; with ``full`` also the sha256), is
+    refused here. ``say`` (e.g. print) is told which checkpoint and step, and what is wrong with
+    the ``latest`` pointer if it names another."""
     if not cfg.resume:
         return None
-    path = latest_checkpoint(Path(cfg.out) / "checkpoints")
+    root = Path(cfg.out) / "checkpoints"
+    path = latest_checkpoint(root)
+    note = pointer_note(root, path)
+    if say and note:
+        say(f"fastpar train: {note}")
     if path is None:
+        if cfg.resume is True:
+            raise nothing_to_resume(cfg.out)
+        if say:
+            say(f"fastpar train: --resume auto: no checkpoint in {cfg.out}, starting fresh")
         return None
     manifest = read_manifest(path)
     Verifier(path, manifest).all(full)
@@ -138,16 +149,27 @@ def check_resume(cfg: TrainConfig, full: bool = False) -> Path | None:
     if diff:
         raise ValueError(f"checkpoint {path} is of another model shape: "
                          + ", ".join(f"{k} {a} (saved) != {b}" for k, (a, b) in diff.items()))
+    if say:
+        say(f"fastpar train: resuming from {path} (step {manifest['data_step']} of "
+            f"{cfg.steps})")
     return path
 
 
 def train(cfg: TrainConfig) -> list[dict]:
     """Run ``cfg`` on this process's rank; returns the per-step metrics (all ranks)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     dp = cfg.check_layout(world)               # every check before any collective
+    say = print if rank == 0 else None
+    cfg = prepare_out(resolve_out(cfg, world), rank, say or (lambda _: None))
+    if say:
+        say(f"fastpar train: writing to {cfg.out}")
     tokens = load_tokens(cfg.data)
     check_length(len(tokens), cfg.seq_len, cfg.data)
-    resume_from = check_resume(cfg)
+    check_vocab(tokens, cfg.model_config.vocab_size, cfg.model, cfg.data)
+    resume_from = check_resume(cfg, say=say)
+    if say and cfg.warmup < cfg.warmup_steps:
+        say(f"fastpar train: --warmup-steps {cfg.warmup_steps} is more than half of "
+            f"--steps {cfg.steps}: warming up for {cfg.warmup} steps, then decaying")
     fault = faults.from_env()
     _set_deterministic(cfg.deterministic)
     trace = Path(cfg.out).resolve() / "nccl_trace"      # NCCL's flight-recorder dumps
@@ -200,7 +222,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     for step in range(start + 1, cfg.steps + 1):
         faults.before_step(fault, step, mesh.rank)
         t0 = time.perf_counter()
-        lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
+        lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
         for g in torch_opt.param_groups:
             g["lr"] = lr
         x, y = sampler.batch(step)
