@@ -56,6 +56,13 @@ Work ring_exchange(c10d::ProcessGroup& pg, at::Tensor send, at::Tensor recv, int
 #endif
 }
 
+// The logical collective an op performs, for tests that count what goes on the wire: its kind
+// and the bytes of the whole tensor it gathers / reduces (e.g. an all-gather of S*B*H elements,
+// however many ring steps or chunks carry it).
+void trace_collective(const char* kind, const at::Tensor& whole) {
+  trace_event(kind, whole.numel() * static_cast<int64_t>(whole.element_size()));
+}
+
 void wait(Work& work, int64_t index) {
   work->wait();
   trace_event("comm_done", index);
@@ -72,6 +79,7 @@ at::Tensor matmul_allreduce(const at::Tensor& x_, const at::Tensor& w, const std
   const int64_t rows = x.size(0);
   at::Tensor out = at::empty({rows, w.size(0)}, x.options());
   chunks = std::max<int64_t>(1, std::min(chunks, rows));
+  if (pg->getSize() > 1) trace_collective("coll:all_reduce", out);
   std::vector<Work> works;
   for (int64_t i = 0; i < chunks; ++i) {
     const int64_t lo = rows * i / chunks, hi = rows * (i + 1) / chunks;
@@ -94,6 +102,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_matmul(const at::Tensor& x_, const 
   at::Tensor gathered = at::empty({tp * m, x_.size(1)}, x_.options());
   at::Tensor out = at::empty({tp * m, w.size(0)}, x_.options());
   gathered.narrow(0, r * m, m).copy_(x_);
+  if (tp > 1) trace_collective("coll:all_gather", gathered);
   for (int64_t s = 0; s < tp; ++s) {
     // At step s this rank holds block (r - s) and receives block (r - s - 1) from prev.
     const int64_t cur = (r - s + tp) % tp, incoming = (r - s - 1 + 2 * tp) % tp;
@@ -124,6 +133,7 @@ at::Tensor matmul_reducescatter(const at::Tensor& x_, const at::Tensor& w,
   at::Tensor out = at::empty({m, n}, x.options());
   at::Tensor partial[2] = {at::empty({m, n}, x.options()), at::empty({m, n}, x.options())};
   at::Tensor incoming = at::empty({m, n}, x.options());
+  if (tp > 1) trace_event("coll:reduce_scatter", tp * m * n * static_cast<int64_t>(x.element_size()));
   Work work;
   for (int64_t s = 0; s < tp; ++s) {
     const int64_t b = (r - s - 1 + 2 * tp) % tp;  // == r at the last step
@@ -166,6 +176,7 @@ std::tuple<at::Tensor, at::Tensor> column_linear_backward(
     if (need_weight_grad) {
       total = at::empty({rows, input.size(1)}, input.options());
       trace_event("comm_start", 0);
+      trace_collective("coll:all_gather", total);
       gather_work = pg->_allgather_base(total, const_cast<at::Tensor&>(input));
     }
     trace_event("gemm_begin", 0);
@@ -174,11 +185,13 @@ std::tuple<at::Tensor, at::Tensor> column_linear_backward(
     if (gather_work) wait(gather_work, 0);
     grad_input = at::empty({rows / tp, input.size(1)}, input.options());
     trace_event("comm_start", 1);
+    trace_collective("coll:reduce_scatter", partial);
     reduce_works.push_back(pg->_reduce_scatter_base(grad_input, partial));
   } else if (need_input_grad) {
     // Row chunks of the dgrad: each is all-reduced in place while the next chunk, and then the
     // wgrad GEMM, compute.
     grad_input = at::empty({rows, input.size(1)}, input.options());
+    trace_collective("coll:all_reduce", grad_input);
     chunks = std::max<int64_t>(1, std::min(chunks, rows));
     for (int64_t i = 0; i < chunks; ++i) {
       const int64_t lo = rows * i / chunks, hi = rows * (i + 1) / chunks;
@@ -193,6 +206,7 @@ std::tuple<at::Tensor, at::Tensor> column_linear_backward(
   } else if (sequence_parallel && need_weight_grad) {
     total = at::empty({rows, input.size(1)}, input.options());
     trace_event("comm_start", 0);
+    trace_collective("coll:all_gather", total);
     gather_work = pg->_allgather_base(total, const_cast<at::Tensor&>(input));
     wait(gather_work, 0);
   }

@@ -62,3 +62,40 @@ def test_other_model_shape_is_refused(tmp_path):
     other = GPT(GPTConfig(**dict(CFG, d_model=64)))
     with pytest.raises(ValueError, match="another model shape"):
         load_checkpoint(tmp_path / "step_3", [other], None, None)
+
+
+def test_fused_projections_are_saved_per_part(tmp_path):
+    """q / k / v and up / gate are one linear each in the model but separate tensors on disk
+    (named as separate linears would be), so separate weights load into the fused layout."""
+    from safetensors.torch import load_file
+    cfg = GPTConfig(**CFG, n_kv_heads=2)
+    model = GPT(cfg)
+    opt = _train_one_step(model)
+    path = save_checkpoint(tmp_path, 1, [model], opt, None, {"data_step": 1})
+    saved = load_file(str(path / "model_tp0_pp0.safetensors"))
+    qkv = model.layers["0"].attn.qkv
+    hd = cfg.head_dim
+    rows = {"q": cfg.n_heads * hd, "k": 2 * hd, "v": 2 * hd}
+    start = 0
+    for part in ("q", "k", "v"):
+        w = saved[f"layers.0.attn.{part}.weight"]
+        assert torch.equal(w, qkv.weight[start:start + rows[part]].detach()), part
+        state = opt.state[qkv.weight]["exp_avg"][start:start + rows[part]]
+        assert torch.equal(saved[f"optim.exp_avg.layers.0.attn.{part}.weight"], state), part
+        start += rows[part]
+    assert not any("qkv" in k or "fc1" in k for k in saved)
+    # Separate weights (here: the file's own, edited) load into the fused parameter's rows.
+    saved["layers.0.attn.k.weight"] += 1.0
+    from safetensors.torch import save_file
+    save_file(saved, str(path / "model_tp0_pp0.safetensors"))
+    manifest = json.loads((path / "manifest.json").read_text())
+    from fastpar.train.checkpoint import file_digest
+    manifest["files"]["model_tp0_pp0.safetensors"] = file_digest(path / "model_tp0_pp0.safetensors")
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    fresh = GPT(cfg.replace(init_seed=3))
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    load_checkpoint(path, [fresh], opt2, None)
+    k = fresh.layers["0"].attn.qkv.weight[rows["q"]:rows["q"] + rows["k"]]
+    assert torch.equal(k, saved["layers.0.attn.k.weight"])
+    assert torch.equal(opt2.state[fresh.layers["0"].attn.qkv.weight]["exp_avg"],
+                       opt.state[qkv.weight]["exp_avg"])

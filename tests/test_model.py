@@ -12,7 +12,10 @@ TINY = dict(vocab_size=200, n_layers=2, d_model=32, n_heads=4, max_seq_len=16, p
 
 def _shard(module, name, full, tp, rank):
     """The slice of the single-device parameter ``full`` that this rank's ``module`` holds."""
-    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+    if isinstance(module, ColumnParallelLinear):       # each fused part (q, k, v) on its own
+        blocks = full.split([n for _, n in module.parts], 0)
+        return torch.cat([b.chunk(tp, 0)[rank] for b in blocks])
+    if isinstance(module, VocabParallelEmbedding):
         return full.chunk(tp, 0)[rank]
     if isinstance(module, RowParallelLinear) and name == "weight":
         return full.chunk(tp, 1)[rank]
@@ -73,8 +76,8 @@ def test_stages_compose_to_the_full_model_and_recompute_matches():
     full = GPT(cfg)
     first = GPT(cfg, layers=range(0, 2), post_process=False)
     last = GPT(cfg, layers=range(2, 4), pre_process=False)
-    assert torch.equal(first.layers["1"].mlp.up.weight, full.layers["1"].mlp.up.weight)
-    assert torch.equal(last.layers["3"].attn.q.weight, full.layers["3"].attn.q.weight)
+    assert torch.equal(first.layers["1"].mlp.fc1.weight, full.layers["1"].mlp.fc1.weight)
+    assert torch.equal(last.layers["3"].attn.qkv.weight, full.layers["3"].attn.qkv.weight)
     loss = full(tokens[:, :-1], tokens[:, 1:])
     assert torch.allclose(last(first(tokens[:, :-1]), tokens[:, 1:]), loss)
     loss.backward()

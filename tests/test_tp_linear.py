@@ -188,3 +188,38 @@ def test_no_group_is_exactly_nn_linear():
         assert torch.equal(layer.weight, ref.weight) and torch.equal(layer.bias, ref.bias)
         x = torch.randn(2, 3, 7)
         assert torch.equal(layer(x), ref(x))
+
+
+def _fused(rank, tp):
+    """A column linear of parts q, k, v (GQA: fewer k/v rows) equals the three nn.Linear, and
+    each rank holds its own slice of each part; to_linear gives the three back."""
+    from fastpar.tensor_parallel import ColumnParallelLinear
+    g = dist.new_group(list(range(tp)))
+    torch.manual_seed(0)
+    q, k, v = torch.nn.Linear(16, 32), torch.nn.Linear(16, 8 * tp // 2), \
+        torch.nn.Linear(16, 8 * tp // 2)
+    for sp in (False, True):
+        fused = ColumnParallelLinear.fused({"q": q, "k": k, "v": v}, tp_group=g,
+                                           sequence_parallel=sp)
+        assert fused.parts == (("q", 32), ("k", 4 * tp), ("v", 4 * tp))
+        for (name, offset, rows), ref in zip(fused.local_parts(), (q, k, v)):
+            assert torch.equal(fused.weight[offset:offset + rows], ref.weight.chunk(tp)[rank])
+            assert torch.equal(fused.bias[offset:offset + rows], ref.bias.chunk(tp)[rank])
+        x = torch.randn(4 * tp, 2, 16)
+        inp = x.chunk(tp)[rank] if sp else x
+        outs = fused.split(fused(inp))
+        for out, ref in zip(outs, (q, k, v)):
+            assert torch.allclose(out, ref(x).chunk(tp, -1)[rank], atol=1e-6)
+        back = fused.to_linear()
+        assert torch.equal(back.weight, torch.cat([q.weight, k.weight, v.weight]))
+        assert torch.equal(back.bias, torch.cat([q.bias, k.bias, v.bias]))
+    with pytest.raises(ValueError, match="out_features of part 'k' = 3 is not divisible by"):
+        ColumnParallelLinear(16, 35, parts=[("q", 32), ("k", 3)], tp_group=g)
+    with pytest.raises(ValueError, match="add up to 40, not out_features=48"):
+        ColumnParallelLinear(16, 48, parts=[("q", 32), ("k", 8)], tp_group=g)
+    return True
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fused_parts_shard_each_part(tp):
+    assert run_ranks(_fused, tp, timeout=60) == [True] * tp

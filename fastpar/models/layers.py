@@ -54,7 +54,11 @@ def apply_rotary(x, cos, sin):
 
 
 class ParallelAttention(nn.Module):
-    """Causal self-attention; query and key/value heads split over TP; torch SDPA."""
+    """Causal self-attention; query and key/value heads split over TP; torch SDPA.
+
+    q, k and v come out of one column-parallel linear (parts "q", "k", "v", each sharded on its
+    own, so a rank holds its query heads and its key/value heads): one GEMM and, under TP, one
+    input all-gather / gradient reduction instead of three."""
 
     def __init__(self, config: GPTConfig, tp_group=None, sequence_parallel=False, overlap=True):
         super().__init__()
@@ -64,9 +68,10 @@ class ParallelAttention(nn.Module):
         self.heads, self.kv_heads = config.n_heads // tp, config.kv_heads // tp
         col = dict(bias=config.bias, tp_group=tp_group, sequence_parallel=sequence_parallel,
                    overlap=overlap)
-        self.q = ColumnParallelLinear(config.d_model, config.n_heads * hd, **col)
-        self.k = ColumnParallelLinear(config.d_model, config.kv_heads * hd, **col)
-        self.v = ColumnParallelLinear(config.d_model, config.kv_heads * hd, **col)
+        parts = [("q", config.n_heads * hd), ("k", config.kv_heads * hd),
+                 ("v", config.kv_heads * hd)]
+        self.qkv = ColumnParallelLinear(config.d_model, sum(n for _, n in parts), parts=parts,
+                                        **col)
         self.o = RowParallelLinear(config.n_heads * hd, config.d_model, bias=config.bias,
                                    tp_group=tp_group, sequence_parallel=sequence_parallel,
                                    overlap=overlap)
@@ -79,7 +84,7 @@ class ParallelAttention(nn.Module):
 
     def forward(self, x, rope=None, recompute_core=False):
         hd = self.config.head_dim
-        q, k, v = self.q(x), self.k(x), self.v(x)              # (S, B, heads/tp * hd)
+        q, k, v = self.qkv.split(self.qkv(x))                   # (S, B, heads/tp * hd) views
         S, B = q.shape[:2]
         q = q.view(S, B, self.heads, hd).permute(1, 2, 0, 3)    # (B, h, S, hd)
         k = k.view(S, B, self.kv_heads, hd).permute(1, 2, 0, 3)
@@ -95,7 +100,8 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """SwiGLU (gate, up: Column; down: Row) or GELU (fc1: Column; fc2: Row)."""
+    """SwiGLU or GELU: fc1 (Column; parts "up" and, for SwiGLU, "gate" in one GEMM) -> down
+    (Row)."""
 
     def __init__(self, config: GPTConfig, tp_group=None, sequence_parallel=False, overlap=True):
         super().__init__()
@@ -103,15 +109,18 @@ class ParallelMLP(nn.Module):
         col = dict(bias=config.bias, tp_group=tp_group, sequence_parallel=sequence_parallel,
                    overlap=overlap)
         self.swiglu = config.activation == "swiglu"
-        self.up = ColumnParallelLinear(d, f, **col)
-        self.gate = ColumnParallelLinear(d, f, **col) if self.swiglu else None
+        parts = [("up", f)] + ([("gate", f)] if self.swiglu else [])
+        self.fc1 = ColumnParallelLinear(d, f * len(parts), parts=parts, **col)
         self.down = RowParallelLinear(f, d, bias=config.bias, tp_group=tp_group,
                                       sequence_parallel=sequence_parallel, overlap=overlap)
         self.dropout = config.dropout
 
     def forward(self, x):
-        h = kernels.swiglu(self.gate(x), self.up(x)) if self.swiglu else \
-            F.gelu(self.up(x), approximate="tanh")
+        if self.swiglu:
+            up, gate = self.fc1.split(self.fc1(x))              # (S, B, f/tp) views
+            h = kernels.swiglu(gate, up)
+        else:
+            h = F.gelu(self.fc1(x), approximate="tanh")
         return F.dropout(self.down(h), self.dropout, self.training)
 
 

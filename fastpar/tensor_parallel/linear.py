@@ -28,7 +28,7 @@ class _ParallelLinear(nn.Module):
     shard_dim: int  # dim of the (out, in) weight that is split over TP
 
     def __init__(self, in_features, out_features, bias, tp_group, sequence_parallel, overlap,
-                 chunks, dtype, device):
+                 chunks, dtype, device, parts=None):
         super().__init__()
         if chunks < 1:
             raise ValueError(f"{type(self).__name__}: chunks={chunks} must be >= 1")
@@ -37,8 +37,18 @@ class _ParallelLinear(nn.Module):
         self.tp_group, self.sequence_parallel, self.overlap = tp_group, sequence_parallel, overlap
         self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
         name = type(self).__name__
-        check_divisible((out_features, in_features)[self.shard_dim], self.tp_size,
-                        f"{name}: {('out_features', 'in_features')[self.shard_dim]}")
+        # The logical linears fused into this one, (name, out_features) in order; each is split
+        # over TP on its own. One part: a plain linear.
+        self.parts = tuple((str(n), int(k)) for n, k in parts) if parts else (("", out_features),)
+        if sum(k for _, k in self.parts) != out_features:
+            raise ValueError(f"{name}: parts {dict(self.parts)} add up to "
+                             f"{sum(k for _, k in self.parts)}, not out_features={out_features}")
+        if self.shard_dim == 0:
+            for part, k in self.parts:
+                check_divisible(k, self.tp_size, f"{name}: out_features"
+                                + (f" of part {part!r}" if part else ""))
+        else:
+            check_divisible(in_features, self.tp_size, f"{name}: in_features")
         # Initialise the full weight exactly as nn.Linear would under this seed, keep the slice.
         full = torch.empty(out_features, in_features, dtype=dtype, device=device)
         nn.init.kaiming_uniform_(full, a=math.sqrt(5))
@@ -52,7 +62,31 @@ class _ParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def _slice(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return t.chunk(self.tp_size, dim=dim)[self.tp_rank] if self.tp_size > 1 else t
+        """This rank's slice of a full tensor along ``dim``: of each part, for the output dim."""
+        if self.tp_size == 1:
+            return t
+        if dim != 0 or len(self.parts) == 1:
+            return t.chunk(self.tp_size, dim=dim)[self.tp_rank]
+        blocks = t.split([k for _, k in self.parts], dim=0)
+        return torch.cat([b.chunk(self.tp_size, dim=0)[self.tp_rank] for b in blocks], dim=0)
+
+    def _unslice(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The full tensor from the ranks' slices stacked in rank order along dim 0."""
+        if len(self.parts) == 1:
+            return gathered
+        local = [k // self.tp_size for _, k in self.parts]
+        per_rank = [r.split(local, dim=0) for r in gathered.chunk(self.tp_size, dim=0)]
+        return torch.cat([torch.cat([r[i] for r in per_rank], dim=0)
+                          for i in range(len(local))], dim=0)
+
+    def local_parts(self) -> list[tuple[str, int, int]]:
+        """(name, offset, rows) of each part in this rank's weight (dim 0)."""
+        out, offset = [], 0
+        for name, k in self.parts:
+            rows = k // self.tp_size if self.shard_dim == 0 else k
+            out.append((name, offset, rows))
+            offset += rows
+        return out
 
     @classmethod
     def from_linear(cls, module: nn.Linear, tp_group=None, **kwargs):
@@ -75,13 +109,14 @@ class _ParallelLinear(nn.Module):
         w = self.weight.detach()
         if self.tp_size > 1:
             w = _gather(w, self.tp_group, self.shard_dim)
+            w = self._unslice(w) if self.shard_dim == 0 else w
         out = nn.Linear(self.in_features, self.out_features, self.bias is not None,
                         device=w.device, dtype=w.dtype)
         out.weight.copy_(w)
         if self.bias is not None:
             b = self.bias.detach()
-            out.bias.copy_(_gather(b, self.tp_group, 0) if self.shard_dim == 0 and
-                           self.tp_size > 1 else b)
+            out.bias.copy_(self._unslice(_gather(b, self.tp_group, 0)) if self.shard_dim == 0
+                           and self.tp_size > 1 else b)
         return out
 
     def _cast(self, x: torch.Tensor):
@@ -116,10 +151,36 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features, out_features, bias=True, *, tp_group=None,
                  gather_output=False, sequence_parallel=False, overlap=True, chunks=4,
-                 dtype=None, device=None):
+                 parts=None, dtype=None, device=None):
+        if parts and gather_output:
+            raise ValueError("ColumnParallelLinear: gather_output with parts is not supported "
+                             "(the gathered features would be interleaved by rank)")
         super().__init__(in_features, out_features, bias, tp_group, sequence_parallel, overlap,
-                         chunks, dtype, device)
+                         chunks, dtype, device, parts)
         self.gather_output = gather_output
+
+    @classmethod
+    def fused(cls, linears: dict, tp_group=None, **kwargs) -> "ColumnParallelLinear":
+        """One column-parallel linear from several ``nn.Linear`` of the same input, e.g.
+        ``{"q": q, "k": k, "v": v}``: each is sharded on its own, so every rank holds its own
+        query heads and its own key and value heads (GQA included)."""
+        mods = list(linears.values())
+        first = mods[0]
+        if any(m.in_features != first.in_features or (m.bias is None) != (first.bias is None)
+               for m in mods):
+            raise ValueError("ColumnParallelLinear.fused: the linears must share in_features "
+                             "and all have a bias or none")
+        whole = nn.Linear(first.in_features, sum(m.out_features for m in mods),
+                          first.bias is not None, device="meta", dtype=first.weight.dtype)
+        whole.weight = nn.Parameter(torch.cat([m.weight.detach() for m in mods]))
+        if first.bias is not None:
+            whole.bias = nn.Parameter(torch.cat([m.bias.detach() for m in mods]))
+        parts = [(name, m.out_features) for name, m in linears.items()]
+        return cls.from_linear(whole, tp_group=tp_group, parts=parts, **kwargs)
+
+    def split(self, y: torch.Tensor) -> list[torch.Tensor]:
+        """The output of each part (views of ``y``'s last dim), in order."""
+        return list(y.split([rows for _, _, rows in self.local_parts()], dim=-1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_width(x, self.in_features)

@@ -27,17 +27,44 @@ from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabPara
 _OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
+def tp_params(modules: list[nn.Module]) -> list[tuple[nn.Parameter, bool]]:
+    """Every parameter once, with whether it is split over TP (else replicated)."""
+    out = []
+    for root in modules:
+        for module in root.modules():
+            for pname, p in module.named_parameters(recurse=False):
+                split = isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) or (
+                    isinstance(module, RowParallelLinear) and pname == "weight")
+                out.append((p, split and getattr(module, "tp_size", 1) > 1))
+    return out
+
+
 def shard_specs(modules: list[nn.Module], tp_size: int, tp_rank: int) -> dict:
-    """name -> (tensor, global shape, split dim or None, start, stop) for every parameter."""
+    """name -> (tensor, global shape, split dim or None, start, stop) for every tensor a
+    checkpoint holds. A column-parallel linear of several parts (q, k, v fused) is saved as one
+    tensor per part, named after the part (``attn.q.weight``), ``tensor`` being this rank's rows
+    of it: the files do not depend on the fusion, and separate q / k / v weights load into it."""
     out = {}
     for root in modules:
         for mname, module in root.named_modules():
+            parts = getattr(module, "parts", (("", 0),))
+            named = isinstance(module, ColumnParallelLinear) and parts[0][0] != ""
             for pname, p in module.named_parameters(recurse=False):
                 dim = None
                 if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
                     dim = 0
                 elif isinstance(module, RowParallelLinear) and pname == "weight":
                     dim = 1
+                if named:
+                    parent = mname.rsplit(".", 1)[0] + "." if "." in mname else ""
+                    for part, offset, rows in module.local_parts():
+                        shape = [rows * tp_size] + list(p.shape[1:])
+                        view = p.narrow(0, offset, rows)
+                        split = tp_size > 1
+                        out[f"{parent}{part}.{pname}"] = (
+                            view, shape, 0 if split else None,
+                            rows * tp_rank if split else 0, rows * (tp_rank + 1) if split else 0)
+                    continue
                 shape = list(p.shape)
                 start = stop = 0
                 if dim is not None and tp_size > 1:
@@ -47,6 +74,17 @@ def shard_specs(modules: list[nn.Module], tp_size: int, tp_rank: int) -> dict:
                     dim = None
                 out[f"{mname}.{pname}" if mname else pname] = (p, shape, dim, start, stop)
     return out
+
+
+def _state_of(optimizer, t: torch.Tensor):
+    """The optimizer state of the parameter ``t`` is (or is a view of), and ``t``'s rows in it
+    as ``(offset, rows)`` (None for the whole parameter)."""
+    base = t._base if t._base is not None else t
+    state = optimizer.state.get(base, {}) if optimizer is not None else {}
+    if t._base is None:
+        return base, state, None
+    offset = (t.storage_offset() - base.storage_offset()) // max(1, base.stride(0))
+    return base, state, (offset, t.shape[0])
 
 
 class CheckpointError(ValueError):
@@ -59,7 +97,8 @@ def snapshot(modules, optimizer, mesh, rank_tensors: dict | None = None,
     (JSON). ``copy=True`` clones every tensor to CPU, so training can go on while they are
     written (the parameters and optimizer state change in place)."""
     def cpu(t):
-        return t.detach().to("cpu", copy=copy).contiguous()
+        # A view (one part of a fused parameter) is copied: safetensors stores no shared memory.
+        return t.detach().to("cpu", copy=copy or t._base is not None).contiguous()
 
     rank = mesh.rank if mesh is not None else 0
     tp, pp, dp = (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank) if mesh else (0, 0, 0)
@@ -70,13 +109,15 @@ def snapshot(modules, optimizer, mesh, rank_tensors: dict | None = None,
                 modules, mesh.tp_size if mesh else 1, tp).items():
             tensors[name] = cpu(p)
             index[name] = {"shape": shape, "dim": dim, "start": start, "stop": stop}
-            state = optimizer.state.get(p, {}) if optimizer is not None else {}
+            _, state, rows = _state_of(optimizer, p)
             for key in _OPTIM_KEYS:
                 if key in state:
-                    tensors[f"optim.{key}.{name}"] = cpu(state[key])
+                    st = state[key] if rows is None else state[key].narrow(0, *rows)
+                    tensors[f"optim.{key}.{name}"] = cpu(st)
                     index[f"optim.{key}.{name}"] = index[name]
             if "step" in state:
-                tensors[f"optim.step.{name}"] = torch.as_tensor(state["step"]).reshape(1).float()
+                tensors[f"optim.step.{name}"] = \
+                    torch.as_tensor(state["step"]).reshape(1).float().clone()
                 index[f"optim.step.{name}"] = {"shape": [1], "dim": None, "start": 0, "stop": 0}
         files[f"model_tp{tp}_pp{pp}.safetensors"] = tensors
         files[f"index_tp{tp}_pp{pp}.json"] = json.dumps(index)
@@ -270,10 +311,15 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
             p.copy_(_read_slice(path, index, name, shape, dim, start, stop, verify))
             if optimizer is None or not any(f"optim.step.{name}" in i for i in index.values()):
                 continue
-            state = optimizer.state[p]
+            base, _, rows = _state_of(optimizer, p)
+            state = optimizer.state[base]
             for key in _OPTIM_KEYS:
-                state[key] = _read_slice(path, index, f"optim.{key}.{name}", shape, dim, start,
-                                         stop, verify).to(p.device, p.dtype)
+                got = _read_slice(path, index, f"optim.{key}.{name}", shape, dim, start, stop,
+                                  verify).to(p.device, p.dtype)
+                if rows is None:
+                    state[key] = got
+                else:                      # one part of a fused parameter's state
+                    state.setdefault(key, torch.zeros_like(base)).narrow(0, *rows).copy_(got)
             step = _read_slice(path, index, f"optim.step.{name}", [1], None, 0, 0, verify)
             state["step"] = step.reshape(()).clone()
     rank = mesh.rank if mesh is not None else 0

@@ -31,7 +31,7 @@ from ..pipeline import PipelineExecutor, build_schedule, partition
 from ..tensor_parallel import vocab_parallel_cross_entropy
 from . import faults
 from .checkpoint import Verifier, latest_checkpoint, load_checkpoint, pointer_note, \
-    read_manifest, read_rank_tensors, shard_specs
+    read_manifest, read_rank_tensors, tp_params
 from .checkpoint_writer import CheckpointWriter
 from .config import TrainConfig
 from .data import BatchSampler, check_length, check_vocab, load_tokens
@@ -87,9 +87,9 @@ def _global_grad_norm(chunks, mesh) -> torch.Tensor:
     """sqrt of the sum of squares of the whole model's gradient: TP shards summed, parameters
     replicated over TP counted once, pipeline stages summed."""
     sharded, replicated = [], []
-    for p, _, dim, _, _ in shard_specs(chunks, mesh.tp_size, mesh.tp_rank).values():
+    for p, split in tp_params(chunks):
         if p.grad is not None:
-            (sharded if dim is not None else replicated).append(p.grad)
+            (sharded if split else replicated).append(p.grad)
     sq = torch.zeros((), device=mesh.device)
     if sharded:
         sq = sq + torch.stack(torch._foreach_norm(sharded)).square().sum()
@@ -102,8 +102,7 @@ def _global_grad_norm(chunks, mesh) -> torch.Tensor:
 
 def _clip(chunks, mesh, max_norm: float, opt) -> float:
     if isinstance(opt, DistributedOptimizer):      # the reduced gradients live in its shards
-        sharded = {id(p) for p, _, dim, _, _ in
-                   shard_specs(chunks, mesh.tp_size, mesh.tp_rank).values() if dim is not None}
+        sharded = {id(p) for p, split in tp_params(chunks) if split}
         return float(opt.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"),
                                          groups=[mesh.tp_group, mesh.pp_group],
                                          counted=lambda p: id(p) in sharded or mesh.tp_rank == 0))
@@ -306,19 +305,34 @@ def _load_zero(opt: DistributedOptimizer, path, manifest, mesh, dp) -> None:
     opt.load_state_dict({**sd, "master": masters})
 
 
-def _step(chunks, ddp, pipe, x, y, M: int, mesh) -> torch.Tensor:
-    """Forward and backward of one global batch share; returns this DP rank's mean loss."""
+def _step(chunks, ddp, pipe, x, y, M: int, mesh, overlap: bool = True) -> torch.Tensor:
+    """Forward and backward of one global batch share; returns this DP rank's mean loss.
+
+    Under a pipeline with ``overlap``, each chunk's last backward (its last B, and its last W
+    with a split backward) runs with gradient sync on: a DP bucket starts reducing from inside
+    that backward as soon as it is complete, while the rest of the cool-down still computes.
+    Every bucket is waited for at the end of the step. ``overlap=False``: the whole step
+    accumulates, then every bucket is reduced (same numbers)."""
     if pipe is None:
         return _accumulate(chunks[0], ddp, x, y, M, mesh)
     if ddp is not None:
-        ddp.set_requires_gradient_sync(False)
+        ddp.set_requires_gradient_sync(False, wait_in_backward=False)
+        pipe.before_backward = _sync_final_backward(ddp) if overlap else None
     local = pipe.step(x, y)
     loss = local.detach().float() if local is not None else torch.zeros((), device=mesh.device)
-    if ddp is not None:
-        ddp.reduce_gradients()
-        ddp.finish_gradient_sync()
+    if ddp is not None:     # start the buckets no hook started (e.g. .grad set by hand in B)
+        ddp.reduce_gradients(wait=False)
     dist.all_reduce(loss, group=mesh.pp_group)   # only the last stage holds it
+    if ddp is not None:
+        ddp.finish_gradient_sync()
     return loss
+
+
+def _sync_final_backward(ddp: DataParallel):
+    """The executor's ``before_backward``: sync on only for a chunk's final backward actions."""
+    def before_backward(chunk: int, final: bool) -> None:
+        ddp.set_requires_gradient_sync(final, wait_in_backward=False)
+    return before_backward
 
 
 def _accumulate(model: GPT, ddp, x, y, M: int, mesh) -> torch.Tensor:

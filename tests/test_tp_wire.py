@@ -1,0 +1,70 @@
+"""Tensor-parallel traffic per Transformer layer equals Megatron-Core's.
+
+Megatron's volumes per layer, forward + backward, with activations of S*B*H elements:
+- with sequence parallelism: 6 all-gathers (forward: the inputs of the attention's and the MLP's
+  column linears; backward: those inputs again for the weight gradients, and the two row
+  linears' output gradients) and 4 reduce-scatters (forward: the two row outputs; backward: the
+  two column input gradients), each of S*B*H elements;
+- without: 4 all-reduces of S*B*H (forward: the two row outputs; backward: the two column input
+  gradients).
+That holds because q, k, v are one column linear and up, gate another (with overlap=False,
+the plain path, autograd keeps the gathered inputs rather than gathering them again: 4
+all-gathers). Under sequence
+parallelism the replicated norm weights see a sequence shard, so their gradients are also
+all-reduced: H elements per norm weight (and bias), far below an activation; they are counted
+apart. Checked at tp 2 and 4, overlap on and off, SwiGLU + RMSNorm, fp32 and under bf16
+autocast (where every activation collective moves bf16: 2 bytes an element).
+"""
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fastpar.models import GPTConfig
+from fastpar.models.layers import ParallelTransformerLayer, rotary_tables
+from fastpar.testing import run_ranks
+from wire import WireRecorder
+
+S, B = 16, 2
+CFG = dict(vocab_size=64, n_layers=1, d_model=64, n_heads=8, n_kv_heads=4, max_seq_len=S)
+
+
+def _layer_traffic(rank, tp):
+    group = dist.new_group(list(range(tp)))
+    cfg = GPTConfig(**CFG)
+    H = cfg.d_model
+    out = {}
+    for sp, overlap, bf16 in itertools.product((True, False), (True, False), (False, True)):
+        torch.manual_seed(0)
+        layer = ParallelTransformerLayer(cfg, tp_group=group, sequence_parallel=sp,
+                                         overlap=overlap)
+        x = torch.randn(S // tp if sp else S, B, H, requires_grad=True)
+        rope = rotary_tables(cfg)
+        with WireRecorder() as wire, torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            y = layer(x, rope)
+            y.float().square().sum().backward()
+        elem = 2 if bf16 else 4
+        act = S * B * H * elem                      # one S*B*H activation, in bytes
+        big = wire.summary(min_bytes=act)
+        small = wire.summary()
+        what = f"tp={tp} sp={sp} overlap={overlap} bf16={bf16}"
+        if sp:
+            # overlap=False is the plain sequence of mappings, whose autograd keeps the
+            # gathered input for the weight gradient instead of gathering it again: 2 fewer
+            # all-gathers, for tp times the activation memory of those two inputs.
+            gathers = 6 if overlap else 4
+            assert big == {"all_gather": (gathers, gathers * act),
+                           "reduce_scatter": (4, 4 * act)}, (what, big)
+            # The two RMSNorm weights' gradients, H fp32 elements each.
+            assert small.get("all_reduce") == (2, 2 * H * 4), (what, small)
+        else:
+            assert big == {"all_reduce": (4, 4 * act)}, (what, big)
+            assert small == big, (what, small)
+        out[what] = big
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_traffic_per_layer_is_megatrons(tp):
+    assert len(run_ranks(_layer_traffic, tp, timeout=120)[0]) == 8
