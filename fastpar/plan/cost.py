@@ -35,8 +35,8 @@ class Features:
 
     tp_overlap: bool = True          # TP collectives pipelined with their GEMM in row chunks
     tp_chunks: int = 4               # chunks of those pipelines (ColumnParallelLinear's default)
-    fused_qkv: bool = False          # one QKV (and one gate-up) linear; fastpar has one per
-    #                                  projection, each reducing its own input gradient over TP
+    fused_qkv: bool = True           # one QKV and one up-gate linear (fastpar's, as Megatron):
+    #                                  two column linears per layer, each with one TP reduction
     dp_overlap: bool = True          # DP buckets reduced during the last backward (pp == 1)
     dp_overlap_pipeline: bool = False  # the same under pp > 1 (the trainer reduces afterwards)
     bucket_mb: float = 25.0          # DP bucket size: the last bucket is always exposed
