@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from fastpar.kernels import cross_entropy, cross_entropy_shard_grad, cross_entropy_shard_stats
-from fastpar.kernels.cross_entropy import cross_entropy_backward, cross_entropy_forward
+from fastpar.kernels.cross_entropy import (_shard_stats_reference, cross_entropy_backward,
+                                           cross_entropy_combine, cross_entropy_forward)
 from fastpar.kernels.testing import assert_close, leaf64, poisoned_outputs, randn, triton_path
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -76,7 +77,8 @@ def test_extreme_logits(dtype):
 def test_custom_ignore_index_and_online_chunks():
     torch.manual_seed(1)
     logits, target = randn(9, 1000, dtype=torch.float32, scale=8.0), targets((9,), 1000, 3, 0)
-    m, sumexp, zt = cross_entropy_forward(logits, target, ignore_index=0, block_v=64)  # 16 chunks
+    m, sumexp, zt, _ = cross_entropy_forward(logits, target, ignore_index=0,
+                                             block_v=64).unbind(-1)  # 16 chunks
     valid = target != 0
     assert_close(torch.where(valid, (m - zt) + sumexp.log(), 0.0), reference(logits, target, 0),
                  torch.float32, scale=4)
@@ -87,11 +89,20 @@ def test_custom_ignore_index_and_online_chunks():
     assert_close(grad, z64.grad, torch.float32)
 
 
+def smoothed_reference(logits, target, eps, ignore_index=-100):
+    """F.cross_entropy with label smoothing, per row, in float64."""
+    V = logits.shape[-1]
+    return torch.nn.functional.cross_entropy(
+        logits.double().view(-1, V), target.view(-1), reduction="none",
+        ignore_index=ignore_index, label_smoothing=eps).view(target.shape)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 @pytest.mark.parametrize("tp", [1, 4])
-def test_vocab_parallel_shards_combine_to_the_full_loss(monkeypatch, impl, tp):
-    """Combine the per-shard statistics as the tensor-parallel function does (max, then the
-    rescaled sums): loss and gradient equal the unsharded ones."""
+def test_vocab_parallel_shards_combine_to_the_full_loss(monkeypatch, impl, tp, eps):
+    """Combine the per-shard statistics as the tensor-parallel function does (stacked in rank
+    order): loss and gradient equal the unsharded ones, with and without label smoothing."""
     monkeypatch.setenv("FASTPAR_KERNEL_IMPL", impl)
     torch.manual_seed(2)
     N, V = 11, 1000
@@ -99,20 +110,47 @@ def test_vocab_parallel_shards_combine_to_the_full_loss(monkeypatch, impl, tp):
     shards = logits.chunk(tp, dim=-1)
     starts = [i * (V // tp) for i in range(tp)]
     with poisoned_outputs():
-        stats = [cross_entropy_shard_stats(z, target, s) for z, s in zip(shards, starts)]
-    m = torch.stack([st[0] for st in stats]).amax(0)                    # all-reduce MAX
-    sumexp = sum(st[1] * (st[0] - m).exp() for st in stats)             # all-reduce SUM
-    zt = sum(st[2] for st in stats)                                      # all-reduce SUM
-    loss = torch.where(target != -100, (m - zt) + sumexp.log(), 0.0)
-    assert_close(loss, reference(logits, target), torch.float32, "loss", scale=4)
+        stats = torch.stack([cross_entropy_shard_stats(z, target, s)
+                             for z, s in zip(shards, starts)])
+    assert stats.shape == (tp, N, 4) and stats.dtype == torch.float32
+    loss, m, log_sum = cross_entropy_combine(stats, target, V, label_smoothing=eps)
+    assert_close(loss, smoothed_reference(logits, target, eps), torch.float32, "loss", scale=4)
     dloss = torch.rand(N)
     with poisoned_outputs():
-        grad = torch.cat([cross_entropy_shard_grad(z, target, m, sumexp.log(), dloss, s)
+        grad = torch.cat([cross_entropy_shard_grad(z, target, m, log_sum, dloss, s,
+                                                   label_smoothing=eps, vocab=V)
                           for z, s in zip(shards, starts)], -1)
     z64 = leaf64(logits)
-    reference(z64, target).backward(dloss.double())
+    smoothed_reference(z64, target, eps).backward(dloss.double())
     assert grad.dtype == torch.float16
     assert_close(grad, z64.grad, torch.float16, "dlogits")
+
+
+def test_shard_statistics_in_chunks_with_masked_classes():
+    """The kernel's four statistics against float64, over 16 chunks of 64 classes: large offsets
+    (the running sum of z - max is rescaled as the max grows), a shard whose first chunks are all
+    -inf, a target in another shard and an ignored one."""
+    torch.manual_seed(3)
+    N, V, start = 6, 1000, 2000
+    logits = randn(N, V, dtype=torch.float32, scale=3.0)
+    logits[0] += 1e4                                        # |z| large, the spread small
+    logits[1, :300] = float("-inf")                         # max found only in a later chunk
+    logits[2, ::7] = 50.0                                   # many ties at the top
+    logits[3, -1] = 80.0                                    # the max in the last (ragged) chunk
+    target = torch.tensor([2005, 2400, 17, -100, 2999, 2000])
+    stats = cross_entropy_forward(logits, target, start, block_v=64)
+    z = logits.double()
+    m = z.amax(-1)
+    t_local = (target - start).clamp(0, V - 1)
+    owned = (target >= start) & (target < start + V)
+    want = torch.stack([m, (z - m[:, None]).exp().sum(-1),
+                        torch.where(owned, z.gather(1, t_local[:, None])[:, 0], 0.0),
+                        torch.where(z.isfinite(), z - m[:, None], 0.0).sum(-1)], -1)
+    want[1, 3] = float("-inf")                              # sum (z - m) over -inf classes
+    assert_close(stats[:, :3], want[:, :3], torch.float32, "m, s, z_t")
+    assert_close(stats[:, 3], want[:, 3], torch.float32, "sum (z - m)")
+    reference = _shard_stats_reference(logits, target, start, -100)
+    assert_close(reference, want, torch.float32, "torch reference")
 
 
 def test_torch_path_is_the_same_math(monkeypatch):

@@ -1,4 +1,7 @@
-"""vocab_parallel_cross_entropy: sharded equals F.cross_entropy on the full logits, over gloo."""
+"""vocab_parallel_cross_entropy: sharded equals F.cross_entropy on the full logits, over gloo, on
+the torch reference and on the Triton kernels (interpreted on CPU, TRITON_INTERPRET=1)."""
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -83,7 +86,12 @@ def _expect_error(fn, *fragments):
     raise AssertionError(f"no ValueError, expected one naming {fragments}")
 
 
-def _cross_entropy_ranks(rank, world_size):
+# FASTPAR_KERNEL_IMPL: the torch reference, or the Triton kernels under the interpreter.
+IMPLS = ["torch", "triton"]
+
+
+def _cross_entropy_ranks(rank, world_size, impl):
+    os.environ["FASTPAR_KERNEL_IMPL"] = impl
     tp, group = world_size, dist.group.WORLD
     for seed, case in enumerate(CASES):
         _check_case(tp, rank, group, case, seed, torch.float32, 1e-5)
@@ -105,19 +113,38 @@ def _cross_entropy_ranks(rank, world_size):
     return errors
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_vocab_parallel_cross_entropy_matches_full(world_size):
-    errors = run_ranks(_cross_entropy_ranks, world_size, timeout=90)
+def test_vocab_parallel_cross_entropy_matches_full(world_size, impl):
+    errors = run_ranks(_cross_entropy_ranks, world_size, impl, timeout=120)
     assert all(e == errors[0] for e in errors), "ranks disagree on the errors"
     assert "target shape (2, 4) does not match logits shape (2, 3, 4)" in errors[0][0]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", CASES)
-def test_no_group_is_plain_cross_entropy(case):
+def test_no_group_is_plain_cross_entropy(monkeypatch, case, impl):
+    monkeypatch.setenv("FASTPAR_KERNEL_IMPL", impl)
     _check_case(1, 0, None, case, seed=5, dtype=torch.float32, tol=1e-5)
 
 
-def test_no_group_goes_through_the_function_and_fp64_gradcheck():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_group_bf16_saves_no_fp32_logits(monkeypatch, impl):
+    """What backward keeps: the logits themselves and (N,) rows of statistics, nothing of
+    (N, V) size in fp32."""
+    monkeypatch.setenv("FASTPAR_KERNEL_IMPL", impl)
+    logits = torch.randn(6, 40).bfloat16().requires_grad_()
+    loss = vocab_parallel_cross_entropy(logits, torch.randint(40, (6,)), label_smoothing=0.1)
+    saved = loss.grad_fn.saved_tensors
+    assert saved[0] is logits
+    assert all(t.numel() <= 6 for t in saved[1:]), [tuple(t.shape) for t in saved]
+    _check_case(1, 0, None, ((6, 5), 8, 4.0, False, -100, 0.1, "leaf"), 99, torch.bfloat16, 1e-2)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_group_goes_through_the_function_and_fp64_gradcheck(monkeypatch, impl):
+    # fp64 has no kernel: under FASTPAR_KERNEL_IMPL=triton too it stays on the fp64 reference.
+    monkeypatch.setenv("FASTPAR_KERNEL_IMPL", impl)
     logits = torch.randn(3, 4, 6, dtype=torch.float64, requires_grad=True)
     target = torch.tensor([[0, 5, -100, 2], [1, 1, 3, 4], [-100, 0, 5, 5]])
     loss = vocab_parallel_cross_entropy(logits, target, label_smoothing=0.1)
