@@ -62,18 +62,24 @@ class PipelineExecutor:
     ``loss_fn(output, target)`` runs on the last stage. ``grads_ready(chunk, stage)`` is called
     once per step per chunk right after that chunk's last gradient is in ``.grad`` (often in the
     cool-down, while other chunks and ranks still compute): the place for data-parallel code to
-    start reducing that chunk's gradients. Waits are bounded by the pipeline group's own timeout
+    start reducing that chunk's gradients. ``before_backward(chunk, final)`` is called right
+    before each backward action (``B``, and ``W`` with a split backward) with ``final`` True when
+    that action is the chunk's last of its kind, so that the gradients it accumulates are final:
+    the place to switch a bucketed reduction on (``DataParallel.set_requires_gradient_sync(final,
+    wait_in_backward=False)``), which then starts each bucket from inside that backward, as soon
+    as the bucket is complete. Waits are bounded by the pipeline group's own timeout
     (``fastpar.init(timeout=...)``): a host-side timeout would spin the CPU under NCCL.
     ``overlap=False`` waits for each batch of sends and receives right after
     posting it (the strict model every schedule is validated under, so it cannot deadlock): the
     same numbers, no communication behind compute. ``record=True`` keeps each step's measured
     timeline in ``events`` (compute only: an action's time starts when its input has arrived;
-    CPU clocks, so on CUDA it shows launch times unless the caller synchronises).
+    seconds since ``step_start``, a ``time.perf_counter()`` reading; CPU clocks, so on CUDA it
+    shows launch times unless the caller synchronises).
     """
 
     def __init__(self, stages: list[nn.Module], schedule: Schedule, pp_group=None, *,
                  loss_fn: Callable, grads_ready: Callable | None = None,
-                 overlap: bool = True,
+                 before_backward: Callable | None = None, overlap: bool = True,
                  record: bool = False):
         if not isinstance(schedule, Schedule):
             raise ValueError(f"PipelineExecutor: schedule must be a Schedule (build_schedule), "
@@ -100,6 +106,7 @@ class PipelineExecutor:
                              "loss_fn(output, target)")
         self.stages, self.schedule, self.pp_group = stages, schedule, pp_group
         self.loss_fn, self.grads_ready, self.record = loss_fn, grads_ready, record
+        self.before_backward = before_backward
         self.overlap = overlap
         params = [p for st in stages for p in st.parameters()]
         self.device = params[0].device if params else torch.device("cpu")
@@ -112,8 +119,12 @@ class PipelineExecutor:
         done = "W" if schedule.split_backward else "B"
         self._chunk_done = {max(i for i, a in enumerate(acts) if a.kind == done and a.chunk == c): c
                             for c in range(schedule.virtual_stages)}
+        # The chunk's last B (and last W): the actions after which its gradients are final.
+        self._final = {max(i for i, a in enumerate(acts) if a.kind == kind and a.chunk == c)
+                       for kind in {"B", done} for c in range(schedule.virtual_stages)}
         self.peak_activations = 0
         self.events: list[Event] = []
+        self.step_start = 0.0
 
     # -- one training step --------------------------------------------------------------------
     def step(self, inputs: torch.Tensor | None = None,
@@ -147,6 +158,8 @@ class PipelineExecutor:
                 i = j
                 continue
             a = acts[i]
+            if a.kind != "F" and self.before_backward is not None:
+                self.before_backward(a.chunk, i in self._final)
             st.arrived, t0 = None, time.perf_counter()
             {"F": self._forward, "B": self._backward, "W": self._weight}[a.kind](st, a)
             if self.record:                         # compute time only, not the wait for input
@@ -158,7 +171,7 @@ class PipelineExecutor:
             i += 1
         for works, _, msg in st.sends:
             p2p.wait(works, self._where(msg, "sending"))
-        self.peak_activations, self.events = st.peak, st.events
+        self.peak_activations, self.events, self.step_start = st.peak, st.events, start
         return torch.stack(st.losses).mean() if has_last else None
 
     def _split_batch(self, t, needed: bool, code: int):

@@ -1,0 +1,156 @@
+"""pp=2 x dp=2 training step of a GPT: DP reduction overlapped with the pipeline cool-down, on/off.
+
+    python bench/bench_pp_dp.py [--model small] [--schedule 1f1b] [--runs 3] [--rounds 4]
+    ../shared/tools/shaped-link 1gbit python bench/bench_pp_dp.py --label 1gbit
+
+Four gloo ranks (pp=2 x dp=2), each step the trainer's own ``_step`` (pipeline step, DP
+reduction of every bucket, the pipeline's loss all-reduce) plus AdamW. Variants, each its own
+model, measured in the same run round by round, the order rotated each round:
+  on            each chunk's buckets start inside its last backward (the trainer's default)
+  off           every bucket starts after the pipeline step (the old behaviour)
+  off-again     a second, identical ``off``: an A/A control, its ratio to ``off`` is the noise
+  compute-only  the same step with no DP reduction at all: the floor
+  reduce-alone  the DP reduction of the accumulated gradients alone, timed after an untimed
+                pipeline step: what the reduction costs with nothing to hide it behind
+Each timed step starts and ends with a barrier of all four ranks (a step is over when the
+slowest rank is done). ``exposed`` = step - compute-only; ``hidden`` = 1 - exposed(on) /
+reduce-alone, the share of the reduction that the overlap takes off the step. Each run is a
+fresh set of ranks; medians over rounds x iterations per run, then the median of the runs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import fastpar  # noqa: E402
+from fastpar.data_parallel import DataParallel  # noqa: E402
+from fastpar.pipeline import PipelineExecutor, build_schedule  # noqa: E402
+from fastpar.testing import run_ranks  # noqa: E402
+from fastpar.train import TrainConfig  # noqa: E402
+from fastpar.train.trainer import _loss_fn, _Stage, _step, build_model  # noqa: E402
+
+VARIANTS = ["on", "off", "off-again", "compute-only", "reduce-alone"]
+
+
+class _Variant:
+    """One model, DP wrapper, pipeline and optimizer, run as ``kind`` says."""
+
+    def __init__(self, cfg: TrainConfig, mesh, kind: str):
+        torch.manual_seed(cfg.seed)
+        self.kind, self.mesh, self.M = kind, mesh, cfg.num_microbatches(mesh.dp_size)
+        self.chunks = build_model(cfg, mesh)
+        self.ddp = (None if kind == "compute-only" else
+                    DataParallel(nn.ModuleList(self.chunks), dp_group=mesh.dp_group))
+        params = [p for c in self.chunks for p in c.parameters()]
+        self.grad_bytes = sum(p.numel() * p.element_size() for p in params)
+        self.opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+        v = cfg.virtual_stages
+        stages = [_Stage(g, c * cfg.pp + mesh.pp_rank, cfg.pp * v)
+                  for c, g in enumerate(self.chunks)]
+        self.pipe = PipelineExecutor(stages, build_schedule(cfg.schedule, cfg.pp, self.M, v),
+                                     mesh.pp_group, loss_fn=_loss_fn(mesh.tp_group))
+
+    def timed(self, x, y) -> float:
+        if self.kind == "reduce-alone":
+            self.ddp.set_requires_gradient_sync(False, wait_in_backward=False)
+            self.pipe.before_backward = None
+            self.pipe.step(x, y)
+            dist.barrier()
+            t0 = time.perf_counter()
+            self.ddp.reduce_gradients()
+        else:
+            dist.barrier()
+            t0 = time.perf_counter()
+            _step(self.chunks, self.ddp, self.pipe, x, y, self.M, self.mesh,
+                  overlap=self.kind == "on")
+            self.opt.step()
+        dist.barrier()
+        t = time.perf_counter() - t0
+        self.opt.zero_grad(set_to_none=True)
+        return t
+
+
+def _rank(rank, world_size, a):
+    torch.set_num_threads(1)                 # 4 ranks on 2 cores: no intra-op threads
+    mesh = fastpar.init(pp=2, dp=2)
+    cfg = TrainConfig(model=a["model"], pp=2, schedule=a["schedule"],
+                      virtual_stages=a["virtual_stages"], seq_len=a["seq_len"],
+                      global_batch_size=a["global_batch"], micro_batch_size=a["micro_batch"])
+    variants = {k: _Variant(cfg, mesh, k) for k in VARIANTS}
+    g = torch.Generator().manual_seed(mesh.dp_rank)
+    local = a["global_batch"] // mesh.dp_size
+    x = torch.randint(0, cfg.model_config.vocab_size, (local, a["seq_len"]), generator=g)
+    y = torch.randint(0, cfg.model_config.vocab_size, (local, a["seq_len"]), generator=g)
+    for v in variants.values():              # warm-up: shapes, allocator, optimizer state
+        v.timed(x, y)
+    times = {k: [] for k in VARIANTS}
+    for r in range(a["rounds"]):
+        for k in common.rotated(VARIANTS, r):
+            times[k] += [variants[k].timed(x, y) for _ in range(a["iters"])]
+    ddp = variants["off"].ddp
+    return dict(times=times, grad_bytes=variants["off"].grad_bytes,
+                buckets=len(ddp.bucket_specs), microbatches=variants["off"].M)
+
+
+def _summary(med: dict) -> dict:
+    exposed_on, exposed_off = med["on"] - med["compute-only"], med["off"] - med["compute-only"]
+    return dict(on_over_off=med["on"] / med["off"], aa=med["off-again"] / med["off"],
+                exposed_on=exposed_on, exposed_off=exposed_off,
+                hidden=1 - exposed_on / med["reduce-alone"],
+                hidden_vs_off=1 - exposed_on / exposed_off if exposed_off > 0 else float("nan"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--virtual-stages", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--label", default="loopback")
+    args = ap.parse_args()
+    a = dict(model=args.model, schedule=args.schedule, virtual_stages=args.virtual_stages,
+             seq_len=args.seq_len, global_batch=args.global_batch, micro_batch=args.micro_batch,
+             rounds=args.rounds, iters=args.iters)
+    rows, per_run = [], []
+    for run in range(args.runs):
+        start = time.perf_counter()
+        out = run_ranks(_rank, 4, a, init_pg=False, timeout=600)[0]     # rank 0 (pp 0, dp 0)
+        med = {k: statistics.median(v) for k, v in out["times"].items()}
+        s = _summary(med)
+        per_run.append((med, s))
+        rows.append(dict(run=run, **{f"{k}_ms": 1e3 * v for k, v in med.items()},
+                         on_over_off=s["on_over_off"], aa=s["aa"], hidden=s["hidden"],
+                         hidden_vs_off=s["hidden_vs_off"],
+                         reduce_MB_s=out["grad_bytes"] / med["reduce-alone"] / 1e6,
+                         wall_s=time.perf_counter() - start))
+        print(f"run {run}: " + "  ".join(f"{k} {v:.4g}" for k, v in rows[-1].items()
+                                         if k != "run"), flush=True)
+    med = {k: statistics.median(m[k] for m, _ in per_run) for k in VARIANTS}
+    keys = ("on_over_off", "aa", "hidden", "hidden_vs_off")
+    rows.append(dict(run="median", **{f"{k}_ms": 1e3 * v for k, v in med.items()},
+                     **{k: statistics.median(s[k] for _, s in per_run) for k in keys},
+                     reduce_MB_s=statistics.median(r["reduce_MB_s"] for r in rows)))
+    print(f"{args.label}: model {args.model}, {args.schedule} v{args.virtual_stages}, "
+          f"{out['microbatches']} micro-batches of {args.micro_batch} x {args.seq_len}, "
+          f"{out['grad_bytes'] / 1e6:.1f} MB of gradients per rank in {out['buckets']} buckets")
+    common.report(f"pp_dp_{args.label}", rows,
+                  ["run"] + [f"{k}_ms" for k in VARIANTS] + list(keys) + ["reduce_MB_s"])
+
+
+if __name__ == "__main__":
+    main()
