@@ -128,7 +128,7 @@ def _compile(kernel, constexprs, options):
     dtype = options.pop("dtype", "bf16")
     pointer = {"rstd_ptr": "fp32", "mean_ptr": "fp32", "dw_part_ptr": "fp32",
                "db_part_ptr": "fp32", "max_ptr": "fp32", "sumexp_ptr": "fp32", "zt_ptr": "fp32",
-               "logsum_ptr": "fp32", "dloss_ptr": "fp32", "t_ptr": "i64"}
+               "logsum_ptr": "fp32", "dloss_ptr": "fp32", "stats_ptr": "fp32", "t_ptr": "i64"}
     scalar = {"eps": "fp32", "scale": "fp32", "seed": "i64", "offset": "i64"}
     sizes = {"M", "N", "K", "V", "D", "H", "T", "R2"}
     signature, attrs = {}, {}

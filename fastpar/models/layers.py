@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp
-from ..tensor_parallel.mappings import group_size
+from ..tensor_parallel.mappings import group_rank, group_size
 from .config import GPTConfig
 
 
@@ -46,13 +46,6 @@ def rotary_tables(config: GPTConfig, device=None):
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x, cos, sin):
-    """Rotate pairs (x[..., :hd/2], x[..., hd/2:]) of x (B, h, S, hd) by the position's angle."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
 class ParallelAttention(nn.Module):
     """Causal self-attention; query and key/value heads split over TP; torch SDPA.
 
@@ -74,8 +67,7 @@ class ParallelAttention(nn.Module):
                                         **col)
         self.o = RowParallelLinear(config.n_heads * hd, config.d_model, bias=config.bias,
                                    tp_group=tp_group, sequence_parallel=sequence_parallel,
-                                   overlap=overlap)
-        self.dropout = config.dropout
+                                   overlap=overlap, skip_bias_add=True)
 
     def core(self, q, k, v):
         """softmax(q k^T / sqrt(hd)) v, causal; (B, h, S, hd). The part selective recompute redoes."""
@@ -83,20 +75,23 @@ class ParallelAttention(nn.Module):
                                               enable_gqa=self.kv_heads != self.heads)
 
     def forward(self, x, rope=None, recompute_core=False):
+        """(output, bias): the output projection's bias is left for the caller's fused
+        bias + dropout + residual add."""
         hd = self.config.head_dim
         q, k, v = self.qkv.split(self.qkv(x))                   # (S, B, heads/tp * hd) views
         S, B = q.shape[:2]
-        q = q.view(S, B, self.heads, hd).permute(1, 2, 0, 3)    # (B, h, S, hd)
-        k = k.view(S, B, self.kv_heads, hd).permute(1, 2, 0, 3)
+        q = q.view(S, B, self.heads, hd).transpose(0, 1)        # (B, S, h, hd) strided views
+        k = k.view(S, B, self.kv_heads, hd).transpose(0, 1)
+        if rope is not None:                                    # fastpar.kernels.rotary
+            q, k = kernels.rotary(q, k, *rope)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)             # (B, h, S, hd)
         v = v.view(S, B, self.kv_heads, hd).permute(1, 2, 0, 3)
-        if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if recompute_core:
             y = torch.utils.checkpoint.checkpoint(self.core, q, k, v, use_reentrant=False)
         else:
             y = self.core(q, k, v)
         y = y.permute(2, 0, 1, 3).reshape(S, B, self.heads * hd)   # (S, B, h/tp * hd)
-        return F.dropout(self.o(y), self.dropout, self.training)
+        return self.o(y)
 
 
 class ParallelMLP(nn.Module):
@@ -110,22 +105,31 @@ class ParallelMLP(nn.Module):
                    overlap=overlap)
         self.swiglu = config.activation == "swiglu"
         parts = [("up", f)] + ([("gate", f)] if self.swiglu else [])
-        self.fc1 = ColumnParallelLinear(d, f * len(parts), parts=parts, **col)
+        self.fc1 = ColumnParallelLinear(d, f * len(parts), parts=parts,
+                                        skip_bias_add=not self.swiglu, **col)
         self.down = RowParallelLinear(f, d, bias=config.bias, tp_group=tp_group,
-                                      sequence_parallel=sequence_parallel, overlap=overlap)
-        self.dropout = config.dropout
+                                      sequence_parallel=sequence_parallel, overlap=overlap,
+                                      skip_bias_add=True)
 
     def forward(self, x):
+        """(output, bias), the bias left for the caller's fused bias + dropout + residual add."""
         if self.swiglu:
             up, gate = self.fc1.split(self.fc1(x))              # (S, B, f/tp) views
             h = kernels.swiglu(gate, up)
         else:
-            h = F.gelu(self.fc1(x), approximate="tanh")
-        return F.dropout(self.down(h), self.dropout, self.training)
+            h = kernels.bias_gelu(*self.fc1(x), approximate="tanh")   # gelu(x W^T + b), fused
+        return self.down(h)
 
 
 class ParallelTransformerLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm block: x + dropout(attn(norm(x)) + b_o), then + dropout(mlp(norm(x)) + b_down),
+    each residual branch closed by the fused ``kernels.bias_dropout_add``.
+
+    The sum is in the branch's dtype, as Megatron keeps its residual stream: bf16 under bf16
+    autocast, so the stream crosses pipeline stages and sequence-parallel collectives in bf16.
+    Dropout masks are Philox streams fixed by (seed, offset); under sequence parallelism each
+    rank's offset is where its sequence shard starts, so the shards' masks are the slices of the
+    unsharded mask."""
 
     def __init__(self, config: GPTConfig, tp_group=None, sequence_parallel=False, overlap=True):
         super().__init__()
@@ -133,7 +137,15 @@ class ParallelTransformerLayer(nn.Module):
         self.norm1, self.norm2 = Norm(config, **kw), Norm(config, **kw)
         self.attn = ParallelAttention(config, overlap=overlap, **kw)
         self.mlp = ParallelMLP(config, overlap=overlap, **kw)
+        self.dropout = config.dropout
+        self.shard = group_rank(tp_group) if sequence_parallel else 0
+
+    def _add(self, branch, bias, residual):
+        # seed=None: drawn from torch's CPU generator (the same on every rank, and replayed by
+        # activation recompute), only when dropout is on.
+        return kernels.bias_dropout_add(branch, bias, residual.to(branch.dtype), self.dropout,
+                                        self.training, None, self.shard * branch.numel())
 
     def forward(self, x, rope=None, recompute_core=False):
-        x = x + self.attn(self.norm1(x), rope, recompute_core)
-        return x + self.mlp(self.norm2(x))
+        x = self._add(*self.attn(self.norm1(x), rope, recompute_core), x)
+        return self._add(*self.mlp(self.norm2(x)), x)

@@ -178,9 +178,14 @@ def reference_bytes(shape: Shape) -> tuple[float, float, float, float]:
     fwd = 2 * norm[0] * rep + act[0] * f + 2 * REFERENCE_BYTES["residual"][0] * rep + 2 * q
     bwd = 2 * norm[1] * rep + act[1] * f + 2 * (q + 2 * kv)
     bwd += 3 * column_linears(m) * rep     # summing the gradients of a tensor's consumers
+    # A fused projection's output is split into its parts (views); in the backward their
+    # gradients are concatenated: read and write q + 2 kv, and up + gate under SwiGLU.
+    bwd += 2 * (q + 2 * kv) + (4 * f if m.activation == "swiglu" else 0)
     if m.rotary:
         rot = REFERENCE_BYTES["rotary"]
         fwd, bwd = fwd + rot[0] * (q + kv), bwd + rot[1] * (q + kv)
+    if m.bias and m.activation == "gelu":  # bias_gelu's reference adds the bias, then GELU
+        fwd += 2 * f
     if m.bias:                             # each bias gradient reads its output gradient
         bwd += T * (2 * (m.n_heads + m.kv_heads) * m.head_dim / t + m.ffn_dim / t * (
             2 if m.activation == "swiglu" else 1)) + 2 * rep

@@ -151,13 +151,18 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features, out_features, bias=True, *, tp_group=None,
                  gather_output=False, sequence_parallel=False, overlap=True, chunks=4,
-                 parts=None, dtype=None, device=None):
+                 parts=None, skip_bias_add=False, dtype=None, device=None):
         if parts and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output with parts is not supported "
                              "(the gathered features would be interleaved by rank)")
         super().__init__(in_features, out_features, bias, tp_group, sequence_parallel, overlap,
                          chunks, dtype, device, parts)
         self.gather_output = gather_output
+        # Return (y, bias) with the bias not added, for a fused kernel to add it (bias_gelu).
+        self.skip_bias_add = skip_bias_add
+        if skip_bias_add and gather_output:
+            raise ValueError("ColumnParallelLinear: skip_bias_add with gather_output is not "
+                             "supported")
 
     @classmethod
     def fused(cls, linears: dict, tp_group=None, **kwargs) -> "ColumnParallelLinear":
@@ -184,9 +189,17 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_width(x, self.in_features)
+        if self.skip_bias_add:
+            x, weight, bias = self._cast(x)
+            return self._forward(x, weight, None), bias
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
         x, weight, bias = self._cast(x)              # cast before the gather: half the bytes
+        return self._forward(x, weight, bias)
+
+    def _forward(self, x, weight, bias):
+        if self.tp_size == 1:
+            return F.linear(x, weight, bias)
         if self.overlap:
             rows = x.reshape(-1, x.shape[-1])        # (S*B, in); a sequence shard under SP
             y = ColumnLinearOverlap.apply(rows, weight, self.tp_group,
@@ -210,16 +223,22 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features, out_features, bias=True, *, tp_group=None,
                  input_is_parallel=True, sequence_parallel=False, overlap=True, chunks=4,
-                 dtype=None, device=None):
+                 skip_bias_add=False, dtype=None, device=None):
         super().__init__(in_features, out_features, bias, tp_group, sequence_parallel, overlap,
                          chunks, dtype, device)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel")
         self.input_is_parallel = input_is_parallel
+        # Return (y, bias) with the bias not added, for a fused kernel to add it
+        # (bias_dropout_add); under SP the bias comes through copy_to_tp, as when added here.
+        self.skip_bias_add = skip_bias_add
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             self._check_width(x, self.in_features)
+            if self.skip_bias_add:
+                x, weight, bias = self._cast(x)
+                return F.linear(x, weight), bias
             return F.linear(x, self.weight, self.bias)
         if not self.input_is_parallel:
             self._check_width(x, self.in_features)
@@ -240,7 +259,10 @@ class RowParallelLinear(_ParallelLinear):
             y = F.linear(x, weight)
             y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel \
                 else reduce_from_tp(y, self.tp_group)
-        if bias is None:
-            return y
-        # Under SP each rank adds the bias to its own rows only: its gradient is a partial sum.
-        return y + (copy_to_tp(bias, self.tp_group) if self.sequence_parallel else bias)
+        if bias is not None and self.sequence_parallel:
+            # Under SP each rank adds the bias to its own rows only: its gradient is a partial
+            # sum, all-reduced by copy_to_tp's backward.
+            bias = copy_to_tp(bias, self.tp_group)
+        if self.skip_bias_add:
+            return y, bias
+        return y if bias is None else y + bias
