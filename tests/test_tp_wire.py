@@ -68,3 +68,37 @@ def _layer_traffic(rank, tp):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_traffic_per_layer_is_megatrons(tp):
     assert len(run_ranks(_layer_traffic, tp, timeout=120)[0]) == 8
+
+
+def _pipeline_bytes(rank, world, pp, bf16):
+    """Bytes each pipeline rank sends per micro-batch, through the trainer's own stages."""
+    import fastpar
+    from fastpar.pipeline import PipelineExecutor, build_schedule
+    from fastpar.train import TrainConfig
+    from fastpar.train.trainer import _loss_fn, _Stage, build_model
+    cfg = TrainConfig(model="tiny", pp=pp, seq_len=16, global_batch_size=4, micro_batch_size=1,
+                      precision="bf16" if bf16 else "fp32", out="unused")
+    mesh = fastpar.init(pp=pp)
+    chunks = build_model(cfg, mesh)
+    stages = [_Stage(g, mesh.pp_rank, pp) for g in chunks]
+    M = cfg.num_microbatches(1)
+    pipe = PipelineExecutor(stages, build_schedule("1f1b", pp, M), mesh.pp_group,
+                            loss_fn=_loss_fn(mesh.tp_group))
+    x = torch.randint(0, 256, (4, 16))
+    with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        pipe.step(x, x)                         # the first step: shapes are exchanged
+        with WireRecorder() as wire:
+            pipe.step(x, x)
+    sends = [n for kind, n in wire.records if kind == "send"]
+    return len(sends), sum(sends), M
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_pipeline_sends_one_activation_per_microbatch_in_the_compute_dtype(bf16):
+    from fastpar.models import get_config
+    d = get_config("tiny").d_model
+    elem = 2 if bf16 else 4                    # bf16 under autocast: the residual stream's dtype
+    for rank, (count, total, M) in enumerate(run_ranks(_pipeline_bytes, 2, 2, bf16,
+                                                       init_pg=False, timeout=120)):
+        # Rank 0 sends each micro-batch's activation forward, rank 1 its gradient back.
+        assert count == M and total == M * 16 * 1 * d * elem, (rank, count, total)
