@@ -17,7 +17,8 @@ variants, or the run stops.
   fastpar tp2   ``build_model`` with the TP group (Column/RowParallelLinear, vocab-parallel
                 embedding, head and cross-entropy)
   torch   tp2   the single-device GPT with its parallel layers turned into nn.Linear / nn.Embedding
-                and sharded by ``parallelize_module``: Colwise q, k, v, up, gate; Rowwise o, down;
+                and sharded by ``parallelize_module``: Colwise q, k, v, up, gate (fastpar's fused
+                projections split back into one nn.Linear per part); Rowwise o, down;
                 the embedding Rowwise (vocabulary shards, all-reduced output) and the head Colwise
                 with a replicated (all-gathered) output, because the model's loss takes local
                 logits - torch's ``loss_parallel`` would keep the vocabulary sharded, but it needs
@@ -141,6 +142,56 @@ def torch_dp(cfg, mesh):
     return step
 
 
+class _Parts(nn.Module):
+    """A fused column linear (q, k, v or up, gate) as one nn.Linear per part, for DTensor:
+    ColwiseParallel shards each part on its own, and the local outputs are concatenated the way
+    fastpar's fused layer lays them out, so the model's split() and the rest run unchanged."""
+
+    def __init__(self, mod: ColumnParallelLinear):
+        super().__init__()
+        full = mod.to_linear()
+        self.names = [name for name, _ in mod.parts]
+        self.linears = nn.ModuleDict()
+        start = 0
+        for name, rows in mod.parts:
+            lin = nn.Linear(full.in_features, rows, full.bias is not None,
+                            device=full.weight.device)
+            with torch.no_grad():
+                lin.weight.copy_(full.weight[start:start + rows])
+                if full.bias is not None:
+                    lin.bias.copy_(full.bias[start:start + rows])
+            self.linears[name] = lin
+            start += rows
+        self.skip_bias_add = mod.skip_bias_add
+
+    def forward(self, x):
+        self.sizes = []
+        outs = [self.linears[n](x) for n in self.names]
+        self.sizes = [o.shape[-1] for o in outs]
+        y = torch.cat(outs, dim=-1)
+        return (y, None) if self.skip_bias_add else y        # the bias is already added
+
+    def split(self, y):
+        return list(y.split(self.sizes, dim=-1))
+
+
+class _RowSkipBias(nn.Module):
+    """A row linear whose bias is returned, not added (fastpar's skip_bias_add), for DTensor:
+    RowwiseParallel on a bias-free nn.Linear, the bias kept as a plain replicated tensor."""
+
+    def __init__(self, mod: RowParallelLinear):
+        super().__init__()
+        full = mod.to_linear()
+        self.linear = nn.Linear(full.in_features, full.out_features, bias=False,
+                                device=full.weight.device)
+        with torch.no_grad():
+            self.linear.weight.copy_(full.weight)
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
+
+    def forward(self, x):
+        return self.linear(x), self.bias
+
+
 def _to_torch_layers(model: GPT, tp: int) -> dict:
     """Swap fastpar's parallel layers (built at tp=1) for nn.Linear / nn.Embedding in place;
     returns the parallelize_module plan for them."""
@@ -149,11 +200,16 @@ def _to_torch_layers(model: GPT, tp: int) -> dict:
 
     plan = {}
     for name, mod in list(model.named_modules()):
-        if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
-            parent, _, leaf = name.rpartition(".")
+        parent, _, leaf = name.rpartition(".")
+        if isinstance(mod, ColumnParallelLinear) and name != "head":
+            setattr(model.get_submodule(parent), leaf, _Parts(mod))
+            for part, _ in mod.parts:
+                plan[f"{name}.linears.{part}"] = ColwiseParallel()
+        elif isinstance(mod, RowParallelLinear):
+            setattr(model.get_submodule(parent), leaf, _RowSkipBias(mod))
+            plan[f"{name}.linear"] = RowwiseParallel()
+        elif isinstance(mod, ColumnParallelLinear):
             setattr(model.get_submodule(parent), leaf, mod.to_linear())
-            row = isinstance(mod, RowParallelLinear)
-            plan[name] = RowwiseParallel() if row else ColwiseParallel()
     plan["head"] = ColwiseParallel(output_layouts=Replicate())
     emb = nn.Embedding(*model.embed.weight.shape, device=model.embed.weight.device)
     with torch.no_grad():
