@@ -120,6 +120,15 @@ class DataParallel(nn.Module):
         """
         self._reducer.reduce_now(wait)
 
+    def grads_accumulated(self, params) -> None:
+        """Count the gradients of ``params`` as just accumulated, as their post-accumulate-grad
+        hooks would: for a backward that adds to ``.grad`` by hand (``torch.autograd.grad``), so
+        that their buckets can start before :meth:`finish_gradient_sync`. Others are ignored."""
+        for p in params:
+            i = self._reducer.index.get(id(p))
+            if i is not None:
+                self._reducer.on_grad(i)
+
     @property
     def requires_gradient_sync(self) -> bool:
         return self._reducer.sync

@@ -94,6 +94,7 @@ class GradReducer:
         self.stream = CommStream(device)
         self.buckets = [_Bucket(s, params, reduce_dtype, device) for s in specs]
         self.where = {i: (b, k) for b, s in enumerate(specs) for k, i in enumerate(s.indices)}
+        self.index = {id(p): i for i, p in enumerate(params)}
         self.sync = True              # False inside no_sync(): gradients only accumulate
         self.wait_in_backward = True  # False: a pipeline schedule calls finish() itself
         self.sharded = False

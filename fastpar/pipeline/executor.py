@@ -67,7 +67,9 @@ class PipelineExecutor:
     that action is the chunk's last of its kind, so that the gradients it accumulates are final:
     the place to switch a bucketed reduction on (``DataParallel.set_requires_gradient_sync(final,
     wait_in_backward=False)``), which then starts each bucket from inside that backward, as soon
-    as the bucket is complete. Waits are bounded by the pipeline group's own timeout
+    as the bucket is complete. ``grads_set(chunk, params)`` is called after each ``B`` of a split
+    backward with the parameters whose gradients that B added to ``.grad`` by hand (they get no
+    post-accumulate-grad hook): data-parallel code counts them as hooks would. Waits are bounded by the pipeline group's own timeout
     (``fastpar.init(timeout=...)``): a host-side timeout would spin the CPU under NCCL.
     ``overlap=False`` waits for each batch of sends and receives right after
     posting it (the strict model every schedule is validated under, so it cannot deadlock): the
@@ -79,7 +81,8 @@ class PipelineExecutor:
 
     def __init__(self, stages: list[nn.Module], schedule: Schedule, pp_group=None, *,
                  loss_fn: Callable, grads_ready: Callable | None = None,
-                 before_backward: Callable | None = None, overlap: bool = True,
+                 before_backward: Callable | None = None, grads_set: Callable | None = None,
+                 overlap: bool = True,
                  record: bool = False):
         if not isinstance(schedule, Schedule):
             raise ValueError(f"PipelineExecutor: schedule must be a Schedule (build_schedule), "
@@ -106,7 +109,7 @@ class PipelineExecutor:
                              "loss_fn(output, target)")
         self.stages, self.schedule, self.pp_group = stages, schedule, pp_group
         self.loss_fn, self.grads_ready, self.record = loss_fn, grads_ready, record
-        self.before_backward = before_backward
+        self.before_backward, self.grads_set = before_backward, grads_set
         self.overlap = overlap
         params = [p for st in stages for p in st.parameters()]
         self.device = params[0].device if params else torch.device("cpu")
@@ -220,6 +223,10 @@ class PipelineExecutor:
             dx, live.pending = backward_input(live.out, grad, x, live.captured,
                                               self._split[a.chunk][1])
             live.x, live.out, live.captured = None, None, []    # W needs only `pending`
+            if self.grads_set is not None:      # what B set by hand: all but W's parameters
+                late = {id(p) for _, _, params in live.pending for p in params}
+                self.grads_set(a.chunk, [p for p in self.stages[a.chunk].parameters()
+                                         if p.grad is not None and id(p) not in late])
         if s > 0:
             st.grads[key] = dx if dx is not None else torch.zeros_like(x)
 

@@ -318,6 +318,8 @@ def _step(chunks, ddp, pipe, x, y, M: int, mesh, overlap: bool = True) -> torch.
     if ddp is not None:
         ddp.set_requires_gradient_sync(False, wait_in_backward=False)
         pipe.before_backward = _sync_final_backward(ddp) if overlap else None
+        pipe.grads_set = (lambda _chunk, params: ddp.grads_accumulated(params)) if overlap \
+            else None
     local = pipe.step(x, y)
     loss = local.detach().float() if local is not None else torch.zeros((), device=mesh.device)
     if ddp is not None:     # start the buckets no hook started (e.g. .grad set by hand in B)
