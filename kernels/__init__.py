@@ -7,6 +7,7 @@
     cross_entropy                    per-row loss, fused softmax backward; the vocab-parallel
     cross_entropy_shard_stats/_grad  building blocks for tensor-parallel cross-entropy
     matmul                           a @ b with a fused bias / gelu / silu / residual epilogue
+                                     (standalone and benchmarked; the model does not use it)
 
 Every op picks its implementation through :func:`impl_for`: Triton for CUDA tensors, the torch
 reference otherwise. ``FASTPAR_KERNEL_IMPL=triton`` forces Triton (on CPU that needs

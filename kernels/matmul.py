@@ -1,15 +1,20 @@
 """Matmul with a fused epilogue: ``c = act(a @ b + bias) + residual``, forward and backward.
 
+What it is for today: a standalone fused GEMM + epilogue op, checked by
+tests/test_kernel_matmul.py and benchmarked by bench/bench_kernels.py against cuBLAS, cuBLAS with
+the epilogue in eager torch, and torch.compile. The model does not call it: its linears are
+``F.linear`` or the extension's GEMM <-> collective pipelines
+(fastpar/tensor_parallel/overlap.py), and their bias epilogues are ``bias_gelu`` and
+``bias_dropout_add``.
+
 a (..., K), b (K, N), bias (N,), residual (..., N); ``act`` is None, ``"gelu"`` (tanh
 approximation) or ``"silu"``. Each program computes one (BLOCK_M, BLOCK_N) tile of c with fp32
 accumulation (``tl.dot``), then applies the epilogue in registers before the single store, so the
 pre-activation never makes a round trip through memory unless the backward needs it.
 
 Tile order: programs are numbered so that row chunks of ``GROUP_M * BLOCK_M`` rows are issued in
-order. Within a chunk the tiles go down its columns (the chunk's A rows stay in L2 while B is
-streamed), and every tile of chunk c is issued before any tile of chunk c + 1, so a collective that
-follows (the tensor-parallel reduce-scatter / all-reduce in row chunks) can start on the first
-chunks while the last ones compute.
+order, and within a chunk the tiles go down its columns, so the chunk's A rows stay in L2 while B
+is streamed (the grouped ordering of the Triton tutorial).
 
 Backward, with ``z = a @ b + bias`` (stored in c's dtype when an activation is used):
 
