@@ -187,8 +187,8 @@ def main() -> None:
     ops = set(filter(None, args.ops.split(",")))
     rows, skipped = [], []
     for shape in ["4k"] if args.quick else ["16k", "4k"]:   # the 8B shapes first
-        # The matmul first: it decides whether the model's GEMMs may use the fused epilogue, and
-        # a run cut short by its budget should still have it.
+        # The matmul first: the slowest case to tune, and a run cut short by its budget should
+        # still have it.
         cases = sorted(_cases(SHAPES[shape], "cuda"), key=lambda c: not c[0].startswith("matmul"))
         for case in cases:
             if ops and case[0] not in ops and case[0].split("+")[0] not in ops:

@@ -31,9 +31,10 @@ variants, or the run stops.
 Layouts that mix these torch parts (DDP with pipelining, DTensor TP inside pipeline stages) are
 not measured: only the pure ones at world size 2.
 
-Timing: all six variants live in the same two ranks and take turns step by step, a barrier before
-each step (``--rounds`` rounds of ``--iters`` steps; median per round, median over rounds, the
-slowest rank). tokens/s = global batch x seq / step; fastpar/torch is the step-time ratio (lower is
+Timing: the variants (fastpar, the torch peer and a second instance of the peer, an A/A control)
+of each layout in ``--layouts`` live in the same two ranks and take turns step by step, the order
+rotated every round, a barrier before each step (``--rounds`` rounds of ``--iters`` steps; median
+per round, median over rounds, the slowest rank). tokens/s = global batch x seq / step; fastpar/torch is the step-time ratio (lower is
 better); GFLOP/s per rank uses the trainer's 6N + 12 L d S per token.
 """
 from __future__ import annotations
@@ -286,24 +287,27 @@ def _measure(rank, world_size, a, model):
     x = torch.randint(0, mc.vocab_size, (a.batch, a.seq), generator=g)
     y = torch.randint(0, mc.vocab_size, (a.batch, a.seq), generator=g)
     variants, shares = {}, {}
-    for name, dims in LAYOUTS.items():
+    for name in a.layouts:
+        dims = LAYOUTS[name]
         mesh = fastpar.init(**dims)
         cfg = BenchConfig(**base, **dims)
         cfg.check_layout(world_size)
         shares[name] = x.chunk(mesh.dp_size)[mesh.dp_rank], y.chunk(mesh.dp_size)[mesh.dp_rank]
         variants[("fastpar", name)] = fastpar_variant(cfg, mesh)
         variants[("torch", name)] = TORCH[name](cfg, mesh)
+        variants[("torch-aa", name)] = TORCH[name](cfg, mesh)   # A/A: the peer against itself
 
     losses = {key: [step(*shares[key[1]]) for _ in range(2)] for key, step in variants.items()}
-    ref = losses[("fastpar", "tp2")]
+    ref = losses[("fastpar", a.layouts[0])]
     for key, got in losses.items():                 # the same math in every variant
         for s, (l, r) in enumerate(zip(got, ref)):
             assert abs(l - r) <= 1e-4 * abs(r), f"{key} loss {l} at warm-up step {s} != {r}"
     times = {key: [] for key in variants}
-    for _ in range(a.rounds):
+    for r in range(a.rounds):
         steps = {key: [] for key in variants}
         for _ in range(a.iters):
-            for key, step in variants.items():
+            for key in common.rotated(list(variants), r):      # no variant always goes first
+                step = variants[key]
                 dist.barrier()
                 xs, ys = shares[key[1]]
                 steps[key] += common.time_it(lambda: step(xs, ys), torch.device("cpu"),
@@ -326,6 +330,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--label", default="cpu", help="suffix of the results file")
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     a = p.parse_args(argv)
     world, tokens = 2, a.batch * a.seq
     rows = []
@@ -335,18 +340,19 @@ def main(argv=None):
                          layers=a.small_layers if model == "small" else None).model_config
         flops = flops_per_token(mc.num_params(), mc.n_layers, mc.d_model, a.seq) * tokens
         shape = f"L{mc.n_layers} d{mc.d_model} h{mc.n_heads}"
-        for name in LAYOUTS:
-            f, t = sec[f"fastpar {name}"], sec[f"torch {name}"]
+        for name in a.layouts:
+            f, t, aa = sec[f"fastpar {name}"], sec[f"torch {name}"], sec[f"torch-aa {name}"]
             rows.append({"model": model, "shape": shape, "params_M": mc.num_params() / 1e6,
                          "layout": name, "fastpar_ms": f * 1e3, "torch_ms": t * 1e3,
                          "fastpar_tok/s": tokens / f, "torch_tok/s": tokens / t,
-                         "fastpar/torch": f / t,
+                         "fastpar/torch": f / t, "A/A": aa / t,
                          "fastpar_GFLOP/s/rank": flops / f / world / 1e9,
                          "torch_GFLOP/s/rank": flops / t / world / 1e9, "warmup_losses": losses,
                          "batch": a.batch, "micro": a.micro, "seq": a.seq})
     common.report(f"train_{a.label}", rows,
                   ["model", "shape", "layout", "fastpar_ms", "torch_ms", "fastpar_tok/s",
-                   "torch_tok/s", "fastpar/torch", "fastpar_GFLOP/s/rank", "torch_GFLOP/s/rank"])
+                   "torch_tok/s", "fastpar/torch", "A/A", "fastpar_GFLOP/s/rank",
+                   "torch_GFLOP/s/rank"])
 
 
 if __name__ == "__main__":

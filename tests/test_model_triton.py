@@ -221,11 +221,6 @@ def _dropout_ranks(rank, world_size):
     return errors
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "GPT.embed_tokens (fastpar/models/gpt.py:103) drops out with F.dropout, which under SP "
-    "draws each (S/tp, B, D) shard's mask from the same torch RNG state (every shard gets the "
-    "same mask, not its slice of the unsharded one) and draws fewer numbers than tp=1, so the "
-    "seeds the blocks' bias_dropout_add draw next differ too"))
 def test_tp2_sequence_parallel_dropout_equals_single_process():
     """Dropout masks are fixed by (seed, offset): tp=2 with SP on the Triton path must give the
     single-process loss and gradients (the shards' masks are slices of the unsharded mask)."""

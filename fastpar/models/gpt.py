@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .. import kernels
 from ..tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding, copy_to_tp,
                                gather_from_sp, vocab_parallel_cross_entropy)
 from ..tensor_parallel.mappings import group_rank, group_size
@@ -100,7 +101,12 @@ class GPT(nn.Module):
                 tp, r = group_size(self.tp_group), group_rank(self.tp_group)
                 pos = copy_to_tp(pos, self.tp_group).chunk(tp, 0)[r]
             x = x + pos[:, None, :]
-        return F.dropout(x, self.config.dropout, self.training)
+        # Dropout as the blocks do it (a Philox mask fixed by seed and offset): under SP each
+        # rank's offset is where its sequence shard starts, so the shards' masks are the slices
+        # of the unsharded one and the RNG is drawn from the same way at any tp.
+        shard = group_rank(self.tp_group) if self.sp else 0
+        return kernels.bias_dropout_add(x, None, torch.zeros_like(x), self.config.dropout,
+                                        self.training, None, shard * x.numel())
 
     def logits(self, x):
         """(S[/tp], B, D) -> (B, S, V/tp) logits over this rank's vocabulary shard; padding -inf."""
