@@ -147,9 +147,14 @@ def test_ctrl_c_stops_every_rank_and_resume_is_exact(tmp_path):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "interrupted after step" in lines[0], err
     assert "--out cut --resume" in lines[0] and "Traceback" not in err
-    time.sleep(1)
-    left = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True)
-    assert left.stdout.strip() == "", f"processes of the run left running: {left.stdout}"
+    deadline = time.monotonic() + 15         # the ranks and the launcher's helpers exit
+    while True:
+        left = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(proc.pid)],
+                              capture_output=True, text=True).stdout.strip()
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert left == "", f"processes of the run still running 15 s after it stopped:\n{left}"
     resumed = _train(*args, "--out", "cut", "--resume", cwd=tmp_path, nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from cut/checkpoints/step_" in resumed.stdout
