@@ -365,3 +365,46 @@ def test_dp_across_nodes_uses_every_nic_of_its_ranks():
         t = planner._dp_time(cluster, cfg, Features(dp_overlap=False), grads / 4, 0.0, 1)
         ring = 2 * (dp - 1) / dp * grads / (min(100.0, 10.0 * per_node) * 1e9)
         assert t == pytest.approx(ring + 4 * grads / 1000e9)      # plus the bucket copy
+
+
+@pytest.mark.parametrize("rows", [512, 4096])          # one row chunk, then four
+def test_cross_entropy_reference_counts_match_the_loss(rows):
+    """The loss's reference bytes and operators, re-counted on the real function."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from fastpar.kernels.cross_entropy import REFERENCE_CHUNK
+    from fastpar.tensor_parallel import vocab_parallel_cross_entropy
+
+    free = {"view", "_unsafe_view", "permute", "transpose", "t", "expand", "slice", "select",
+            "as_strided", "unsqueeze", "squeeze", "reshape", "alias", "detach", "split", "chunk",
+            "unbind", "narrow", "split_with_sizes", "promote_types"}
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes = self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func._overloadpacket.__name__ not in free:
+                self.ops += 1
+                self.bytes += sum(t.numel() * t.element_size() for t in
+                                  tree_flatten((args, kwargs, out))[0]
+                                  if isinstance(t, torch.Tensor))
+            return out
+
+    V = 1024
+    z = torch.randn(rows, V, requires_grad=True)
+    target = torch.randint(0, V, (rows,))
+    with Count() as fwd:
+        loss = vocab_parallel_cross_entropy(z, target).mean()
+    with Count() as bwd:
+        loss.backward()
+    unit, chunks = rows * V * 4, -(-rows * V // REFERENCE_CHUNK)
+    (f, b), (fix, per) = cost.REFERENCE_BYTES["cross_entropy"], cost.CE_REFERENCE_OPS
+    assert fwd.bytes / unit == pytest.approx(f, rel=0.05)
+    assert bwd.bytes / unit == pytest.approx(b, rel=0.05)
+    assert (fwd.ops, bwd.ops) == (pytest.approx(fix[0] + per[0] * chunks, rel=0.15),
+                                  pytest.approx(fix[1] + per[1] * chunks, rel=0.15))

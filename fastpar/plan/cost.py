@@ -159,11 +159,13 @@ def reference_ops(model: GPTConfig, feat: Features = None) -> tuple[int, int]:
 # q or k; the activation, in (s, b, f) tensors, of which ``transcendental`` is the SiLU / GELU
 # kernel itself (compute-bound on a CPU core); the attention core, the copy of its output back
 # to (s, b, h) and, in the backward, of q's, k's and v's gradients; a residual add.
-# The vocab-parallel cross entropy, in fp32 (s b, V) logits: 9 forward (of them 2 its exp's), 7
-# backward.
+# The vocab-parallel cross entropy's reference (row chunks of ~1M elements), in fp32 (s b, V)
+# logits: 8 forward, 17 backward (it recomputes the softmax), of them 2 each its exp's.
 REFERENCE_BYTES = {"rmsnorm": (7, 24), "layernorm": (12, 33), "rotary": (9.5, 10),
                    "swiglu": (5, 9), "gelu": (2, 3), "transcendental": (2, 3), "residual": (3, 0),
-                   "cross_entropy": (9, 7), "cross_entropy_exp": (2, 0)}
+                   "cross_entropy": (8, 17), "cross_entropy_exp": (2, 2)}
+# Its operators: a fixed few plus, per row chunk, (forward, backward).
+CE_REFERENCE_OPS = ((17, 3), (23, 20))
 
 
 def reference_bytes(shape: Shape) -> tuple[float, float, float, float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ..kernels.cross_entropy import REFERENCE_CHUNK
 from ..models import GPTConfig
 from ..pipeline import build_schedule, partition, simulate
 from ..pipeline.schedules import check_args
@@ -152,13 +153,16 @@ def _stage_costs(work, cluster, cfg, feat, split):
     # cross entropy all-reduces its row maxima and its (sum exp, target logit) pairs.
     pieces = feat.tp_chunks if feat.tp_overlap else 1
     head_ar = cost.collective_time("all_reduce", act, t, link, hw, pieces)
-    ce_ar = cost.collective_time("all_reduce", T * 4, t, link, hw) \
-        + cost.collective_time("all_reduce", T * 8, t, link, hw)
+    # The loss: one all-gather of 4 fp32 statistics per token and shard.
+    ce_ar = cost.collective_time("all_gather", T * 16 * t, t, link, hw)
     # Kernels: the fused path's, or torch's reference ops (embedding and its backward; the final
     # norm and the cross entropy's max, sub, exp, sum, log, gather, ... and their backward).
     ref = hw.kind == "cpu"
     norm_f, norm_b = cost.REFERENCE_OPS[m.norm] if ref else (1, 2)
-    embed_k, ce_f, ce_b = (2, 14, 8) if ref else (1, 4, 4)
+    chunks = -(-T * (m.padded_vocab // t) // REFERENCE_CHUNK)
+    (fix_f, fix_b), (per_f, per_b) = cost.CE_REFERENCE_OPS
+    embed_k, ce_f, ce_b = (2, fix_f + per_f * chunks, fix_b + per_b * chunks) if ref \
+        else (1, 2, 1)
     embed = (hw.memory_time(2 * act / (t if cfg.sequence_parallel else 1), embed_k) + tp_ar,
              hw.memory_time(2 * act, embed_k), 0.0)
     logits = (m.d_model, m.padded_vocab // t)
@@ -169,11 +173,13 @@ def _stage_costs(work, cluster, cfg, feat, split):
                                       ("cross_entropy", "cross_entropy_exp"))
         ce = (hw.memory_time((ce_bf - exp_b) * fp32_logits, ce_f)
               + hw.activation_time(exp_b * fp32_logits),
-              hw.memory_time(ce_bb * fp32_logits, ce_b))
+              hw.memory_time((ce_bb - exp_b) * fp32_logits, ce_b)
+              + hw.activation_time(exp_b * fp32_logits))
         norm = (hw.memory_time(nb_f * act, norm_f), hw.memory_time(nb_b * act, norm_b))
-    else:       # logits, then the fp32 softmax read and written; the fused norm reads and writes
-        ce_bytes = T * m.padded_vocab / t * E + 3 * fp32_logits
-        ce = (hw.memory_time(ce_bytes, ce_f), hw.memory_time(ce_bytes, ce_b))
+    else:       # the kernels read the logits (forward), read them and write the gradient
+        # (backward); the fused norm reads and writes
+        logit_bytes = T * m.padded_vocab / t * E
+        ce = (hw.memory_time(logit_bytes, ce_f), hw.memory_time(2 * logit_bytes, ce_b))
         norm = (hw.memory_time(2 * act, norm_f), hw.memory_time(4 * act, norm_b))
     head = (hw.gemm_time(T, logits[1], logits[0]) + ce[0] + norm[0] + ce_ar,
             hw.gemm_time(T, logits[0], logits[1]) + ce[1] + norm[1] + head_ar,
