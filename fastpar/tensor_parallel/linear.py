@@ -189,15 +189,11 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_width(x, self.in_features)
-        if self.skip_bias_add:
-            x, weight, bias = self._cast(x)
-            return self._forward(x, weight, None), bias
-        if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
         x, weight, bias = self._cast(x)              # cast before the gather: half the bytes
-        return self._forward(x, weight, bias)
+        y = self._linear(x, weight, None if self.skip_bias_add else bias)
+        return (y, bias) if self.skip_bias_add else y
 
-    def _forward(self, x, weight, bias):
+    def _linear(self, x, weight, bias):
         if self.tp_size == 1:
             return F.linear(x, weight, bias)
         if self.overlap:
@@ -236,10 +232,9 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             self._check_width(x, self.in_features)
-            if self.skip_bias_add:
-                x, weight, bias = self._cast(x)
-                return F.linear(x, weight), bias
-            return F.linear(x, self.weight, self.bias)
+            x, weight, bias = self._cast(x)
+            y = F.linear(x, weight, None if self.skip_bias_add else bias)
+            return (y, bias) if self.skip_bias_add else y
         if not self.input_is_parallel:
             self._check_width(x, self.in_features)
             x = scatter_to_tp(x, self.tp_group)

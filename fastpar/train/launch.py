@@ -130,7 +130,7 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0) -> None:
     """Run ``cfg`` on ``nproc`` local ranks (checks the configuration first, in this process).
     A failed job raises ``SystemExit(1)`` after printing one line (see the module doc)."""
     from .data import check_data
-    from .outdir import check_out, prepare_out, resolve_out
+    from .outdir import prepare_out, resolve_out
     from .trainer import check_resume
 
     cfg.check_layout(nproc)
@@ -138,7 +138,6 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0) -> None:
     spawn = "RANK" not in os.environ and nproc > 1
     if not spawn:                       # one process, or a torchrun rank: train() does the rest
         cfg = resolve_out(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        check_out(cfg)
         try:
             _worker(cfg)
         except KeyboardInterrupt:
