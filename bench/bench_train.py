@@ -48,9 +48,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import common  # noqa: E402
 
 import fastpar  # noqa: E402
@@ -61,10 +63,12 @@ from fastpar.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # n
 from fastpar.testing import run_ranks  # noqa: E402
 from fastpar.train import TrainConfig  # noqa: E402
 from fastpar.train.metrics import flops_per_token  # noqa: E402
+from wire import WireRecorder  # noqa: E402  (tests/wire.py)
 from fastpar.train.trainer import (_clip, _loss_fn, _param_groups, _Stage, _step,  # noqa: E402
                                    build_model)
 
-LAYOUTS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2)}
+LAYOUTS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "tp2-sp": dict(tp=2, sequence_parallel=True),
+           "pp2": dict(pp=2)}
 
 
 @dataclass
@@ -143,107 +147,38 @@ def torch_dp(cfg, mesh):
     return step
 
 
-class _Parts(nn.Module):
-    """A fused column linear (q, k, v or up, gate) as one nn.Linear per part, for DTensor:
-    ColwiseParallel shards each part on its own, and the local outputs are concatenated the way
-    fastpar's fused layer lays them out, so the model's split() and the rest run unchanged."""
-
-    def __init__(self, mod: ColumnParallelLinear):
-        super().__init__()
-        full = mod.to_linear()
-        self.names = [name for name, _ in mod.parts]
-        self.linears = nn.ModuleDict()
-        start = 0
-        for name, rows in mod.parts:
-            lin = nn.Linear(full.in_features, rows, full.bias is not None,
-                            device=full.weight.device)
-            with torch.no_grad():
-                lin.weight.copy_(full.weight[start:start + rows])
-                if full.bias is not None:
-                    lin.bias.copy_(full.bias[start:start + rows])
-            self.linears[name] = lin
-            start += rows
-        self.skip_bias_add = mod.skip_bias_add
-
-    def forward(self, x):
-        self.sizes = []
-        outs = [self.linears[n](x) for n in self.names]
-        self.sizes = [o.shape[-1] for o in outs]
-        y = torch.cat(outs, dim=-1)
-        return (y, None) if self.skip_bias_add else y        # the bias is already added
-
-    def split(self, y):
-        return list(y.split(self.sizes, dim=-1))
-
-
-class _RowSkipBias(nn.Module):
-    """A row linear whose bias is returned, not added (fastpar's skip_bias_add), for DTensor:
-    RowwiseParallel on a bias-free nn.Linear, the bias kept as a plain replicated tensor."""
-
-    def __init__(self, mod: RowParallelLinear):
-        super().__init__()
-        full = mod.to_linear()
-        self.linear = nn.Linear(full.in_features, full.out_features, bias=False,
-                                device=full.weight.device)
-        with torch.no_grad():
-            self.linear.weight.copy_(full.weight)
-        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
-
-    def forward(self, x):
-        return self.linear(x), self.bias
-
-
-def _to_torch_layers(model: GPT, tp: int) -> dict:
-    """Swap fastpar's parallel layers (built at tp=1) for nn.Linear / nn.Embedding in place;
-    returns the parallelize_module plan for them."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    plan = {}
-    for name, mod in list(model.named_modules()):
-        parent, _, leaf = name.rpartition(".")
-        if isinstance(mod, ColumnParallelLinear) and name != "head":
-            setattr(model.get_submodule(parent), leaf, _Parts(mod))
-            for part, _ in mod.parts:
-                plan[f"{name}.linears.{part}"] = ColwiseParallel()
-        elif isinstance(mod, RowParallelLinear):
-            setattr(model.get_submodule(parent), leaf, _RowSkipBias(mod))
-            plan[f"{name}.linear"] = RowwiseParallel()
-        elif isinstance(mod, ColumnParallelLinear):
-            setattr(model.get_submodule(parent), leaf, mod.to_linear())
-    plan["head"] = ColwiseParallel(output_layouts=Replicate())
-    emb = nn.Embedding(*model.embed.weight.shape, device=model.embed.weight.device)
-    with torch.no_grad():
-        emb.weight.copy_(model.embed.weight)
-    model.embed = emb
-    plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    for layer in model.layers.values():          # each rank attends with its heads only
-        layer.attn.heads //= tp
-        layer.attn.kv_heads //= tp
-    return plan
-
-
 def torch_tp(cfg, mesh):
+    """torchtitan's Llama and TP plan (bench/titan.py), loss_parallel, with or without SP."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.distributed.tensor.parallel import loss_parallel
+    import titan
 
-    model = GPT(cfg.model_config, device=mesh.device)
-    plan = _to_torch_layers(model, mesh.tp_size)
-    parallelize_module(model, DeviceMesh(mesh.device.type, mesh.group_ranks("tp")), plan)
+    model = titan.TitanLlama.from_gpt(GPT(cfg.model_config, device=mesh.device))
+    titan.parallelize(model, DeviceMesh(mesh.device.type, mesh.group_ranks("tp")),
+                      sequence_parallel=cfg.sequence_parallel)
     opt, params = _adamw(cfg, [model]), list(model.parameters())
     M = cfg.num_microbatches(mesh.dp_size)
 
     def norm(grads):
-        """The DTensor shards' global norm (all-reduced by DTensor) with the replicated rest."""
-        sharded = [g for g in grads if isinstance(g, DTensor)]
-        plain = [g for g in grads if not isinstance(g, DTensor)]
-        total = torch.nn.utils.get_total_norm(sharded).full_tensor().square()
-        return (total + torch.nn.utils.get_total_norm(plain).square()).sqrt()
+        """torchtitan's clip_grad_norm_ over the DTensor gradients (all of them under SP;
+        without SP the norms stay plain replicated tensors and are added by hand)."""
+        sq = torch.zeros(())
+        for part in ([g for g in grads if isinstance(g, DTensor)],
+                     [g for g in grads if not isinstance(g, DTensor)]):
+            if part:
+                total = torch.nn.utils.get_total_norm(part)
+                sq = sq + (total.full_tensor() if isinstance(total, DTensor) else total) ** 2
+        return sq.sqrt()
 
     def step(x, y):
-        loss = _mean_loss(model, x, y, M)
-        return _finish(loss, mesh.dp_group, mesh.dp_size, opt, params, norm, cfg.grad_clip)
+        total = torch.zeros(())
+        for xm, ym in zip(x.chunk(M), y.chunk(M)):
+            with loss_parallel():
+                loss = F.cross_entropy(model(xm).flatten(0, 1), ym.flatten(0, 1)) / M
+                loss.backward()
+            total += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
+        return _finish(total, mesh.dp_group, mesh.dp_size, opt, params, norm, cfg.grad_clip)
     return step
 
 
@@ -275,7 +210,7 @@ def torch_pp(cfg, mesh):
     return step
 
 
-TORCH = {"dp2": torch_dp, "tp2": torch_tp, "pp2": torch_pp}
+TORCH = {"dp2": torch_dp, "tp2": torch_tp, "tp2-sp": torch_tp, "pp2": torch_pp}
 
 
 def _measure(rank, world_size, a, model):
@@ -289,7 +224,7 @@ def _measure(rank, world_size, a, model):
     variants, shares = {}, {}
     for name in a.layouts:
         dims = LAYOUTS[name]
-        mesh = fastpar.init(**dims)
+        mesh = fastpar.init(**{k: v for k, v in dims.items() if k in ("tp", "pp", "dp")})
         cfg = BenchConfig(**base, **dims)
         cfg.check_layout(world_size)
         shares[name] = x.chunk(mesh.dp_size)[mesh.dp_rank], y.chunk(mesh.dp_size)[mesh.dp_rank]
@@ -302,6 +237,12 @@ def _measure(rank, world_size, a, model):
     for key, got in losses.items():                 # the same math in every variant
         for s, (l, r) in enumerate(zip(got, ref)):
             assert abs(l - r) <= 1e-4 * abs(r), f"{key} loss {l} at warm-up step {s} != {r}"
+    wire = {}
+    for key, step in variants.items():           # TP bytes of one step, outside the timing
+        if key[0] != "torch-aa" and key[1].startswith("tp"):
+            with WireRecorder() as rec:
+                step(*shares[key[1]])
+            wire[f"{key[0]} {key[1]}"] = rec.summary(min_bytes=4096)
     times = {key: [] for key in variants}
     for r in range(a.rounds):
         steps = {key: [] for key in variants}
@@ -316,7 +257,23 @@ def _measure(rank, world_size, a, model):
             times[key].append(common.median(steps[key]))
     med = torch.tensor([common.median(times[k]) for k in variants])
     dist.all_reduce(med, op=dist.ReduceOp.MAX)       # a step is as slow as the slowest rank
-    return {f"{lib} {name}": t for (lib, name), t in zip(variants, med.tolist())}, ref
+    return {f"{lib} {name}": t for (lib, name), t in zip(variants, med.tolist())}, ref, wire
+
+
+def megatron_tp_bytes(mc, a, layout) -> int:
+    """TP bytes of one step by Megatron's volumes, fp32 activations of S*B*H (B: a micro-batch):
+    per layer and micro-batch 6 all-gathers + 4 reduce-scatters with SP, 4 all-reduces without;
+    the vocab-parallel embedding (SP: 1 RS forward, 1 AG backward; else 1 AR) and the head
+    (SP: 2 AG + 1 RS; else 1 AR of its input gradient); the loss's all-gather of 16 bytes per
+    token and shard (4 fp32 statistics) is counted too. Collectives under 4 KiB (the loss
+    scalar, the gradient norm) are left out, as in the recorded numbers."""
+    if not layout.startswith("tp"):
+        return 0
+    tp, M = LAYOUTS[layout]["tp"], a.batch // a.micro
+    act = a.seq * a.micro * mc.d_model * 4
+    per_layer, ends = (10, 2 + 3) if "sp" in layout else (4, 1 + 1)
+    loss = a.seq * a.micro * 16 * tp
+    return M * ((per_layer * mc.n_layers + ends) * act + loss)
 
 
 def main(argv=None):
@@ -335,14 +292,20 @@ def main(argv=None):
     world, tokens = 2, a.batch * a.seq
     rows = []
     for model in a.models:
-        sec, losses = run_ranks(_measure, world, a, model, init_pg=False, timeout=3600)[0]
+        sec, losses, wire = run_ranks(_measure, world, a, model, init_pg=False, timeout=3600)[0]
         mc = BenchConfig(model=model, seq_len=a.seq,
                          layers=a.small_layers if model == "small" else None).model_config
         flops = flops_per_token(mc.num_params(), mc.n_layers, mc.d_model, a.seq) * tokens
         shape = f"L{mc.n_layers} d{mc.d_model} h{mc.n_heads}"
         for name in a.layouts:
             f, t, aa = sec[f"fastpar {name}"], sec[f"torch {name}"], sec[f"torch-aa {name}"]
+            tp_bytes = {lib: sum(n for _, n in wire.get(f"{lib} {name}", {}).values())
+                        for lib in ("fastpar", "torch")}
             rows.append({"model": model, "shape": shape, "params_M": mc.num_params() / 1e6,
+                         "fastpar_TP_MB": tp_bytes["fastpar"] / 1e6,
+                         "torch_TP_MB": tp_bytes["torch"] / 1e6,
+                         "megatron_TP_MB": megatron_tp_bytes(mc, a, name) / 1e6,
+                         "wire": {lib: wire.get(f"{lib} {name}") for lib in ("fastpar", "torch")},
                          "layout": name, "fastpar_ms": f * 1e3, "torch_ms": t * 1e3,
                          "fastpar_tok/s": tokens / f, "torch_tok/s": tokens / t,
                          "fastpar/torch": f / t, "A/A": aa / t,
@@ -352,7 +315,7 @@ def main(argv=None):
     common.report(f"train_{a.label}", rows,
                   ["model", "shape", "layout", "fastpar_ms", "torch_ms", "fastpar_tok/s",
                    "torch_tok/s", "fastpar/torch", "A/A", "fastpar_GFLOP/s/rank",
-                   "torch_GFLOP/s/rank"])
+                   "torch_GFLOP/s/rank", "fastpar_TP_MB", "torch_TP_MB", "megatron_TP_MB"])
 
 
 if __name__ == "__main__":

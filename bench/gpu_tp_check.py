@@ -64,16 +64,21 @@ def main() -> int:
     sync = (lambda: None) if cpu else torch.cuda.synchronize
     torch.manual_seed(0)
 
+    # GPU-sized shapes; the CPU dry run (bf16 GEMMs are slow on a CPU) runs the same code on an
+    # eighth of each dimension.
+    f = 8 if cpu else 1
+    R, N, D, FF, S = 4096 // f, 2048 // f, 1024 // f, 4096 // f, 512 // f
+
     @check("extension ops on NCCL (matmul_allreduce, allgather_matmul, matmul_reducescatter, "
            "column_linear_backward), bf16")
     def _():
-        x = torch.randn(4096, 1024, device=dev, dtype=torch.bfloat16)
-        w = torch.randn(2048, 1024, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(R, D, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(N, D, device=dev, dtype=torch.bfloat16)
         ref = (x.float() @ w.float().t())
         errs = [rel(ops.matmul_allreduce(x, w, group, 4), ref),
                 rel(ops.allgather_matmul(x, w, group)[0], ref),
                 rel(ops.matmul_reducescatter(x, w, group), ref)]
-        g = torch.randn(4096, 2048, device=dev, dtype=torch.bfloat16)
+        g = torch.randn(R, N, device=dev, dtype=torch.bfloat16)
         for sp in (False, True):
             gi, gw = ops.column_linear_backward(g, x, w, group, sp, True, True, 4)
             errs += [rel(gi, g.float() @ w.float()), rel(gw, g.float().t() @ x.float())]
@@ -86,14 +91,14 @@ def main() -> int:
         worst = 0.0
         for sp in (False, True):
             torch.manual_seed(1)
-            col = ColumnParallelLinear(1024, 4096, tp_group=group, sequence_parallel=sp,
+            col = ColumnParallelLinear(D, FF, tp_group=group, sequence_parallel=sp,
                                        device=dev)
-            row = RowParallelLinear(4096, 1024, tp_group=group, sequence_parallel=sp, device=dev)
-            x = torch.randn(512, 4, 1024, device=dev, requires_grad=True)
+            row = RowParallelLinear(FF, D, tp_group=group, sequence_parallel=sp, device=dev)
+            x = torch.randn(S, 4, D, device=dev, requires_grad=True)
             with torch.autocast(kind, dtype=torch.bfloat16):
                 # The layers' overlapped path as they take it at tp > 1: cast, then the Function.
                 xc, wc, bc = col._cast(x)
-                h = ColumnLinearOverlap.apply(xc.reshape(-1, 1024), wc, group, sp, 4,
+                h = ColumnLinearOverlap.apply(xc.reshape(-1, D), wc, group, sp, 4,
                                               id(col.weight)) + bc
                 hc, w2, b2 = row._cast(F.gelu(h))
                 y = RowLinearOverlap.apply(hc, w2, group, sp, 4, id(row.weight)) + b2
@@ -101,7 +106,7 @@ def main() -> int:
             y.float().square().mean().backward()
             assert col.weight.grad.dtype == row.weight.grad.dtype == torch.float32
             x32 = x.detach().clone().requires_grad_()
-            y32 = F.linear(F.gelu(F.linear(x32.reshape(-1, 1024), col.weight, col.bias)),
+            y32 = F.linear(F.gelu(F.linear(x32.reshape(-1, D), col.weight, col.bias)),
                            row.weight, row.bias)
             gc, gr = torch.autograd.grad(y32.square().mean(), [col.weight, row.weight])
             worst = max(worst, rel(y, y32), rel(col.weight.grad, gc), rel(row.weight.grad, gr))
@@ -113,17 +118,17 @@ def main() -> int:
     def _():
         from fastpar.data_parallel import DataParallel
         torch.manual_seed(2)
-        net = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
-                                  torch.nn.Linear(4096, 1024)).to(dev)
+        net = torch.nn.Sequential(torch.nn.Linear(D, FF), torch.nn.GELU(),
+                                  torch.nn.Linear(FF, D)).to(dev)
         ref = [p.detach().clone() for p in net.parameters()]
         ddp = DataParallel(net, dp_group=mesh.dp_group, bucket_cap_mb=4,
                            reduce_dtype=torch.bfloat16)
-        x = torch.randn(256, 1024, device=dev)
+        x = torch.randn(256, D, device=dev)
         with torch.autocast(kind, dtype=torch.bfloat16):
             loss = ddp(x).float().square().mean()
         loss.backward()
-        plain = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
-                                    torch.nn.Linear(4096, 1024)).to(dev)
+        plain = torch.nn.Sequential(torch.nn.Linear(D, FF), torch.nn.GELU(),
+                                    torch.nn.Linear(FF, D)).to(dev)
         with torch.no_grad():
             for p, r in zip(plain.parameters(), ref):
                 p.copy_(r)
@@ -133,6 +138,37 @@ def main() -> int:
         sync()
         assert max(errs) <= TOL, errs
         return f"gradients through bf16 buckets, max relative error {max(errs):.1e}"
+
+    @check("mixed precision on CUDA: bf16 parameters, fp32 main gradients, fp32 masters")
+    def _():
+        from fastpar.data_parallel import DataParallel, DistributedOptimizer
+        torch.manual_seed(3)
+        net = torch.nn.Sequential(torch.nn.Linear(D, FF), torch.nn.GELU(),
+                                  torch.nn.Linear(FF, D)).to(dev, torch.bfloat16)
+        plain = [p.detach().clone().requires_grad_() for p in net.parameters()]
+        ddp = DataParallel(net, dp_group=mesh.dp_group, main_grads=True)
+        opt = DistributedOptimizer(ddp, torch.optim.AdamW, shard=False, lr=1e-3, fused=True)
+        x = torch.randn(2, S // 4, D, device=dev, dtype=torch.bfloat16)
+        for i, xm in enumerate(x):                      # two micro-batches, fp32 accumulation
+            ddp.set_requires_gradient_sync(i == 1)
+            ddp(xm).float().square().mean().backward()
+        assert all(p.grad is None and p.main_grad.dtype == torch.float32
+                   for p in net.parameters())
+        w1, b1, w2, b2 = plain
+        grads = [torch.zeros_like(p, dtype=torch.float32) for p in plain]
+        for xm in x:
+            y = torch.nn.functional.linear(torch.nn.functional.gelu(
+                torch.nn.functional.linear(xm, w1, b1)), w2, b2)
+            for acc, g in zip(grads, torch.autograd.grad(y.float().square().mean(), plain)):
+                acc.add_(g)
+        errs = [rel(p.main_grad, g) for p, g in zip(net.parameters(), grads)]
+        opt.step()
+        moved = [float((p.detach().float() - q.detach().float()).abs().max()) for p, q in
+                 zip(net.parameters(), plain)]
+        sync()
+        assert max(errs) <= TOL and min(moved) > 0, (errs, moved)
+        return (f"main gradients vs plain autograd, max relative error {max(errs):.1e}; "
+                f"fused AdamW on the masters moved every parameter")
 
     torch.distributed.destroy_process_group()
     print(f"gpu_tp_check.py: {failures} failure(s)")

@@ -22,7 +22,7 @@ def _run(*cmd, timeout=240):
 def test_tp_check_passes_as_a_cpu_dry_run():
     out = _run(sys.executable, "bench/gpu_tp_check.py", "--cpu")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("PASS") == 3 and "0 failure(s)" in out.stdout, out.stdout
+    assert out.stdout.count("PASS") == 4 and "0 failure(s)" in out.stdout, out.stdout
 
 
 def test_gpu_only_scripts_refuse_without_a_gpu():

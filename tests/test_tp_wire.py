@@ -77,7 +77,7 @@ def _pipeline_bytes(rank, world, pp, bf16):
     from fastpar.train import TrainConfig
     from fastpar.train.trainer import _loss_fn, _Stage, build_model
     cfg = TrainConfig(model="tiny", pp=pp, seq_len=16, global_batch_size=4, micro_batch_size=1,
-                      precision="bf16" if bf16 else "fp32", out="unused")
+                      precision="amp" if bf16 else "fp32", out="unused")
     mesh = fastpar.init(pp=pp)
     chunks = build_model(cfg, mesh)
     stages = [_Stage(g, mesh.pp_rank, pp) for g in chunks]

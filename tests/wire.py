@@ -31,6 +31,12 @@ _C10D = {"allreduce_": ("all_reduce", 0), "_allgather_base_": ("all_gather", 0),
          "send": ("send", 0), "recv_": ("recv", 0)}
 
 
+# torch's functional collectives (what DTensor issues): op -> (kind, argument)
+_FUNCTIONAL = {"all_gather_into_tensor": ("all_gather", 0), "all_reduce": ("all_reduce", 0),
+               "reduce_scatter_tensor": ("reduce_scatter", 0),
+               "all_to_all_single": ("all_to_all", 0)}
+
+
 class WireRecorder(TorchDispatchMode):
     """``with WireRecorder() as wire: ...`` then ``wire.records`` / ``wire.summary()``."""
 
@@ -54,6 +60,10 @@ class WireRecorder(TorchDispatchMode):
         if ns == "c10d" and name in _C10D:
             kind, arg = _C10D[name]
             self.records.append((kind, _nbytes(args[arg])))
+        elif ns == "_c10d_functional" and name in _FUNCTIONAL:
+            kind, arg = _FUNCTIONAL[name]
+            n = _nbytes(args[arg])
+            self.records.append((kind, n * args[1] if kind == "all_gather" else n))
         return func(*args, **(kwargs or {}))
 
     def summary(self, min_bytes: int = 0) -> dict[str, tuple[int, int]]:

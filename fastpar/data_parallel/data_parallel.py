@@ -45,6 +45,13 @@ class DataParallel(nn.Module):
             mean computed in fp32) or ``torch.bfloat16`` for an fp32 one (half the traffic).
             ``None``: the parameters' dtype, and then each ``.grad`` is a view into its bucket
             (nothing is packed).
+        main_grads: Megatron's mixed precision: keep an fp32 main gradient per parameter,
+            ``p.main_grad`` (a view of an fp32 flat bucket buffer), into which every backward
+            adds the (bf16) ``.grad`` and frees it; micro-batches accumulate in fp32 and the
+            reduction averages ``main_grad`` (in fp32, or in ``reduce_dtype`` on the wire).
+            ``.grad`` stays ``None``: step with a :class:`DistributedOptimizer`, which keeps
+            fp32 master weights (``shard=False`` for one copy per rank, as Megatron's
+            Float16Optimizer; ``True`` for ZeRO-1).
         find_unused_parameters: allow parameters that get no gradient in a step (they count as
             zero; a parameter that no rank used keeps its ``.grad``); this costs a small
             all-reduce and a host sync per step, as in torch DDP. ``False``: no host sync, and
@@ -58,7 +65,7 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, *, dp_group=None, bucket_cap_mb: float = 25,
                  overlap: bool = True, reduce_dtype: torch.dtype | None = None,
-                 find_unused_parameters: bool = False):
+                 main_grads: bool = False, find_unused_parameters: bool = False):
         super().__init__()
         check_options(module, bucket_cap_mb, reduce_dtype)
         group = resolve_group(dp_group)
@@ -70,17 +77,19 @@ class DataParallel(nn.Module):
         self.module = module
         self.dp_group, self.dp_size, self.dp_rank = group, group_size(group), group_rank(group)
         self.bucket_cap_mb, self.overlap, self.reduce_dtype = bucket_cap_mb, overlap, reduce_dtype
-        self.find_unused_parameters = find_unused_parameters
+        self.find_unused_parameters, self.main_grads = find_unused_parameters, bool(main_grads)
         params = [p for _, p in named]
+        # Buckets close by the bytes that travel (the main gradients are fp32).
+        wire = reduce_dtype or (torch.float32 if main_grads else None)
         self.bucket_specs: list[BucketSpec] = assign_buckets(
             [(p.numel(), p.dtype) for p in params], int(bucket_cap_mb * 2**20),
-            pad_to=self.dp_size, reduce_dtype=reduce_dtype,
+            pad_to=self.dp_size, reduce_dtype=wire,
             first_cap_bytes=min(int(bucket_cap_mb * 2**20), _FIRST_BUCKET_BYTES))
         self.events = EventLog()
         self._reducer = GradReducer(params, [n for n, _ in named], self.bucket_specs, group,
                                     self.dp_size, reduce_dtype=reduce_dtype, overlap=overlap,
                                     find_unused=find_unused_parameters, events=self.events,
-                                    device=device)
+                                    device=device, main_grads=self.main_grads)
 
     def forward(self, *args, **kwargs):
         self._reducer.finish()        # a deferred reduction must land before the next step
@@ -129,6 +138,11 @@ class DataParallel(nn.Module):
             if i is not None:
                 self._reducer.on_grad(i)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every ``.grad`` (as ``nn.Module.zero_grad``) and zero the main gradients."""
+        super().zero_grad(set_to_none=set_to_none)
+        self._reducer.zero_main_grads()
+
     @property
     def requires_gradient_sync(self) -> bool:
         return self._reducer.sync
@@ -136,4 +150,4 @@ class DataParallel(nn.Module):
     def extra_repr(self) -> str:
         return (f"dp={self.dp_size}, buckets={len(self.bucket_specs)}, "
                 f"bucket_cap_mb={self.bucket_cap_mb}, overlap={self.overlap}, "
-                f"reduce_dtype={self.reduce_dtype}")
+                f"reduce_dtype={self.reduce_dtype}, main_grads={self.main_grads}")

@@ -21,6 +21,12 @@ When the bucket dtype is the parameters' dtype, each ``.grad`` is a view into th
 buffer: nothing is packed and the average is computed in place. With another ``reduce_dtype``
 the gradients are packed into (and unpacked from) the buffer by the extension's multi-tensor ops.
 Sharded (ZeRO-1) buckets are reduce-scattered into ``shard`` instead of all-reduced.
+
+Main gradients (Megatron's mixed precision, ``main_grads=True``): each bucket also owns an fp32
+flat buffer and each parameter a view of it, ``p.main_grad``. Every backward's hook adds the
+low-precision ``.grad`` into ``main_grad`` and frees it at once, so micro-batches accumulate in
+fp32 and no bf16 gradient outlives its hook. The reduction runs on the fp32 buffer in place, or,
+with ``reduce_dtype=torch.bfloat16``, on a bf16 copy whose mean is written back into it.
 """
 from __future__ import annotations
 
@@ -39,22 +45,28 @@ from .comm import (CommStream, EventLog, all_reduce_async, needs_scratch,
 class _Bucket:
     """One bucket's parameters, flat buffer and in-flight work."""
 
-    def __init__(self, spec: BucketSpec, params: list[nn.Parameter], reduce_dtype, device):
+    def __init__(self, spec: BucketSpec, params: list[nn.Parameter], reduce_dtype, device,
+                 main_grads: bool = False):
         self.spec = spec
         self.params = [params[i] for i in spec.indices]
-        dtype = reduce_dtype or spec.dtype
-        self.as_views = dtype == spec.dtype
-        self.buffer = torch.zeros(spec.padded_numel, dtype=dtype, device=device)
+        self.main: torch.Tensor | None = None     # fp32 main gradients (main_grads=True)
+        if main_grads:
+            self.main = torch.zeros(spec.padded_numel, dtype=torch.float32, device=device)
+            for o, n, p in zip(spec.offsets, spec.numels, self.params):
+                p.main_grad = self.main[o:o + n].view(p.shape)
+        dtype = reduce_dtype or (torch.float32 if main_grads else spec.dtype)
+        self.as_views = not main_grads and dtype == spec.dtype
+        self.buffer = self.main if main_grads and dtype == torch.float32 else \
+            torch.zeros(spec.padded_numel, dtype=dtype, device=device)
         self.views = [self.buffer[o:o + n].view(p.shape) for o, n, p in
                       zip(spec.offsets, spec.numels, self.params)] if self.as_views else None
         self.shard: torch.Tensor | None = None    # reduce-scatter output when sharded
         self.scratch: torch.Tensor | None = None  # its all-to-all receive buffer on gloo
         self.missing: list[tuple[int, bool]] = []  # (position, had no .grad) of unused params
         self.reset()
-        if self.as_views:                         # keep gradients that exist already
-            for k, p in enumerate(self.params):
-                if p.grad is not None:
-                    self.adopt(k)
+        for k, p in enumerate(self.params):       # keep gradients that exist already
+            if p.grad is not None and (self.as_views or self.main is not None):
+                self.adopt(k)
 
     def reset(self) -> None:
         self.pending = len(self.params)
@@ -63,8 +75,15 @@ class _Bucket:
         self.missing = []
 
     def adopt(self, k: int) -> None:
-        """Make parameter k's ``.grad`` the view into the buffer (copying it in if it is not)."""
-        p, view = self.params[k], self.views[k]
+        """Make parameter k's ``.grad`` the view into the buffer (copying it in if it is not);
+        with main gradients, add ``.grad`` into ``main_grad`` and free it."""
+        p = self.params[k]
+        if self.main is not None:
+            if p.grad is not None:
+                p.main_grad.add_(p.grad)
+                p.grad = None
+            return
+        view = self.views[k]
         if p.grad is not view:
             view.copy_(p.grad)
             p.grad = view
@@ -73,7 +92,9 @@ class _Bucket:
         """Parameter k got no gradient since the last reduction: contribute what .grad holds."""
         p = self.params[k]
         self.missing.append((k, p.grad is None))
-        if self.as_views:
+        if self.main is not None:
+            self.adopt(k)                         # a gradient set by hand; else it holds zeros
+        elif self.as_views:
             view = self.views[k]
             if p.grad is None:
                 view.zero_()
@@ -88,16 +109,18 @@ class GradReducer:
 
     def __init__(self, params: list[nn.Parameter], names: list[str], specs: list[BucketSpec],
                  group, world: int, *, reduce_dtype, overlap: bool, find_unused: bool,
-                 events: EventLog, device: torch.device):
+                 events: EventLog, device: torch.device, main_grads: bool = False):
         self.params, self.names, self.group, self.world = params, names, group, world
         self.overlap, self.find_unused, self.events = overlap, find_unused, events
         self.stream = CommStream(device)
-        self.buckets = [_Bucket(s, params, reduce_dtype, device) for s in specs]
+        self.main_grads = main_grads
+        self.buckets = [_Bucket(s, params, reduce_dtype, device, main_grads) for s in specs]
         self.where = {i: (b, k) for b, s in enumerate(specs) for k, i in enumerate(s.indices)}
         self.index = {id(p): i for i, p in enumerate(params)}
         self.sync = True              # False inside no_sync(): gradients only accumulate
         self.wait_in_backward = True  # False: a pipeline schedule calls finish() itself
         self.sharded = False
+        self.optimizer = None         # the DistributedOptimizer stepping these buckets, if any
         self.in_flight = False        # started and not yet finished
         self.reduced = False          # a reduction finished since the optimizer last stepped
         self.unused: set[int] = set()  # parameters no rank used in the last reduction
@@ -108,6 +131,18 @@ class GradReducer:
         self._used_work = None
         for i, p in enumerate(params):
             p.register_post_accumulate_grad_hook(_hook(self, i))
+
+    def mean_grads(self, bucket: _Bucket) -> torch.Tensor:
+        """The flat tensor that holds ``bucket``'s mean gradient after a reduction: this rank's
+        shard when sharded, else the main-gradient buffer or the bucket buffer."""
+        if self.sharded:
+            return bucket.shard
+        return bucket.main if bucket.main is not None else bucket.buffer
+
+    def zero_main_grads(self) -> None:
+        for bucket in self.buckets:
+            if bucket.main is not None:
+                bucket.main.zero_()
 
     def enable_sharding(self) -> None:
         """Reduce-scatter every bucket into a 1/world shard instead of all-reducing it."""
@@ -129,7 +164,7 @@ class GradReducer:
                 f"bucket's reduction had started, so this step's gradients are not valid; with "
                 f"wait_in_backward=False call finish_gradient_sync() (or run the wrapper's "
                 f"forward) before backwards that are not part of the reduction")
-        if bucket.as_views:
+        if bucket.as_views or bucket.main is not None:
             bucket.adopt(k)
         self._touched[i] = True
         if not self.sync:
@@ -152,7 +187,9 @@ class GradReducer:
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
         with self.stream.issue():
-            if bucket.as_views:
+            if bucket.main is not None and bucket.buffer is not bucket.main:
+                torch.mul(bucket.main, 1.0 / self.world, out=bucket.buffer)   # bf16 on the wire
+            elif bucket.as_views or bucket.main is not None:
                 if self.world > 1:
                     bucket.buffer.div_(self.world)   # the sum is then the mean, as in DDP
             else:
@@ -179,9 +216,9 @@ class GradReducer:
             bucket = self.buckets[b]
             for k, i in enumerate(bucket.spec.indices):
                 p = bucket.params[k]
-                if not self._touched[i] or p.grad is None:
+                if not self._touched[i] or (p.grad is None and bucket.main is None):
                     bucket.fill_missing(k)
-                elif bucket.as_views:
+                elif bucket.as_views or bucket.main is not None:
                     bucket.adopt(k)          # a gradient assigned to .grad by hand
             self._launch(b)
         if self.find_unused and self.world > 1 and self._used_counts is None:
@@ -233,6 +270,10 @@ class GradReducer:
         idx = bucket.spec.indices
         if self.sharded:
             return                                   # the optimizer reads bucket.shard
+        if bucket.main is not None:
+            if bucket.buffer is not bucket.main:
+                bucket.main.copy_(bucket.buffer)
+            return
         if bucket.as_views:
             for k, had_none in bucket.missing:
                 if idx[k] not in self.unused:

@@ -12,6 +12,14 @@ a flat master buffer per bucket (fp32 for half/bf16 parameters); its state is th
 parameters with the extension's multi-tensor op; with ``overlap_param_gather=True`` that waits,
 bucket by bucket, until a module's forward first needs its parameters. The optimizer updates
 elementwise, so the result equals plain data parallelism with the same optimizer.
+
+``shard=False`` keeps the whole optimizer state on every rank (the buckets are all-reduced, each
+rank steps every parameter): with a bf16 model wrapped as ``DataParallel(..., main_grads=True)``
+this is Megatron's mixed precision without ZeRO: bf16 parameters (2 bytes each), fp32 main
+gradients (4), fp32 master weights (4) and Adam's two fp32 moments (8), 18 bytes per parameter;
+with ``shard=True`` the last 12 are divided by dp. The masters of an unsharded optimizer are
+shaped like their parameters, and ``state`` / ``master_of`` look them up by model parameter, so
+checkpoints store the fp32 masters and their moments per parameter, loadable into any layout.
 """
 from __future__ import annotations
 
@@ -50,7 +58,7 @@ class DistributedOptimizer:
 
     def __init__(self, model: DataParallel, optimizer_class=torch.optim.AdamW,
                  param_groups: list[dict] | None = None, *, overlap_param_gather: bool = False,
-                 **defaults):
+                 shard: bool = True, **defaults):
         if not isinstance(model, DataParallel):
             raise ValueError(f"DistributedOptimizer needs a fastpar DataParallel model, got "
                              f"{type(model).__name__}")
@@ -62,22 +70,32 @@ class DistributedOptimizer:
         for name, p in zip(reducer.names, reducer.params):
             if not p.is_contiguous():
                 raise ValueError(f"DistributedOptimizer: parameter {name!r} is not contiguous")
-        if reducer.sharded:
+        if getattr(reducer, "optimizer", None) is not None:
             raise ValueError("this DataParallel model already has a DistributedOptimizer")
+        if overlap_param_gather and not shard:
+            raise ValueError("overlap_param_gather=True needs shard=True: an unsharded "
+                             "optimizer gathers no parameters")
         group_of = _group_index(reducer.params, param_groups)
-        self.model, self.overlap_param_gather = model, overlap_param_gather
+        self.model, self.overlap_param_gather, self.shard = model, overlap_param_gather, shard
         self._reducer, self._world, self._rank = reducer, model.dp_size, model.dp_rank
-        reducer.enable_sharding()
+        reducer.optimizer = self
+        if shard:
+            reducer.enable_sharding()
         self._pieces = [pc for b in range(len(reducer.buckets)) for pc in self._cut(b)]
         self._master, self._grads = self._shard_buffers()
-        self._shard_params = [nn.Parameter(self._master[pc.bucket][pc.lo:pc.hi])
-                              for pc in self._pieces]
+        # Unsharded, each piece is a whole parameter: its master (and so its optimizer state)
+        # takes the parameter's shape.
+        self._shard_params = [nn.Parameter(self._master[pc.bucket][pc.lo:pc.hi].view(
+            self._reducer.params[pc.param].shape) if not shard else
+            self._master[pc.bucket][pc.lo:pc.hi]) for pc in self._pieces]
+        self._by_param = {id(self._reducer.params[pc.param]): sp
+                          for pc, sp in zip(self._pieces, self._shard_params)}
         groups = [{**opts, "params": []} for opts in _group_options(param_groups)]
         for pc, sp in zip(self._pieces, self._shard_params):
             groups[group_of[pc.param]]["params"].append(sp)
         self.optimizer = optimizer_class([g for g in groups if g["params"]], **defaults)
         self._full = [b.buffer.new_empty(b.spec.padded_numel, dtype=b.spec.dtype)
-                      for b in reducer.buckets]
+                      for b in reducer.buckets] if shard else []
         self._gathers: dict[int, object] = {}
         self._prepared = False          # shard pieces hold this reduction's gradients
         model.module.register_state_dict_pre_hook(lambda *_a, **_kw: self.finish_param_sync())
@@ -87,7 +105,7 @@ class DistributedOptimizer:
     # -- layout -------------------------------------------------------------------------------
     def _cut(self, b: int) -> list[_Piece]:
         spec = self._reducer.buckets[b].spec
-        lo, hi = spec.shard(self._rank, self._world)
+        lo, hi = spec.shard(self._rank, self._world) if self.shard else (0, spec.padded_numel)
         out = []
         for i, off, n in zip(spec.indices, spec.offsets, spec.numels):
             a, z = max(off, lo), min(off + n, hi)
@@ -101,11 +119,12 @@ class DistributedOptimizer:
         masters, grads = [], []
         for b, bucket in enumerate(self._reducer.buckets):
             dtype = torch.float32 if bucket.spec.dtype in _LOW else bucket.spec.dtype
-            master = bucket.shard.new_zeros(bucket.shard.numel(), dtype=dtype)
+            src = self._reducer.mean_grads(bucket)
+            master = src.new_zeros(src.numel(), dtype=dtype)
             ops.multi_tensor_pack([self._flat(pc) for pc in self._pieces if pc.bucket == b],
                                   master)
             masters.append(master)
-            grads.append(bucket.shard if bucket.shard.dtype == dtype else torch.zeros_like(master))
+            grads.append(src if src.dtype == dtype else torch.zeros_like(master))
         return masters, grads
 
     def _flat(self, pc: _Piece) -> torch.Tensor:
@@ -138,15 +157,21 @@ class DistributedOptimizer:
             raise RuntimeError("DistributedOptimizer.step: no gradient reduction since the last "
                                "step (did backward run outside no_sync()?)")
         for g, bucket in zip(self._grads, self._reducer.buckets):
-            if g is not bucket.shard:
-                g.copy_(bucket.shard)
+            src = self._reducer.mean_grads(bucket)
+            if g is not src:
+                g.copy_(src)
         unused = self._reducer.unused
         for pc, sp in zip(self._pieces, self._shard_params):
-            sp.grad = None if pc.param in unused else self._grads[pc.bucket][pc.lo:pc.hi]
+            sp.grad = None if pc.param in unused else \
+                self._grads[pc.bucket][pc.lo:pc.hi].view(sp.shape)
         self._prepared = True
 
     @torch.no_grad()
     def _launch_gathers(self) -> None:
+        if not self.shard:          # every rank stepped every parameter: cast the masters back
+            for master, bucket in zip(self._master, self._reducer.buckets):
+                ops.multi_tensor_unpack(master, [p.detach() for p in bucket.params])
+            return
         # Last bucket first: it holds the first layers, which the next forward needs first.
         for b in reversed(range(len(self._master))):
             with self._reducer.stream.issue():
@@ -201,7 +226,8 @@ class DistributedOptimizer:
             norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
             local = norms.max() if inf else norms.pow(norm_type).sum()
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-        for group in ([self.model.dp_group] if self._world > 1 else []) + list(groups):
+        dp = [self.model.dp_group] if self._world > 1 and self.shard else []
+        for group in dp + list(groups):
             dist.all_reduce(local, op=op, group=group)
         total = local if inf else local.pow(1.0 / norm_type)
         coef = float(max_norm) / (float(total) + 1e-6)
@@ -210,6 +236,19 @@ class DistributedOptimizer:
         return total
 
     # -- introspection ------------------------------------------------------------------------
+    @property
+    def state(self) -> "_StateByParam":
+        """The optimizer state by model parameter (unsharded only): ``state[p]`` is the dict of
+        ``p``'s fp32 master, with tensors shaped like ``p`` (what checkpoints save and load)."""
+        if self.shard:
+            raise AttributeError("a sharded DistributedOptimizer has no per-parameter state; "
+                                 "use state_dict()")
+        return _StateByParam(self)
+
+    def master_of(self, p: torch.Tensor) -> torch.Tensor:
+        """The fp32 master weight of model parameter ``p``, shaped like it (unsharded only)."""
+        return self._by_param[id(p)]
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank (moments, step counters, fp32 master copies)."""
         state = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
@@ -224,7 +263,8 @@ class DistributedOptimizer:
                 "dp_size": self._world, "master": [m.clone() for m in self._master]}
 
     def load_state_dict(self, state: dict) -> None:
-        if (state.get("dp_rank"), state.get("dp_size")) != (self._rank, self._world):
+        if self.shard and (state.get("dp_rank"), state.get("dp_size")) != (self._rank,
+                                                                            self._world):
             raise ValueError(f"state of dp rank {state.get('dp_rank')} of {state.get('dp_size')} "
                              f"cannot load on dp rank {self._rank} of {self._world}")
         self.optimizer.load_state_dict(state["optimizer"])
@@ -237,6 +277,20 @@ class DistributedOptimizer:
     @property
     def param_groups(self):
         return self.optimizer.param_groups
+
+
+class _StateByParam:
+    """``optimizer.state`` looked up by model parameter instead of by master."""
+
+    def __init__(self, opt: DistributedOptimizer):
+        self._opt = opt
+
+    def get(self, p, default=None):
+        sp = self._opt._by_param.get(id(p))
+        return default if sp is None else self._opt.optimizer.state.get(sp, default)
+
+    def __getitem__(self, p):
+        return self._opt.optimizer.state[self._opt._by_param[id(p)]]
 
 
 def _group_options(param_groups) -> list[dict]:

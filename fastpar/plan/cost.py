@@ -38,13 +38,13 @@ class Features:
     fused_qkv: bool = True           # one QKV and one up-gate linear (fastpar's, as Megatron):
     #                                  two column linears per layer, each with one TP reduction
     dp_overlap: bool = True          # DP buckets reduced during the last backward (pp == 1)
-    dp_overlap_pipeline: bool = False  # the same under pp > 1 (the trainer reduces afterwards)
+    dp_overlap_pipeline: bool = True   # the same under pp > 1 (during the last micro-batch's)
     bucket_mb: float = 25.0          # DP bucket size: the last bucket is always exposed
     flash_attention: bool = True     # fused attention: no (s, s) scores stored or moved
     dropout: bool = False            # dropout masks stored and applied
-    weight_bytes: int = 4            # per parameter: fp32 weights under bf16 autocast
-    grad_bytes: int = 4              # per parameter: fp32 gradients, reduced over DP as fp32
-    optimizer_bytes: int = 8         # per parameter: Adam's two moments (plus any master copy)
+    weight_bytes: int = 2            # per parameter: bf16 weights (--precision bf16, the GPU default)
+    grad_bytes: int = 4              # per parameter: fp32 main gradients, reduced over DP as fp32
+    optimizer_bytes: int = 12        # per parameter: fp32 master weight and Adam's two moments
 
 
 FASTPAR = Features()

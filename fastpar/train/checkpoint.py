@@ -77,14 +77,18 @@ def shard_specs(modules: list[nn.Module], tp_size: int, tp_rank: int) -> dict:
 
 
 def _state_of(optimizer, t: torch.Tensor):
-    """The optimizer state of the parameter ``t`` is (or is a view of), and ``t``'s rows in it
-    as ``(offset, rows)`` (None for the whole parameter)."""
+    """The parameter ``t`` is (or is a view of), its optimizer state, ``t``'s rows in it as
+    ``(offset, rows)`` (None for the whole parameter), and ``t``'s fp32 master weight (None
+    unless the optimizer keeps one per parameter: mixed precision). The checkpoint stores the
+    master in place of the low-precision parameter."""
     base = t._base if t._base is not None else t
     state = optimizer.state.get(base, {}) if optimizer is not None else {}
+    master = optimizer.master_of(base) if hasattr(optimizer, "master_of") else None
     if t._base is None:
-        return base, state, None
+        return base, state, None, master
     offset = (t.storage_offset() - base.storage_offset()) // max(1, base.stride(0))
-    return base, state, (offset, t.shape[0])
+    rows = (offset, t.shape[0])
+    return base, state, rows, None if master is None else master.narrow(0, *rows)
 
 
 class CheckpointError(ValueError):
@@ -107,9 +111,9 @@ def snapshot(modules, optimizer, mesh, rank_tensors: dict | None = None,
         tensors, index = {}, {}
         for name, (p, shape, dim, start, stop) in shard_specs(
                 modules, mesh.tp_size if mesh else 1, tp).items():
-            tensors[name] = cpu(p)
+            _, state, rows, master = _state_of(optimizer, p)
+            tensors[name] = cpu(p if master is None else master)
             index[name] = {"shape": shape, "dim": dim, "start": start, "stop": stop}
-            _, state, rows = _state_of(optimizer, p)
             for key in _OPTIM_KEYS:
                 if key in state:
                     st = state[key] if rows is None else state[key].narrow(0, *rows)
@@ -308,18 +312,22 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
     specs = shard_specs(modules, mesh.tp_size if mesh else 1, mesh.tp_rank if mesh else 0)
     with torch.no_grad():
         for name, (p, shape, dim, start, stop) in specs.items():
-            p.copy_(_read_slice(path, index, name, shape, dim, start, stop, verify))
+            weight = _read_slice(path, index, name, shape, dim, start, stop, verify)
+            p.copy_(weight)
+            base, _, rows, master = _state_of(optimizer, p)
+            if master is not None:
+                master.copy_(weight)
             if optimizer is None or not any(f"optim.step.{name}" in i for i in index.values()):
                 continue
-            base, _, rows = _state_of(optimizer, p)
             state = optimizer.state[base]
             for key in _OPTIM_KEYS:
                 got = _read_slice(path, index, f"optim.{key}.{name}", shape, dim, start, stop,
-                                  verify).to(p.device, p.dtype)
+                                  verify).to(p.device, p.dtype if master is None else master.dtype)
                 if rows is None:
                     state[key] = got
                 else:                      # one part of a fused parameter's state
-                    state.setdefault(key, torch.zeros_like(base)).narrow(0, *rows).copy_(got)
+                    full = state.setdefault(key, torch.zeros_like(base, dtype=got.dtype))
+                    full.narrow(0, *rows).copy_(got)
             step = _read_slice(path, index, f"optim.step.{name}", [1], None, 0, 0, verify)
             state["step"] = step.reshape(()).clone()
     rank = mesh.rank if mesh is not None else 0

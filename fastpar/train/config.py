@@ -7,7 +7,8 @@ from ..models import GPTConfig, get_config
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "full", "selective")
-PRECISIONS = ("auto", "bf16", "fp32")
+PRECISIONS = ("auto", "bf16", "amp", "fp32")
+REDUCE_DTYPES = ("fp32", "bf16")
 
 
 @dataclass
@@ -44,8 +45,11 @@ class TrainConfig:
     zero1: bool = False                 # shard optimizer state over the DP group
     recompute: str = "none"             # activation checkpointing: none | full | selective
     sequence_parallel: bool = False     # sequence parallelism inside TP
-    precision: str = "auto"             # bf16 (autocast over fp32 weights) | fp32 | auto: bf16
-                                        # on GPU, fp32 on CPU; bf16 on CPU runs the GPU's casts
+    precision: str = "auto"             # bf16: Megatron's mixed precision (bf16 parameters and
+                                        # activations, fp32 main gradients and master weights) |
+                                        # amp: bf16 autocast over fp32 weights | fp32 |
+                                        # auto: bf16 on GPU, fp32 on CPU (bf16 runs on CPU too)
+    grad_reduce_dtype: str = "fp32"     # dtype of the data-parallel gradient reduction
     log_every: int = 10                 # steps between log lines
     peak_tflops: float | None = None    # per device, for MFU; None = not reported
 
@@ -81,6 +85,9 @@ class TrainConfig:
             raise ValueError(f"--schedule={self.schedule!r} is not one of {SCHEDULES}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision={self.precision!r} is not one of {PRECISIONS}")
+        if self.grad_reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"--grad-reduce-dtype={self.grad_reduce_dtype!r} is not one of "
+                             f"{REDUCE_DTYPES}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"--recompute={self.recompute!r} is not one of {RECOMPUTE}")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
@@ -119,9 +126,14 @@ class TrainConfig:
         """The warm-up actually used: at most half the run, so a short run still decays."""
         return min(self.warmup_steps, self.steps // 2)
 
-    def bf16(self, device_type: str) -> bool:
-        """Whether steps run under bf16 autocast on a device of this type."""
+    def bf16_params(self, device_type: str) -> bool:
+        """Whether the model's parameters are bf16 (with fp32 main gradients and masters)."""
         return self.precision == "bf16" or (self.precision == "auto" and device_type == "cuda")
+
+    def autocast(self, device_type: str) -> bool:
+        """Whether steps run under bf16 autocast (both bf16 modes: ops autocast keeps in fp32,
+        such as softmax, stay fp32 with bf16 parameters too)."""
+        return self.precision == "amp" or self.bf16_params(device_type)
 
     def num_microbatches(self, dp: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * dp)

@@ -80,9 +80,11 @@ def poison(faults: Faults, step: int, rank: int, loss: torch.Tensor, modules) ->
     if faults.hits("nan-loss", step, rank):
         loss.fill_(float("nan"))
     if faults.hits("nan", step, rank):
-        for p in (p for m in modules for p in m.parameters() if p.grad is not None):
-            p.grad.view(-1)[0] = float("nan")
-            return
+        for p in (p for m in modules for p in m.parameters()):
+            g = getattr(p, "main_grad", None) if p.grad is None else p.grad
+            if g is not None:
+                g.view(-1)[0] = float("nan")
+                return
 
 
 def during_save(faults: Faults, step: int, rank: int) -> None:

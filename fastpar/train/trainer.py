@@ -76,6 +76,31 @@ def build_model(cfg: TrainConfig, mesh) -> list[GPT]:
     return chunks
 
 
+def _wrap(cfg: TrainConfig, chunks, mesh, dp: int):
+    """The DataParallel wrapper (None when there is nothing to wrap) and the optimizer.
+
+    ``--precision bf16`` (Megatron's mixed precision): the parameters become bf16 (buffers such
+    as rotary tables stay fp32), DataParallel keeps fp32 main gradients even at dp=1, and a
+    DistributedOptimizer steps fp32 master weights (sharded with ZeRO-1). Otherwise the
+    parameters stay fp32 and AdamW steps them, or a DistributedOptimizer under ZeRO-1."""
+    mixed = cfg.bf16_params(mesh.device.type)
+    if mixed:
+        for m in chunks:
+            for p in m.parameters():
+                p.data = p.data.to(torch.bfloat16)
+    reduce_dtype = torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else \
+        (torch.float32 if mixed else None)
+    ddp = DataParallel(nn.ModuleList(chunks), dp_group=mesh.dp_group, main_grads=mixed,
+                       reduce_dtype=reduce_dtype) if dp > 1 or mixed else None
+    groups = _param_groups(chunks, cfg.weight_decay)
+    adam = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    shard = cfg.zero1 and dp > 1
+    if mixed or shard:
+        return ddp, DistributedOptimizer(ddp, torch.optim.AdamW, groups, shard=shard,
+                                         foreach=True, **adam)
+    return ddp, torch.optim.AdamW(groups, foreach=True, **adam)
+
+
 def _param_groups(chunks, weight_decay):
     decay = [p for m in chunks for p in m.parameters() if p.requires_grad and p.dim() >= 2]
     rest = [p for m in chunks for p in m.parameters() if p.requires_grad and p.dim() < 2]
@@ -178,14 +203,10 @@ def train(cfg: TrainConfig) -> list[dict]:
                         nccl_trace=str(trace / "rank_"))
     torch.manual_seed(cfg.seed)
     chunks = build_model(cfg, mesh)
-    ddp = DataParallel(nn.ModuleList(chunks), dp_group=mesh.dp_group) if dp > 1 else None
-    groups = _param_groups(chunks, cfg.weight_decay)
-    adam = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-    if cfg.zero1 and ddp is not None:
-        opt = DistributedOptimizer(ddp, torch.optim.AdamW, groups, **adam)
-        torch_opt = opt.optimizer
-    else:
-        opt = torch_opt = torch.optim.AdamW(groups, foreach=True, **adam)
+    ddp, opt = _wrap(cfg, chunks, mesh, dp)
+    torch_opt = opt.optimizer if isinstance(opt, DistributedOptimizer) else opt
+    zero = isinstance(opt, DistributedOptimizer) and opt.shard
+    ckpt_opt = None if zero else opt          # a ZeRO shard is saved per rank, see below
     sampler = BatchSampler(tokens, cfg.seq_len, cfg.global_batch_size, cfg.seed,
                            mesh.dp_rank, dp)
     M = cfg.num_microbatches(dp)
@@ -197,9 +218,9 @@ def train(cfg: TrainConfig) -> list[dict]:
         pipe = PipelineExecutor(stages, sched, mesh.pp_group, loss_fn=_loss_fn(mesh.tp_group))
     start = 0
     if resume_from is not None:
-        manifest = load_checkpoint(resume_from, chunks, None if cfg.zero1 else torch_opt, mesh)
+        manifest = load_checkpoint(resume_from, chunks, ckpt_opt, mesh)
         start = manifest["data_step"]
-        if isinstance(opt, DistributedOptimizer):
+        if zero:
             _load_zero(opt, resume_from, manifest, mesh, dp)
     out = Path(cfg.out)
     if mesh.rank == 0:
@@ -226,10 +247,10 @@ def train(cfg: TrainConfig) -> list[dict]:
             g["lr"] = lr
         x, y = sampler.batch(step)
         x, y = x.to(mesh.device), y.to(mesh.device)
-        # bf16 autocast over fp32 master weights (by default on GPU; --precision bf16 on CPU too).
+        # bf16 parameters or autocast over fp32 ones (by default on GPU; on CPU if asked).
         with wd.region(step, "forward and backward", ("tp", "pp", "dp")), \
                 torch.autocast(mesh.device.type, torch.bfloat16,
-                               enabled=cfg.bf16(mesh.device.type)):
+                               enabled=cfg.autocast(mesh.device.type)):
             loss = _step(chunks, ddp, pipe, x, y, M, mesh)
         faults.poison(fault, step, mesh.rank, loss, chunks)
         with wd.region(step, "the loss all-reduce", ("dp",)):
@@ -249,12 +270,12 @@ def train(cfg: TrainConfig) -> list[dict]:
                                 flops * step_tokens, world, skipped=not ok))
         if not cfg.no_save and ((cfg.save_every and step % cfg.save_every == 0)
                                 or step == cfg.steps):
-            zero = _zero_tensors(opt) if isinstance(opt, DistributedOptimizer) else None
+            shard = _zero_tensors(opt) if zero else None
             with wd.region(step, "saving the checkpoint"):
-                writer.save(step, chunks, None if zero else torch_opt,
+                writer.save(step, chunks, ckpt_opt,
                             {"data_step": step, "model_config": mc.to_dict(),
                              "layout": {"tp": cfg.tp, "pp": cfg.pp, "dp": dp},
-                             "zero1": zero is not None}, rank_tensors=zero)
+                             "zero1": zero}, rank_tensors=shard)
         faults.after_step(fault, step, mesh.rank)
     with wd.region(cfg.steps, "writing the last checkpoint"):
         writer.wait()
