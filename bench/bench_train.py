@@ -16,20 +16,24 @@ variants, or the run stops.
                 no buffer sync per forward: its only buffers are the constant rotary tables)
   fastpar tp2   ``build_model`` with the TP group (Column/RowParallelLinear, vocab-parallel
                 embedding, head and cross-entropy)
-  torch   tp2   the single-device GPT with its parallel layers turned into nn.Linear / nn.Embedding
-                and sharded by ``parallelize_module``: Colwise q, k, v, up, gate (fastpar's fused
-                projections split back into one nn.Linear per part); Rowwise o, down;
-                the embedding Rowwise (vocabulary shards, all-reduced output) and the head Colwise
-                with a replicated (all-gathered) output, because the model's loss takes local
-                logits - torch's ``loss_parallel`` would keep the vocabulary sharded, but it needs
-                a DTensor logit and the model masks and transposes its logits as plain tensors.
-                Each attention keeps n_heads / tp heads. Norm weights stay plain replicated tensors,
-                so the global norm is the DTensor part's norm plus the plain part's.
+  fastpar tp2-sp  the same with sequence parallelism (Megatron's 6 all-gathers + 4
+                reduce-scatters per layer)
+  torch   tp2[-sp]  torchtitan's Llama with the same weights, sharded by torchtitan's TP plan
+                (bench/titan.py): Colwise wq, wk, wv, w1, w3, Rowwise wo, w2, the embedding
+                Rowwise, the head Colwise with vocabulary-sharded logits under ``loss_parallel``;
+                for tp2-sp ``SequenceParallel`` norms and ``PrepareModuleInput`` gathering the
+                sequence before attention and the MLP. The gradient norm is torchtitan's
+                (``get_total_norm`` over the DTensor gradients; without SP the norms' plain
+                gradients are added by hand).
   fastpar pp2   the trainer's two stages in the PipelineExecutor, 1F1B
   torch   pp2   the same two stage modules in torch.distributed.pipelining PipelineStage +
                 Schedule1F1B; the norm is summed over the stages by hand (torch has no helper)
 Layouts that mix these torch parts (DDP with pipelining, DTensor TP inside pipeline stages) are
 not measured: only the pure ones at world size 2.
+
+TP bytes: one extra step of each TP variant under tests/wire.py's recorder (collectives of at
+least 4 KiB), against ``megatron_tp_bytes``. DTensor saves the gathered activations for
+backward instead of gathering them again, so it moves less than Megatron's formula under SP.
 
 Timing: the variants (fastpar, the torch peer and a second instance of the peer, an A/A control)
 of each layout in ``--layouts`` live in the same two ranks and take turns step by step, the order
