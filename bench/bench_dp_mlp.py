@@ -9,8 +9,10 @@
 over the reduction's, and by the last bucket, which can only start when backward ends.
 
 Variants, measured in the same run, interleaved round by round, the order rotated each round so
-that no variant always runs first (medians reported):
-  ddp           torch DistributedDataParallel, same bucket size
+that no variant always runs first (medians reported). Each round times its steps as one window
+that also holds the wait for the last step's deferred work (ZeRO-1's parameter gather), so
+nothing a variant launches finishes outside the timing:
+  ddp           torch DistributedDataParallel, same bucket size, gradient_as_bucket_view=True
   ddp-again     a second, identical DDP model: an A/A control, its ratio to ddp is the noise
   overlap-off   fastpar DataParallel, every bucket reduced after backward
   overlap-on    fastpar DataParallel, each bucket reduced as soon as its gradients are ready
@@ -55,9 +57,12 @@ def _variants(mesh, hidden, layers, bucket_mb):
     g = mesh.dp_group
     adamw = lambda params: torch.optim.AdamW(params, lr=1e-4)  # noqa: E731
     out = {}
-    m = DDP(_mlp(hidden, layers), process_group=g, bucket_cap_mb=bucket_mb)
+    # DDP as its docs recommend at its best: gradients as bucket views (no copy in or out).
+    m = DDP(_mlp(hidden, layers), process_group=g, bucket_cap_mb=bucket_mb,
+            gradient_as_bucket_view=True)
     out["ddp"] = (m, adamw(m.parameters()))
-    m = DDP(_mlp(hidden, layers), process_group=g, bucket_cap_mb=bucket_mb)
+    m = DDP(_mlp(hidden, layers), process_group=g, bucket_cap_mb=bucket_mb,
+            gradient_as_bucket_view=True)
     out["ddp-again"] = (m, adamw(m.parameters()))
     for overlap in (False, True):
         m = DataParallel(_mlp(hidden, layers), dp_group=g, bucket_cap_mb=bucket_mb,
@@ -96,10 +101,10 @@ def _measure(rank, world_size, hidden, layers, batch, bucket_mb, rounds, iters):
         for name in common.rotated(names, r):
             model, opt = variants[name]
             dist.barrier()
-            t = common.time_it(lambda: step(model, opt), mesh.device, warmup=0, iters=iters)
-            if name == "zero1":
-                opt.finish_param_sync()
-            times[name].append(common.median(t))
+            # The round's last parameter gather (ZeRO-1) is waited for inside the window.
+            finish = opt.finish_param_sync if name == "zero1" else None
+            times[name].append(common.time_steps(lambda: step(model, opt), mesh.device,
+                                                 iters, finish))
     med = torch.tensor([common.median(times[n]) for n in variants])
     dist.all_reduce(med, op=dist.ReduceOp.MAX)       # a step is as slow as the slowest rank
     state = {"plain": _state_bytes(variants["ddp"][1]),

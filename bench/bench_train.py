@@ -12,7 +12,8 @@ variant starts from the same weights and sees the same batch; the losses of the 
 variants, or the run stops.
 
   fastpar dp2   ``build_model`` (tp=1) wrapped in DataParallel, the trainer's ``_step`` / ``_clip``
-  torch   dp2   the same GPT in DistributedDataParallel (no_sync on all but the last micro-batch;
+  torch   dp2   the same GPT in DistributedDataParallel with gradient_as_bucket_view=True (no_sync
+                on all but the last micro-batch;
                 no buffer sync per forward: its only buffers are the constant rotary tables)
   fastpar tp2   ``build_model`` with the TP group (Column/RowParallelLinear, vocab-parallel
                 embedding, head and cross-entropy)
@@ -139,7 +140,8 @@ def fastpar_variant(cfg, mesh):
 # -- torch: DDP, DTensor TP, torch.distributed.pipelining -------------------------------------
 def torch_dp(cfg, mesh):
     model = GPT(cfg.model_config, device=mesh.device)
-    ddp = DDP(model, process_group=mesh.dp_group, broadcast_buffers=False)
+    ddp = DDP(model, process_group=mesh.dp_group, broadcast_buffers=False,
+              gradient_as_bucket_view=True)
     opt, params = _adamw(cfg, [model]), list(model.parameters())
     M = cfg.num_microbatches(mesh.dp_size)
     norm = torch.nn.utils.get_total_norm

@@ -39,6 +39,20 @@ def time_it(fn, device: torch.device, warmup: int = 2, iters: int = 10) -> list[
     return times
 
 
+def time_steps(fn, device: torch.device, iters: int, finish=None) -> float:
+    """Seconds per step of ``iters`` calls of ``fn`` timed as one window that also holds
+    ``finish()`` (every wait a step defers to the next one, e.g. ZeRO-1's parameter gather):
+    nothing a step launches completes outside the window."""
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if finish is not None:
+        finish()
+    sync(device)
+    return (time.perf_counter() - start) / iters
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

@@ -38,7 +38,7 @@ def error_checks(rank, world):
            "is frozen")
     for cap in (0, -1.5, float("nan"), True, "25"):
         expect(f"bucket_cap_mb={cap!r}", ValueError,
-               lambda: DataParallel(lin(), bucket_cap_mb=cap), "must be a finite number > 0")
+               lambda: DataParallel(lin(), bucket_cap_mb=cap), "must be None or a finite number > 0")
     expect("reduce_dtype", ValueError, lambda: DataParallel(lin(), reduce_dtype=torch.int32),
            "reduce_dtype=torch.int32 must be None or one of")
     expect("dp_group", ValueError, lambda: DataParallel(lin(), dp_group="world"),

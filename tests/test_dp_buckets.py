@@ -98,3 +98,39 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="pad_to=0"):
         assign_buckets([(1, F32)], cap_bytes=10, pad_to=0)
     assert assign_buckets([], cap_bytes=10) == []
+
+
+def _ddp_buckets(rank, world, widths, cap_mb):
+    """DataParallel's buckets and torch DDP's (as DDP rebuilds them after the first backward,
+    in gradient-ready order, with its 1 MiB first bucket) for the same model and cap."""
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fastpar.data_parallel import DataParallel
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:])]
+    model = nn.Sequential(*layers)
+    kw = {} if cap_mb is None else {"bucket_cap_mb": cap_mb}
+    ddp = DDP(model, gradient_as_bucket_view=True, **kw)
+    for _ in range(3):                  # rebuilt after the first backward, logged later
+        ddp(torch.randn(2, widths[0])).sum().backward()
+    data = ddp._get_ddp_logging_data()
+    theirs = [[int(i) for i in b.split()]
+              for b in data["rebuilt_per_bucket_param_indices"].split(", ")]
+    ours = [list(s.indices) for s in
+            DataParallel(nn.Sequential(*layers), bucket_cap_mb=cap_mb).bucket_specs]
+    return ours, theirs
+
+
+@pytest.mark.parametrize("widths,cap_mb", [((256, 512, 512, 1024, 256, 64), 1.5),
+                                           ((64, 700, 700, 700, 32), 0.75),
+                                           ((256, 512, 512, 1024, 256, 64), None),
+                                           ((128, 128, 128), 25)])
+def test_buckets_equal_torch_ddp_for_the_same_cap(widths, cap_mb):
+    """None: both at their default (25 MiB, the first bucket at 1 MiB)."""
+    from fastpar.testing import run_ranks
+
+    ours, theirs = run_ranks(_ddp_buckets, 2, widths, cap_mb)[0]
+    assert len(ours) > 1 or widths[1] == 128
+    assert ours == theirs

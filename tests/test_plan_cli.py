@@ -74,3 +74,40 @@ def test_calibrate_writes_a_profile(tmp_path, capsys, monkeypatch):
     assert hw.hbm_gbps > 0 and hw.name == "cpu" and hw.kind == "cpu"
     assert hw.matmul_curve == ((1e6, 0.5), (1e8, 1.0)) and hw.attention_efficiency == 0.3
     assert len(hw.memory_curve) >= 2 and hw.kernel_overhead_us >= 5.0
+
+
+@pytest.mark.parametrize("gpus", [8, 16])
+def test_search_prints_the_train_command_of_its_best_layout(capsys, monkeypatch, gpus):
+    import fastpar.cli as cli
+    from fastpar.train import TrainConfig
+
+    plan = ["plan", "--model", "1b", "--gpus", str(gpus), "--seq-len", "2048",
+            "--global-batch-size", "64", "--top", "1"]
+    assert main(plan + ["--json"]) == 0
+    best = json.loads(capsys.readouterr().out)[0]
+    assert main(plan) == 0
+    line = capsys.readouterr().out.split("run it:\n", 1)[1].splitlines()[0].strip()
+    if gpus == 8:
+        assert line.startswith("fastpar train --model 1b") and line.endswith(f"--nproc {gpus}")
+        argv = line.split()[1:]
+    else:                                  # two nodes of 8: a torchrun line per node
+        assert line.startswith("torchrun --nnodes 2 --nproc-per-node 8")
+        argv = line.split("-m fastpar ", 1)[1].split("#")[0].split()
+    seen = {}
+
+    def fake_train(args):                  # the train command's own parser and checks
+        opts = {k: v for k, v in vars(args).items()
+                if k not in ("command", "version", "nproc", "max_restarts")}
+        cfg = TrainConfig(**opts)
+        seen["dp"] = cfg.check_layout(gpus)
+        seen["cfg"] = cfg
+        return 0
+    monkeypatch.setattr(cli, "_train", fake_train)
+    assert main(argv) == 0
+    cfg = seen["cfg"]
+    got = dict(tp=cfg.tp, pp=cfg.pp, dp=seen["dp"], micro_batch_size=cfg.micro_batch_size,
+               recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
+               zero1=cfg.zero1, virtual_stages=cfg.virtual_stages)
+    assert got == {k: best[k] for k in got}
+    assert cfg.pp == 1 or cfg.schedule == best["schedule"]
+    assert (cfg.global_batch_size, cfg.seq_len, cfg.model) == (64, 2048, "1b")

@@ -3,9 +3,9 @@
 Pure arithmetic, no tensors or processes. Parameters are taken in reverse registration order
 (roughly the order backward produces their gradients), one open bucket per dtype, and a bucket is
 closed as soon as it reaches the cap: it stays below the cap until its last parameter. This is
-torch DDP's rule, so the same ``bucket_cap_mb`` gives the same buckets; as in DDP the very first
-bucket closes earlier, at ``first_cap_bytes``, so that communication starts as soon as the last
-layer's gradients exist. Buckets are listed in the order they become ready, which is the order
+torch DDP's rule, so the same ``bucket_cap_mb`` gives the same buckets; as DDP does with its
+default cap, the very first bucket can close earlier, at ``first_cap_bytes``, so that
+communication starts as soon as the last layer's gradients exist. Buckets are listed in the order they become ready, which is the order
 their collectives are launched in on every rank.
 """
 from __future__ import annotations

@@ -35,9 +35,10 @@ def resolve_group(dp_group) -> Group:
 def check_options(module, bucket_cap_mb, reduce_dtype) -> None:
     if not isinstance(module, nn.Module):
         raise ValueError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
-            or not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:
-        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a finite number > 0")
+    if bucket_cap_mb is not None and (
+            isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+            or not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0):
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be None or a finite number > 0")
     if reduce_dtype is not None and reduce_dtype not in _FLOAT:
         raise ValueError(f"reduce_dtype={reduce_dtype!r} must be None or one of "
                          f"{', '.join(str(d) for d in _FLOAT)}")

@@ -36,9 +36,10 @@ class DataParallel(nn.Module):
         module: the replica (a plain, tensor-parallel or pipeline-stage module).
         dp_group: the data-parallel process group (``mesh.dp_group``). ``None``: the default
             group if torch.distributed is initialised, else a single process (no communication).
-        bucket_cap_mb: a bucket closes as soon as it holds this many MiB (torch DDP's rule, so
-            the same value gives the same buckets). Buckets follow reverse registration order
-            and are split by dtype; the first one closes at 1 MiB already, as in DDP.
+        bucket_cap_mb: a bucket closes as soon as it holds this many MiB. ``None``: 25, and the
+            first bucket closes at 1 MiB already. torch DDP's rules, tested to give DDP's
+            (rebuilt) buckets for the same parameters and cap. Buckets follow reverse
+            registration order and are split by dtype.
         overlap: start each bucket's reduction as soon as its last gradient is ready (during
             backward). ``False``: reduce everything after backward. Same numbers either way.
         reduce_dtype: dtype of the communication, e.g. ``torch.float32`` for a bf16 model (the
@@ -63,11 +64,14 @@ class DataParallel(nn.Module):
     buffers. Frozen parameters are not reduced.
     """
 
-    def __init__(self, module: nn.Module, *, dp_group=None, bucket_cap_mb: float = 25,
+    def __init__(self, module: nn.Module, *, dp_group=None, bucket_cap_mb: float | None = None,
                  overlap: bool = True, reduce_dtype: torch.dtype | None = None,
                  main_grads: bool = False, find_unused_parameters: bool = False):
         super().__init__()
         check_options(module, bucket_cap_mb, reduce_dtype)
+        # torch DDP's rule: the 1 MiB first bucket only with the default cap (25 MiB).
+        first_mb = None if bucket_cap_mb is not None else _FIRST_BUCKET_BYTES / 2**20
+        bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
         group = resolve_group(dp_group)
         named = check_params(module, reduce_dtype)
         device = named[0][1].device
@@ -84,7 +88,7 @@ class DataParallel(nn.Module):
         self.bucket_specs: list[BucketSpec] = assign_buckets(
             [(p.numel(), p.dtype) for p in params], int(bucket_cap_mb * 2**20),
             pad_to=self.dp_size, reduce_dtype=wire,
-            first_cap_bytes=min(int(bucket_cap_mb * 2**20), _FIRST_BUCKET_BYTES))
+            first_cap_bytes=int((first_mb or bucket_cap_mb) * 2**20))
         self.events = EventLog()
         self._reducer = GradReducer(params, [n for n, _ in named], self.bucket_specs, group,
                                     self.dp_size, reduce_dtype=reduce_dtype, overlap=overlap,

@@ -97,8 +97,36 @@ def run_plan(args) -> int:
     elif not best:
         print(f"no configuration fits ({rejected['memory']} rejected for memory)")
     else:
-        print(_table(best) + "\n\n" + _why(best, rejected))
+        print(_table(best) + "\n\n" + _why(best, rejected) + "\n\n"
+              + train_command(best[0].config, work, cluster, args.model))
     return 0 if best else 1
+
+
+def train_command(cfg: ParallelConfig, work: Workload, cluster: Cluster,
+                  preset: str | None) -> str:
+    """The ``fastpar train`` line that runs ``cfg`` (a torchrun line per node on several)."""
+    flags = [f"--tp {cfg.tp}", f"--pp {cfg.pp}", f"--dp {cfg.dp}",
+             f"--global-batch-size {work.global_batch}",
+             f"--micro-batch-size {cfg.micro_batch_size}", f"--seq-len {work.seq_len}"]
+    if cfg.pp > 1:
+        flags.append(f"--schedule {cfg.schedule}")
+    if cfg.virtual_stages > 1:
+        flags.append(f"--virtual-stages {cfg.virtual_stages}")
+    if cfg.recompute != "none":
+        flags.append(f"--recompute {cfg.recompute}")
+    flags += ["--sequence-parallel"] * cfg.sequence_parallel + ["--zero1"] * cfg.zero1
+    model = f"--model {preset}" if preset else "--model <preset>"
+    args = " ".join([model] + flags)
+    nodes = -(-cluster.gpus // cluster.gpus_per_node)
+    if nodes == 1:
+        line = f"fastpar train {args} --nproc {cluster.gpus}"
+    else:
+        line = (f"torchrun --nnodes {nodes} --nproc-per-node {cluster.gpus_per_node} "
+                f"--rdzv-backend c10d --rdzv-endpoint <first node>:29500 "
+                f"-m fastpar train {args}      # on each of the {nodes} nodes")
+    note = "" if preset else ("\n(fastpar train builds presets only: this shape is not one; "
+                              "give the layout to your own training script)")
+    return f"run it:\n  {line}{note}"
 
 
 _COLUMNS = (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("v", "virtual_stages"),
