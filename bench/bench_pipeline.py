@@ -10,7 +10,8 @@ runs (fastpar / torch: the median of each run's ratio):
   torch   ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (v=2),
           ScheduleInterleavedZeroBubble (one stage per rank: ZB-H1's setting)
   fastpar gpipe, 1f1b, interleaved (v=2), zb-h1
-Reported per schedule: step ms, fastpar / torch, GFLOP/s per rank, the bubble measured from the
+A second torch Schedule1F1B is measured like the others: the "A/A" row (its ratio to the first)
+is the noise of the comparison. Reported per schedule: step ms, fastpar / torch, GFLOP/s per rank, the bubble measured from the
 executor's timeline (idle / step, averaged over ranks, barrier before each step) and the bubble
 and step time that ``fastpar.pipeline.simulate`` predicts from the measured per-stage F / B / W
 costs and the measured one-way p2p time; fastpar 1f1b with p2p overlap off (each batch of sends
@@ -150,6 +151,9 @@ def _measure(rank, world_size, a):
                                 loss_fn=loss_fn, record=True)
         pipes[name] = pipe
         variants[("fastpar", name)] = (lambda x, y, pipe=pipe: pipe.step(x, y), mods)
+    # An A/A control: a second torch Schedule1F1B, measured like the others.
+    variants[("torch", "1f1b again")] = _torch_step(copy.deepcopy(base), mesh, pp, 1, a.m,
+                                                    "Schedule1F1B")
     # 1F1B again with every p2p batch waited for at once: what posting receives early buys.
     mods = build_stages(copy.deepcopy(base), rank, pp)
     sync = PipelineExecutor(mods, build_schedule("1f1b", pp, a.m), mesh.pp_group,
@@ -222,6 +226,9 @@ def _rows(pp, res, a, flops_per_step):
     rows.append({"pp": pp, "schedule": "1f1b, p2p overlap off", "torch": "Schedule1F1B",
                  "torch_ms": ms["torch 1f1b"], "fastpar_ms": ms["fastpar 1f1b overlap off"],
                  "fastpar/torch": ms["fastpar 1f1b overlap off"] / ms["torch 1f1b"]})
+    rows.append({"pp": pp, "schedule": "A/A: torch 1f1b again", "torch": "Schedule1F1B",
+                 "torch_ms": ms["torch 1f1b"], "fastpar_ms": ms["torch 1f1b again"],
+                 "fastpar/torch": ms["torch 1f1b again"] / ms["torch 1f1b"]})
     rows.append({"pp": pp, "schedule": "zb-h1 / 1f1b", "torch": "ZB / 1F1B",
                  "torch_ms": ms["torch zb-h1"] / ms["torch 1f1b"],
                  "fastpar_ms": ms["fastpar zb-h1"] / ms["fastpar 1f1b"],

@@ -3,12 +3,18 @@
     python bench/bench_tp_mlp.py [--ranks 2] [--hidden 512] [--tokens 2048] [--rounds 5]
     ../shared/tools/shaped-link 1gbit python bench/bench_tp_mlp.py --label 1gbit
 
-Variants, measured in the same run, interleaved round by round (medians reported):
+Variants, measured in the same run, interleaved round by round, the order rotated every round
+so that no variant always runs first (medians reported):
   dtensor       torch's parallelize_module with ColwiseParallel / RowwiseParallel
+  dtensor-again a second, identical DTensor block: an A/A control, its ratio is the noise
+  dtensor-sp    the sequence-parallel plan as torchtitan writes it: ColwiseParallel with
+                sequence-sharded input (all-gather), RowwiseParallel with sequence-sharded
+                output (reduce-scatter); the peer of the sp-* rows
   overlap-off   fastpar layers, plain collectives after each GEMM
   overlap-on    fastpar layers, collectives overlapped with GEMMs in the C++ extension
   sp-off/sp-on  the same with sequence parallelism (all-gather / reduce-scatter)
   compute-only  each rank's GEMM shards with no communication at all: the floor
+The ``vs_peer`` column divides each row by its peer: dtensor-sp for sp-*, dtensor otherwise.
 """
 from __future__ import annotations
 
@@ -40,6 +46,7 @@ class MLP(nn.Module):
 
 def _variants(mesh, hidden, ffn, tokens, chunks):
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
@@ -50,10 +57,16 @@ def _variants(mesh, hidden, ffn, tokens, chunks):
     xs = x.chunk(tp, 0)[rank].contiguous()
     out = {}
     dmesh = DeviceMesh("cpu", mesh.group_ranks("tp"))
+    for name in ("dtensor", "dtensor-again"):
+        dt = MLP(nn.Linear(hidden, ffn), nn.Linear(ffn, hidden))
+        dt.load_state_dict(ref.state_dict())
+        out[name] = (parallelize_module(dt, dmesh, {"fc1": ColwiseParallel(),
+                                                    "fc2": RowwiseParallel()}), x)
     dt = MLP(nn.Linear(hidden, ffn), nn.Linear(ffn, hidden))
     dt.load_state_dict(ref.state_dict())
-    out["dtensor"] = (parallelize_module(dt, dmesh, {"fc1": ColwiseParallel(),
-                                                     "fc2": RowwiseParallel()}), x)
+    out["dtensor-sp"] = (parallelize_module(dt, dmesh, {
+        "fc1": ColwiseParallel(input_layouts=Shard(0)),
+        "fc2": RowwiseParallel(output_layouts=Shard(0))}), xs)
     for sp in (False, True):
         for overlap in (False, True):
             m = MLP(ColumnParallelLinear.from_linear(ref.fc1, g, sequence_parallel=sp,
@@ -79,8 +92,9 @@ def _measure(rank, world_size, hidden, tokens, rounds, iters, chunks):
 
     for name, (model, x) in variants.items():      # warm-up, and a correctness cross-check
         step(model, x)
-    for _ in range(rounds):
-        for name, (model, x) in variants.items():
+    for r in range(rounds):
+        for name in common.rotated(list(variants), r):
+            model, x = variants[name]
             dist.barrier()
             t = common.time_it(lambda: step(model, x), mesh.device, warmup=0, iters=iters)
             times[name].append(common.median(t))
@@ -110,16 +124,18 @@ def main(argv=None):
     for name, t in med.items():
         rows.append({"link": a.label, "variant": name, "tp": a.ranks, "hidden": a.hidden,
                      "tokens": a.tokens, "median_ms": t * 1e3,
-                     "vs_dtensor": t / med["dtensor"],
+                     "vs_peer": t / med["dtensor-sp" if name.startswith("sp-") else "dtensor"],
                      "comm_share": max(0.0, 1 - floor / t),
                      "GFLOP/s/rank": flops / t / 1e9})
     rows.append({"link": a.label, "variant": "on/off ratio", "median_ms": "",
-                 "vs_dtensor": med["overlap-on"] / med["overlap-off"],
+                 "vs_peer": med["overlap-on"] / med["overlap-off"],
                  "comm_share": max(0.0, 1 - floor / med["overlap-off"])})
     rows.append({"link": a.label, "variant": "sp on/off ratio", "median_ms": "",
-                 "vs_dtensor": med["sp-on"] / med["sp-off"]})
+                 "vs_peer": med["sp-on"] / med["sp-off"]})
+    rows.append({"link": a.label, "variant": "A/A (dtensor-again / dtensor)", "median_ms": "",
+                 "vs_peer": med["dtensor-again"] / med["dtensor"]})
     common.report(f"tp_mlp_{a.label}", rows, ["link", "variant", "tp", "hidden", "tokens",
-                                              "median_ms", "vs_dtensor", "comm_share",
+                                              "median_ms", "vs_peer", "comm_share",
                                               "GFLOP/s/rank"])
 
 
