@@ -6,12 +6,15 @@
 #   1. build     fastpar with its CUDA sources for this GPU's arch (pip --no-deps, offline)
 #   2. kernels   the kernel tests compiled on the GPU (TRITON_INTERPRET=0), bf16 included
 #   3. tp-nccl   the extension's GEMM<->collective ops, the overlapped TP autograd Functions under
-#                CUDA bf16 autocast and DataParallel's CUDA path, on a one-rank NCCL group
+#                CUDA bf16 autocast, DataParallel's CUDA path and mixed precision (bf16
+#                parameters, fp32 main gradients, fused AdamW on fp32 masters), on a one-rank
+#                NCCL group
 #   4. accuracy  rms_norm / layer_norm at hidden 8192 and 16384, cross-entropy at 16K tokens x
 #                128K vocabulary, compiled, against torch (bench/gpu_kernel_check.py)
 #   5. bench     the kernels against torch eager / torch.compile / cuBLAS, matmul first, with a
 #                time budget (bench/bench_kernels.py)
-#   6. train-1b  a few steps of the 1b preset on this GPU (bf16), no checkpoint: tokens/s, MFU
+#   6. train-1b  a few steps of the 1b preset on this GPU (--precision bf16, the GPU default),
+#                no checkpoint: tokens/s, MFU
 #
 #   bash bench/gpu_check.sh 2>&1 | tee gpu_check.log
 #   PYTHON=/path/to/python STEPS="build kernels" bash bench/gpu_check.sh    # some steps only
