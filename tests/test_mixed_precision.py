@@ -81,6 +81,19 @@ def test_main_grads_and_masters_equal_a_hand_written_reference():
         assert opt.state[p]["exp_avg"].shape == p.shape
 
 
+def _bytes_after_one_step(shard):
+    """(bf16 weight, fp32 main gradient, live .grad, optimizer state) bytes per parameter of a
+    two-linear bf16 model after one step (.grad in total bytes: it should be none)."""
+    model = DataParallel(nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256)).to(BF16),
+                         main_grads=True)
+    opt = DistributedOptimizer(model, torch.optim.AdamW, shard=shard, **ADAM)
+    _loss(model, torch.randn(4, 256, dtype=BF16), torch.randn(4, 256)).backward()
+    opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    params, main, grads, state = _state_bytes(model, opt)
+    return params / n, main / n, grads, state / n
+
+
 def _state_bytes(model, opt):
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     main = sum(b.main.numel() * b.main.element_size() for b in model._reducer.buckets)
@@ -90,17 +103,11 @@ def _state_bytes(model, opt):
 
 
 def test_memory_per_parameter_is_megatrons_18_bytes():
-    model = DataParallel(nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256)).to(BF16),
-                         main_grads=True)
-    opt = DistributedOptimizer(model, torch.optim.AdamW, shard=False, **ADAM)
-    _loss(model, torch.randn(4, 256, dtype=BF16), torch.randn(4, 256)).backward()
-    opt.step()
-    n = sum(p.numel() for p in model.parameters())
-    params, main, grads, state = _state_bytes(model, opt)
-    assert (params / n, main / n, grads) == (2, 4, 0)
+    params, main, grads, state = _bytes_after_one_step(shard=False)
+    assert (params, main, grads) == (2, 4, 0)
     # masters 4 + exp_avg 4 + exp_avg_sq 4, plus one step counter per tensor
-    assert 12 <= state / n < 12.01, state / n
-    assert 18 <= (params + main + state) / n < 18.01
+    assert 12 <= state < 12.01, state
+    assert 18 <= params + main + state < 18.01
 
 
 def _dp_checks(rank, world):
@@ -117,14 +124,8 @@ def _dp_checks(rank, world):
         out[name] = ([p.main_grad.clone() for p in model.parameters()],
                      wire.summary().get("all_reduce", (0, 0))[1])
     # ZeRO-1 with main gradients: bf16 parameters, 4 bytes of main gradient, 12 / dp of state.
-    model = DataParallel(nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256)).to(BF16),
-                         main_grads=True)
-    opt = DistributedOptimizer(model, torch.optim.AdamW, shard=True, **ADAM)
-    _loss(model, torch.randn(4, 256, dtype=BF16), torch.randn(4, 256)).backward()
-    opt.step()
-    n = sum(p.numel() for p in model.parameters())
-    params, main, _, state = _state_bytes(model, opt)
-    out["zero_bytes"] = (params / n, main / n, state / n)
+    params, main, _, state = _bytes_after_one_step(shard=True)
+    out["zero_bytes"] = (params, main, state)
     return out
 
 

@@ -65,8 +65,14 @@ class _Bucket:
         self.missing: list[tuple[int, bool]] = []  # (position, had no .grad) of unused params
         self.reset()
         for k, p in enumerate(self.params):       # keep gradients that exist already
-            if p.grad is not None and (self.as_views or self.main is not None):
+            if p.grad is not None and self.in_buffer:
                 self.adopt(k)
+
+    @property
+    def in_buffer(self) -> bool:
+        """Whether gradients live in this bucket's memory (``.grad`` views or ``main_grad``),
+        rather than being packed into it at launch."""
+        return self.as_views or self.main is not None
 
     def reset(self) -> None:
         self.pending = len(self.params)
@@ -164,7 +170,7 @@ class GradReducer:
                 f"bucket's reduction had started, so this step's gradients are not valid; with "
                 f"wait_in_backward=False call finish_gradient_sync() (or run the wrapper's "
                 f"forward) before backwards that are not part of the reduction")
-        if bucket.as_views or bucket.main is not None:
+        if bucket.in_buffer:
             bucket.adopt(k)
         self._touched[i] = True
         if not self.sync:
@@ -189,7 +195,7 @@ class GradReducer:
         with self.stream.issue():
             if bucket.main is not None and bucket.buffer is not bucket.main:
                 torch.mul(bucket.main, 1.0 / self.world, out=bucket.buffer)   # bf16 on the wire
-            elif bucket.as_views or bucket.main is not None:
+            elif bucket.in_buffer:
                 if self.world > 1:
                     bucket.buffer.div_(self.world)   # the sum is then the mean, as in DDP
             else:
@@ -218,7 +224,7 @@ class GradReducer:
                 p = bucket.params[k]
                 if not self._touched[i] or (p.grad is None and bucket.main is None):
                     bucket.fill_missing(k)
-                elif bucket.as_views or bucket.main is not None:
+                elif bucket.in_buffer:
                     bucket.adopt(k)          # a gradient assigned to .grad by hand
             self._launch(b)
         if self.find_unused and self.world > 1 and self._used_counts is None:
