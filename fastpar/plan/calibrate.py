@@ -156,6 +156,7 @@ def measure_attention(device: torch.device, dtype: torch.dtype, overhead: float,
     """[(modelled forward FLOPs, FLOP/s on forward + backward FLOPs)] of causal SDPA: the cost
     model's count (half the blocks, backward 2.5x), less its operators' overhead."""
     from .cost import REFERENCE_OPS
+    from .hardware import ATTENTION_BACKWARD_FLASH, CAUSAL_FRACTION
 
     points = []
     for b, h, s, d in shapes:
@@ -167,8 +168,8 @@ def measure_attention(device: torch.device, dtype: torch.dtype, overhead: float,
                 .sum().backward()
         t = _timed(run, device, iters=10)
         t = max(0.5 * t, t - sum(REFERENCE_OPS["core"]) * overhead)
-        flops = 0.5 * 4.0 * b * h * s * s * d
-        points.append((flops, 3.5 * flops / t))
+        flops = CAUSAL_FRACTION * 4.0 * b * h * s * s * d
+        points.append((flops, (1 + ATTENTION_BACKWARD_FLASH) * flops / t))
     return points
 
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models import GPTConfig
-from .hardware import Hardware
+from .hardware import (ATTENTION_BACKWARD_FLASH, ATTENTION_BACKWARD_UNFUSED, CAUSAL_FRACTION,
+                       GPU_BACKWARD_FACTOR, GPU_LAYER_KERNELS, GPU_ROTARY_KERNELS, Hardware)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def _core_time(shape: Shape, hw: Hardware, feat: Features) -> float:
     m, s = shape.model, shape.seq_len
     heads = shape.micro_batch * m.n_heads // shape.tp
     if feat.flash_attention:      # one fused kernel; causal: half the blocks are skipped
-        flops = 0.5 * 4.0 * heads * s * s * m.head_dim
+        flops = CAUSAL_FRACTION * 4.0 * heads * s * s * m.head_dim
         io = hw.bytes_per_element * heads * 4 * s * m.head_dim      # q, k, v in, o out
         ops = REFERENCE_OPS["core"][0] if hw.kind == "cpu" else 1
         return max(flops / (hw.peak_flops * hw.attention_fraction(flops)),
@@ -220,11 +221,12 @@ def _elementwise(shape: Shape, hw: Hardware, feat: Features) -> tuple[float, flo
     nbytes = extra + 2 * 2 * T * h_rep * E         # two norms: read x, write y
     nbytes += 2 * 3 * T * h_rep * E                # two residual adds: read two, write one
     nbytes += (3 if m.activation == "swiglu" else 2) * T * f * E
-    kernels += 7
+    kernels += GPU_LAYER_KERNELS
     if m.rotary:
         nbytes += 2 * T * (m.n_heads + m.kv_heads) * m.head_dim / t * E
-        kernels += 2
-    return hw.memory_time(nbytes, kernels), hw.memory_time(2 * nbytes, 2 * kernels)
+        kernels += GPU_ROTARY_KERNELS
+    return hw.memory_time(nbytes, kernels), hw.memory_time(GPU_BACKWARD_FACTOR * nbytes,
+                                                           GPU_BACKWARD_FACTOR * kernels)
 
 
 @dataclass(frozen=True)
@@ -260,9 +262,10 @@ def layer_cost(shape: Shape, hw: Hardware, recompute: str = "none", tp_link_gbps
     core = _core_time(shape, hw, feat)
     elem_f, elem_b = _elementwise(shape, hw, feat)
     f = gemm + core + elem_f
-    core_b = (2.5 if feat.flash_attention else 2.0) * core     # flash recomputes q k^T
+    back = ATTENTION_BACKWARD_FLASH if feat.flash_attention else ATTENTION_BACKWARD_UNFUSED
+    core_b = back * core                            # flash recomputes q k^T
     if hw.kind == "cpu" and feat.flash_attention:   # its backward's extra ops: overhead only
-        core_b += (REFERENCE_OPS["core"][1] - 2.5 * REFERENCE_OPS["core"][0]) \
+        core_b += (REFERENCE_OPS["core"][1] - back * REFERENCE_OPS["core"][0]) \
             * hw.kernel_overhead_us * 1e-6
     b = gemm_b + core_b + elem_b
     comm_f, comm_b = tp_collectives(shape, hw, tp_link_gbps, feat)

@@ -43,16 +43,24 @@ class Hardware:
     name: str
     peak_tflops: float                  # dense tensor-core rate in the training dtype, per GPU
     matmul_efficiency: float            # fraction of peak a large GEMM sustains (0, 1]
+    #                                     (see BUILTIN for the built-ins' source)
     hbm_gb: float                       # memory per GPU, GB (1e9 bytes)
     hbm_gbps: float                     # memory bandwidth, GB/s
     intra_node_gbps: float              # GPU <-> GPU inside a node, per GPU per direction, GB/s
     inter_node_gbps: float              # per GPU across nodes (its NIC), per direction, GB/s
-    collective_latency_us: float = 10.0   # per ring step of a collective / per p2p message
-    kernel_overhead_us: float = 4.0       # per kernel: launch and tail, even for tiny work
+    # The defaults below are what the built-in GPU profiles use; none is measured for them
+    # (calibrate.py measures each on the machine it runs on).
+    collective_latency_us: float = 10.0   # per ring step of a collective / per p2p message;
+    #                                       assumed: NCCL's per-step latency over NVLink or
+    #                                       InfiniBand is a few us, 10 rounds it up
+    kernel_overhead_us: float = 4.0       # per kernel: launch and tail, even for tiny work;
+    #                                       assumed: a CUDA launch costs a few us end to end
     sync_us: float = 0.0                  # per collective call site, where ranks that computed
-    #                                       apart meet: their drift and wake-up (measured)
+    #                                       apart meet: their drift and wake-up (measured; 0 in
+    #                                       the built-in profiles: nothing measured to go on)
     bytes_per_element: int = 2            # training dtype of activations (bf16 = 2, fp32 = 4)
-    memory_reserve_gb: float = 1.0        # runtime context and communication buffers
+    memory_reserve_gb: float = 1.0        # runtime context and communication buffers; assumed:
+    #                                       a CUDA context and NCCL's buffers take about 1 GB
     kind: str = "gpu"                     # "gpu" or "cpu": the code path fastpar runs
     attention_efficiency: float = 0.0     # fused attention, fraction of peak; 0: matmul's
     activation_gbps: float = 0.0          # transcendental elementwise kernels (SiLU, GELU, exp),
@@ -148,6 +156,65 @@ class Hardware:
 KINDS = ("gpu", "cpu")
 
 
+# ---- The cost model's constants ----------------------------------------------------------------
+# With a profile's fields, these are every number the cost model (cost.py, planner.py) takes that
+# is not a formula's arithmetic (FLOPs and bytes of an operation, written where they are used)
+# and not counted on fastpar's own code (cost.REFERENCE_OPS, REFERENCE_BYTES, CE_REFERENCE_OPS:
+# the CPU path's operators and bytes, re-counted on the real layer and loss by
+# tests/test_plan.py); fastpar's own settings (bytes per parameter, TP chunks, DP bucket size)
+# are cost.Features, whose defaults are the trainer's. These constants are frozen: changing one
+# changes every prediction, and a check of the predictions out of sample (bench/RESULTS.md)
+# holds only for the values it was run with.
+
+# Causal attention: a fused kernel skips the blocks above the diagonal, about half of the
+# s x s scores (arithmetic, exact as s grows past the block size).
+CAUSAL_FRACTION = 0.5
+# Attention core's backward over its forward. Fused: FlashAttention-2 (Dao 2023, sec. 3) runs
+# five matmuls backward (it recomputes q k^T) against the forward's two: 2.5. Unfused: each of
+# the two batched GEMMs has two GEMMs of its size backward: 2.0 (arithmetic).
+ATTENTION_BACKWARD_FLASH = 2.5
+ATTENTION_BACKWARD_UNFUSED = 2.0
+
+# fastpar's GPU path (fused kernels; not counted on a GPU, none in CI). Assumed:
+# kernels of one layer's forward outside its GEMMs and attention: two norms, two
+# bias-dropout-adds and the activation (five named kernels) and two more not traced to a
+# kernel; rotary adds one kernel per rotated tensor (q and k);
+GPU_LAYER_KERNELS = 7
+GPU_ROTARY_KERNELS = 2
+# each backward kernel reads the output gradient and the saved input and writes one: twice the
+# forward's traffic, in twice its kernels;
+GPU_BACKWARD_FACTOR = 2
+# the embedding's lookup and its backward: one kernel each; the final norm (forward, backward)
+# and the fused cross entropy (forward, backward);
+GPU_EMBED_KERNELS = 1
+GPU_NORM_KERNELS = (1, 2)
+GPU_CROSS_ENTROPY_KERNELS = (2, 1)
+# the optimizer step (multi-tensor AdamW and the clipping's norm and scale) in 8 kernels in all.
+GPU_OPTIMIZER_KERNELS = 8
+
+# The CPU path's embedding: torch's reference lookup, two operators forward and two backward
+# (assumed; not re-counted by a test).
+CPU_EMBED_OPS = 2
+
+# The CPU path's optimizer: torch's foreach ops loop over the parameter tensors off CUDA, so each
+# tensor pays the per-operator overhead this many times. Assumed 14; a dispatch count of
+# AdamW(foreach=True) with the trainer's clipping (torch 2.13, CPU) finds 11 foreach operators
+# and 2 scalar reads per tensor (the step count), 13.
+CPU_OPTIMIZER_OPS_PER_TENSOR = 14
+
+# Bytes per parameter of the optimizer step on fp32 masters (arithmetic): AdamW reads weight,
+# gradient and both moments (16) and writes weight and moments (12); clipping reads the
+# gradient for its norm (4). The clipping's scale (a read and a write of the gradient) is not
+# counted.
+OPTIMIZER_STEP_BYTES = 32
+# Passes over the DP gradient bytes besides the collective (arithmetic): each gradient copied
+# into its bucket (read, write) and divided by dp there (read, write).
+BUCKET_COPY_PASSES = 4
+# Passes over the gradient bytes per micro-batch after the first (arithmetic): adding its weight
+# gradients into the accumulated ones reads two and writes one.
+ACCUMULATE_PASSES = 3
+
+
 def _check_curve(hw: str, name: str, curve) -> tuple:
     """A curve as a tuple of (size, value) pairs, sizes increasing, all positive."""
     try:
@@ -176,10 +243,14 @@ def _interp(curve: tuple, x: float) -> float:
 
 # Datasheets: NVIDIA A100 (SXM4) and H100 / H200 (SXM5) datasheets; DGX A100 / DGX H100 /
 # HGX H200 system guides (NVLink 3: 600 GB/s, NVLink 4: 900 GB/s per GPU, both directions
-# together; one 200 Gb/s HDR (A100) or 400 Gb/s NDR (H100, H200) NIC per GPU).
-# matmul_efficiency: the share of the datasheet peak that large bf16 cuBLAS GEMMs sustain on
-# these parts (about 80% on A100, 70% on H100 / H200 whose peak assumes boost clocks that
-# power limits cut under dense tensor-core load).
+# together; one 200 Gb/s HDR (A100) or 400 Gb/s NDR (H100, H200) NIC per GPU). Those give
+# peak_tflops (dense bf16), hbm_gb, hbm_gbps, intra_node_gbps and inter_node_gbps.
+# matmul_efficiency is assumed, not measured here and not taken from a cited source: 0.80 on
+# A100 and 0.70 on H100 / H200 (whose peak assumes boost clocks that power limits cut under
+# dense tensor-core load) are the shares of the datasheet peak that large bf16 cuBLAS GEMMs are
+# commonly reported to sustain. Predictions scale with it almost in proportion wherever GEMMs
+# dominate: bench/RESULTS.md ("sensitivity") shows the published rows at 0.6-0.9.
+# `fastpar plan --calibrate` on the GPU measures it (the median of its GEMM shapes).
 BUILTIN: dict[str, Hardware] = {
     "a100-40gb": Hardware("a100-40gb", peak_tflops=312.0, matmul_efficiency=0.80, hbm_gb=40.0,
                           hbm_gbps=1555.0, intra_node_gbps=300.0, inter_node_gbps=25.0),

@@ -16,7 +16,10 @@ from ..pipeline import build_schedule, partition, simulate
 from ..pipeline.schedules import check_args
 from . import cost
 from .cost import FASTPAR, Features, Shape
-from .hardware import Hardware
+from .hardware import (ACCUMULATE_PASSES, BUCKET_COPY_PASSES, CPU_EMBED_OPS,
+                       CPU_OPTIMIZER_OPS_PER_TENSOR, GPU_CROSS_ENTROPY_KERNELS,
+                       GPU_EMBED_KERNELS, GPU_NORM_KERNELS, GPU_OPTIMIZER_KERNELS,
+                       OPTIMIZER_STEP_BYTES, Hardware)
 
 
 @dataclass(frozen=True)
@@ -158,11 +161,11 @@ def _stage_costs(work, cluster, cfg, feat, split):
     # Kernels: the fused path's, or torch's reference ops (embedding and its backward; the final
     # norm and the cross entropy's max, sub, exp, sum, log, gather, ... and their backward).
     ref = hw.kind == "cpu"
-    norm_f, norm_b = cost.REFERENCE_OPS[m.norm] if ref else (1, 2)
+    norm_f, norm_b = cost.REFERENCE_OPS[m.norm] if ref else GPU_NORM_KERNELS
     chunks = -(-T * (m.padded_vocab // t) // REFERENCE_CHUNK)
     (fix_f, fix_b), (per_f, per_b) = cost.CE_REFERENCE_OPS
-    embed_k, ce_f, ce_b = (2, fix_f + per_f * chunks, fix_b + per_b * chunks) if ref \
-        else (1, 2, 1)
+    embed_k, ce_f, ce_b = (CPU_EMBED_OPS, fix_f + per_f * chunks, fix_b + per_b * chunks) \
+        if ref else (GPU_EMBED_KERNELS, *GPU_CROSS_ENTROPY_KERNELS)
     embed = (hw.memory_time(2 * act / (t if cfg.sequence_parallel else 1), embed_k) + tp_ar,
              hw.memory_time(2 * act, embed_k), 0.0)
     logits = (m.d_model, m.padded_vocab // t)
@@ -241,7 +244,7 @@ def _dp_time(cluster, cfg, feat, params, last_backward, tensors) -> float:
     if hidden and hw.kind != "cpu":
         buckets = max(1, round(nbytes / (feat.bucket_mb * 1e6)))
         reduce = cost.exposed(reduce, last_backward, buckets)
-    return reduce + gather + hw.memory_time(4 * nbytes, tensors + 1)
+    return reduce + gather + hw.memory_time(BUCKET_COPY_PASSES * nbytes, tensors + 1)
 
 
 def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
@@ -269,11 +272,13 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
     dp_exposed = _dp_time(cluster, cfg, feat, params, fbw[-1][1] + fbw[-1][2], tensors)
     # Every micro-batch after the first adds its weight gradients into the accumulated ones,
     # one add per parameter tensor (autograd's AccumulateGrad): read two, write one.
-    accumulate = (num_mb - 1) * hw.memory_time(3 * params * feat.grad_bytes, tensors)
+    accumulate = (num_mb - 1) * hw.memory_time(ACCUMULATE_PASSES * params * feat.grad_bytes,
+                                               tensors)
     # Adam reads weight, gradient and both moments and writes three; clipping reads the grads.
     # Multi-tensor kernels on a GPU; off CUDA torch's foreach ops loop over the tensors.
-    kernels = 8 if hw.kind != "cpu" else 14 * tensors
-    optimizer = hw.memory_time(params / (cfg.dp if cfg.zero1 else 1) * 32, kernels)
+    kernels = GPU_OPTIMIZER_KERNELS if hw.kind != "cpu" else CPU_OPTIMIZER_OPS_PER_TENSOR * tensors
+    optimizer = hw.memory_time(params / (cfg.dp if cfg.zero1 else 1) * OPTIMIZER_STEP_BYTES,
+                               kernels)
     step = sim.step_time + accumulate + dp_exposed + optimizer + _step_collectives(cluster, cfg)
     model_flops = cost.model_flops_per_step(m, work.seq_len, work.global_batch)
     hw_flops = cost.hardware_flops_per_step(m, work.seq_len, work.global_batch, cfg.recompute)
