@@ -2,6 +2,7 @@
 training step measured on this machine.
 
     flock /tmp/fastpar-bench.lock python bench/bench_plan.py [--skip-cpu] [--skip-search]
+    python bench/bench_plan.py --sensitivity      # arithmetic only: nothing is run or timed
 
 1. Published runs. Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
    Clusters Using Megatron-LM" (SC21), Table 1 (weak scaling, A100 80 GB in DGX A100 nodes:
@@ -28,6 +29,8 @@ training step measured on this machine.
    hardware is the built-in ``a100-80gb`` profile (datasheet numbers, 80% GEMM efficiency).
    The planner then searches each row's model, cluster and batch (same software features) and
    its best is compared with the published configuration's prediction.
+   ``--sensitivity`` predicts every row again at each ``matmul_efficiency`` and link bandwidth
+   factor of ``fastpar.plan.sensitivity`` (0.6-0.9, x0.5-x2).
 
 2. This machine. In one run per layout (pp=2, pp=4, tp=2, dp=2; the ``tiny`` model, sequence 128,
    global batch 16, micro-batch 4, 1F1B), every rank first calibrates (matmul rate, copy
@@ -52,6 +55,7 @@ import common  # noqa: E402
 from fastpar.models import GPTConfig, get_config  # noqa: E402
 from fastpar.plan import (Cluster, Features, ParallelConfig, Workload, evaluate,  # noqa: E402
                           get_hardware, search)
+from fastpar.plan.sensitivity import EFFICIENCIES, LINK_SCALES, sensitivity  # noqa: E402
 
 MEGATRON_2021 = Features(tp_overlap=False, dp_overlap=False, flash_attention=False,
                          dropout=True, weight_bytes=2, grad_bytes=4, optimizer_bytes=12,
@@ -68,14 +72,20 @@ LAYOUTS = [dict(tp=1, pp=2, dp=1), dict(tp=1, pp=4, dp=1), dict(tp=2, pp=1, dp=1
            dict(tp=1, pp=1, dp=2)]
 
 
+def _published_case(params, heads, hidden, layers, tp, pp, gpus, batch):
+    """The workload and the published layout of one Table 1 row."""
+    model = GPTConfig(vocab_size=51200, n_layers=layers, d_model=hidden, n_heads=heads,
+                      max_seq_len=2048, norm="layernorm", activation="gelu", rotary=False,
+                      bias=True)
+    return Workload(model, 2048, batch), ParallelConfig(tp, pp, gpus // (tp * pp), 1, 1, "1f1b",
+                                                        "full")
+
+
 def published(do_search: bool) -> list[dict]:
     hw, rows = get_hardware("a100-80gb"), []
     for params, heads, hidden, layers, tp, pp, gpus, batch, tflops in TABLE1:
-        model = GPTConfig(vocab_size=51200, n_layers=layers, d_model=hidden, n_heads=heads,
-                          max_seq_len=2048, norm="layernorm", activation="gelu", rotary=False,
-                          bias=True)
-        work, cluster = Workload(model, 2048, batch), Cluster(gpus, 8, hw)
-        cfg = ParallelConfig(tp, pp, gpus // (tp * pp), 1, 1, "1f1b", "full")
+        work, cfg = _published_case(params, heads, hidden, layers, tp, pp, gpus, batch)
+        cluster = Cluster(gpus, 8, hw)
         est = evaluate(work, cluster, cfg, MEGATRON_2021)
         row = {"params_b": params, "tp": tp, "pp": pp, "dp": cfg.dp, "gpus": gpus,
                "batch": batch, "published": tflops, "predicted": round(est.hw_tflops_per_gpu, 1),
@@ -96,6 +106,33 @@ def published(do_search: bool) -> list[dict]:
             row["search_s"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
     return rows
+
+
+def published_sensitivity() -> tuple[list[dict], list[dict]]:
+    """Predicted / published TFLOP/s of every Table 1 row at each matmul_efficiency and link
+    bandwidth factor of ``fastpar.plan.sensitivity`` (arithmetic only); and per grid point the
+    range over the rows and how many are within 15%."""
+    hw, rows, schedules = get_hardware("a100-80gb"), [], {}
+    for params, heads, hidden, layers, tp, pp, gpus, batch, tflops in TABLE1:
+        work, cfg = _published_case(params, heads, hidden, layers, tp, pp, gpus, batch)
+        grid = sensitivity(lambda h: evaluate(work, Cluster(gpus, 8, h), cfg, MEGATRON_2021,
+                                              schedules).hw_tflops_per_gpu / tflops, hw)
+        row = {"params_b": params, "tp": tp, "pp": pp, "dp": cfg.dp}
+        row.update({_grid_key(e, s): round(r, 3) for (e, s), r in grid.items()})
+        rows.append(row)
+    summary = []
+    for e in EFFICIENCIES:
+        row = {"matmul_efficiency": e}
+        for s in LINK_SCALES:
+            r = [x[_grid_key(e, s)] for x in rows]
+            row[f"link x{s:g}"] = (f"{min(r):.2f}-{max(r):.2f} "
+                                   f"({sum(abs(x - 1) <= 0.15 for x in r)}/{len(r)} within 15%)")
+        summary.append(row)
+    return rows, summary
+
+
+def _grid_key(e: float, s: float) -> str:
+    return f"e{e:g} x{s:g}"
 
 
 # (preset, sequence length, global batch, micro-batch) of the CPU runs: the tiny model, mostly
@@ -171,7 +208,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--repeats", type=int, default=3, help="CPU runs per layout (median)")
     p.add_argument("--models", default="tiny,small", help="CPU runs: " + ",".join(CPU_RUNS))
+    p.add_argument("--sensitivity", action="store_true",
+                   help="only print how the published rows' predictions move with "
+                        "matmul_efficiency and link bandwidth (arithmetic, no runs)")
     args = p.parse_args()
+    if args.sensitivity:
+        rows, summary = published_sensitivity()
+        common.report("plan_sensitivity", rows, list(rows[0]))
+        common.report("plan_sensitivity_summary", summary, list(summary[0]))
+        return
     if not args.skip_published:
         rows = published(not args.skip_search)
         common.report("plan_published", rows, list(rows[0]))

@@ -408,3 +408,22 @@ def test_cross_entropy_reference_counts_match_the_loss(rows):
     assert bwd.bytes / unit == pytest.approx(b, rel=0.05)
     assert (fwd.ops, bwd.ops) == (pytest.approx(fix[0] + per[0] * chunks, rel=0.15),
                                   pytest.approx(fix[1] + per[1] * chunks, rel=0.15))
+
+
+def test_sensitivity_varies_only_efficiency_and_links():
+    from fastpar.plan.sensitivity import sensitivity, vary
+
+    a100 = get_hardware("a100-80gb")
+    same = vary(a100, a100.matmul_efficiency, 1.0)
+    assert {k: v for k, v in same.to_dict().items() if k != "name"} == \
+        {k: v for k, v in a100.to_dict().items() if k != "name"}
+    fast = vary(a100, 0.9, 2.0)
+    assert (fast.matmul_efficiency, fast.intra_node_gbps, fast.inter_node_gbps) == \
+        (0.9, 600.0, 50.0) and fast.hbm_gbps == a100.hbm_gbps
+    work, cfg = _work(32), ParallelConfig(tp=2, pp=2, dp=4, micro_batch_size=2)
+    grid = sensitivity(lambda hw: evaluate(work, Cluster(16, 8, hw), cfg).step_time_s, a100,
+                       (0.6, 0.8), (0.5, 1.0))
+    assert grid[(0.8, 1.0)] == evaluate(work, Cluster(16, 8, a100), cfg).step_time_s
+    assert grid[(0.6, 1.0)] > grid[(0.8, 1.0)] and grid[(0.8, 0.5)] > grid[(0.8, 1.0)]
+    with pytest.raises(ValueError, match="matmul_curve"):
+        vary(Hardware(**{**ROUND.to_dict(), "matmul_curve": [(1e6, 0.5)]}), 0.7, 1.0)
