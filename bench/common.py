@@ -1,16 +1,30 @@
-"""Shared by the bench scripts: timing, the machine's description, JSON + table output."""
+"""Shared by the bench scripts: the measuring method, the machine's description, JSON + table
+output.
+
+Every multi-rank bench measures with :func:`compare`: all variants live in one process set and
+take turns round by round, the order rotated every round; each variant's ``iters`` steps are
+timed as one window that also holds every wait the steps defer (``finish``), a barrier before
+it; a round's time is the slowest rank's; each variant's median over rounds is divided by its
+peer's median, and an A/A control (a second, identical instance of the peer) gives the noise.
+``bench/repeat.py`` runs a bench several times and tabulates every run.
+"""
 from __future__ import annotations
 
 import json
 import os
 import platform
+import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 
 RESULTS = Path(__file__).resolve().parent / "results"
+RUN_ID_ENV = "FASTPAR_BENCH_RUN"     # set by bench/repeat.py; report() writes it to the JSON
 
 
 def machine() -> dict:
@@ -18,6 +32,11 @@ def machine() -> dict:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__}
+
+
+def command() -> str:
+    """This process's command line, as it could be typed again."""
+    return shlex.join(["python", *sys.argv])
 
 
 def sync(device: torch.device) -> None:
@@ -57,17 +76,91 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def report(name: str, rows: list[dict], columns: list[str]) -> Path:
-    """Print ``rows`` as a table and write them, with the machine, to bench/results/NAME.json."""
+def rotated(items: list, turn: int) -> list:
+    """``items`` starting at position ``turn`` (mod its length): the order of one round of
+    variants that take turns, so that each runs first in turn (the cyclic order is kept, so
+    each still follows the same one whenever it is not first)."""
+    k = turn % len(items)
+    return items[k:] + items[:k]
+
+
+def compare(variants: dict[str, Callable[[], object]], peer: str, device: torch.device,
+            rounds: int, iters: int, *, control: str | Iterable[str],
+            peers: dict[str, str] | None = None,
+            finish: dict[str, Callable[[], object]] | None = None,
+            barrier: Callable[[], object] | None = None, group=None) -> dict:
+    """Time every variant against its peer, the benches' one method.
+
+    ``variants`` maps a name to one step (no arguments). ``peer`` names the variant the others
+    are divided by; ``peers`` gives another peer to some variants (e.g. the sequence-parallel
+    rows' own). ``control`` names the A/A control(s): a second, identical instance of a peer,
+    whose ratio to it is the noise of the comparison; at least one is required and each must be
+    a variant other than its peer. Each of ``rounds`` rounds runs every variant, in an order
+    rotated every round (:func:`rotated`), as one window of ``iters`` steps plus its
+    ``finish[name]()`` (:func:`time_steps`), ``barrier()`` before each window. With
+    torch.distributed initialised each round's time is the slowest rank's in ``group``.
+
+    Returns (JSON-ready): ``seconds`` per variant per round (per step), ``median`` per variant,
+    ``peer_of``, ``ratio`` = median / its peer's median (the same medians as printed), ``aa``
+    per control (its ratio) and ``aa_rounds`` (its per-round ratios: the spread inside a run).
+    """
+    names = list(variants)
+    peer_of = {n: peer for n in names}
+    peer_of.update(peers or {})
+    controls = [control] if isinstance(control, str) else list(control)
+    finish = finish or {}
+    if peer not in variants:
+        raise ValueError(f"peer {peer!r} is not a variant: {names}")
+    if not controls:
+        raise ValueError(f"no A/A control of the peer {peer!r}: name a second instance of it")
+    for c in controls:
+        if c not in variants or c == peer_of[c]:
+            raise ValueError(f"A/A control {c!r} must be a variant other than its peer "
+                             f"{peer_of.get(c, peer)!r}: {names}")
+    unknown = sorted({*peer_of} - {*names} | {*peer_of.values()} - {*names} | {*finish} - {*names})
+    if unknown:
+        raise ValueError(f"peers / finish name unknown variants {unknown}: {names}")
+    if rounds < 1 or iters < 1:
+        raise ValueError(f"rounds={rounds} and iters={iters} must be >= 1")
+
+    seconds = {n: [] for n in names}
+    for r in range(rounds):
+        for n in rotated(names, r):
+            if barrier is not None:
+                barrier()
+            seconds[n].append(time_steps(variants[n], device, iters, finish.get(n)))
+    if dist.is_available() and dist.is_initialized():
+        t = torch.tensor([seconds[n] for n in names], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)   # as slow as the slowest rank
+        seconds = dict(zip(names, t.tolist()))
+    med = {n: median(seconds[n]) for n in names}
+    ratio = {n: med[n] / med[peer_of[n]] for n in names}
+    return {"peer": peer, "peer_of": peer_of, "controls": controls, "rounds": rounds,
+            "iters": iters, "seconds": seconds, "median": med, "ratio": ratio,
+            "aa": {c: ratio[c] for c in controls},
+            "aa_rounds": {c: [a / b for a, b in zip(seconds[c], seconds[peer_of[c]])]
+                          for c in controls}}
+
+
+def report(name: str, rows: list[dict], columns: list[str],
+           comparisons: list[dict] | None = None) -> Path:
+    """Print ``rows`` as a table and write them, with the command, the machine and the
+    :func:`compare` results (each with a ``key`` such as "pp2"), to bench/results/NAME.json."""
     widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print(f"$ {command()}")
     print("  ".join(c.ljust(widths[c]) for c in columns))
     for r in rows:
         print("  ".join(_fmt(r.get(c)).ljust(widths[c]) for c in columns))
+    for cmp in comparisons or []:
+        aa = ", ".join(f"{c} / {cmp['peer_of'][c]} {r:.3f}" for c, r in cmp["aa"].items())
+        print(f"A/A{' ' + cmp['key'] if cmp.get('key') else ''}: {aa}")
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"machine": machine(), "time": time.strftime("%Y-%m-%d %H:%M"),
-                                "rows": rows}, indent=2))
-    print(f"wrote {path}")
+    path.write_text(json.dumps({"command": command(), "machine": machine(),
+                                "time": time.strftime("%Y-%m-%d %H:%M"),
+                                "run_id": os.environ.get(RUN_ID_ENV), "rows": rows,
+                                "comparisons": comparisons or []}, indent=2))
+    print(f"wrote {path}  ({machine()})")
     return path
 
 
@@ -75,10 +168,3 @@ def _fmt(v) -> str:
     if v is None:
         return ""
     return f"{v:.3f}" if isinstance(v, float) else str(v)
-
-
-def rotated(items: list, turn: int) -> list:
-    """``items`` starting at position ``turn`` (mod its length): the order of one round of
-    variants that take turns, so that none always runs first or after the same one."""
-    k = turn % len(items)
-    return items[k:] + items[:k]
