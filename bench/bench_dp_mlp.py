@@ -8,10 +8,11 @@
 ``hidden`` is the share of the reduction a variant hides; it is bounded by the backward's length
 over the reduction's, and by the last bucket, which can only start when backward ends.
 
-Variants, measured in the same run, interleaved round by round, the order rotated each round so
-that no variant always runs first (medians reported). Each round times its steps as one window
-that also holds the wait for the last step's deferred work (ZeRO-1's parameter gather), so
-nothing a variant launches finishes outside the timing:
+Measured with bench/common.py's ``compare``: variants in the same run, interleaved round by
+round, the order rotated each round (medians reported, ratios from the same medians). Each round
+times its steps as one window that also holds the wait for the last step's deferred work
+(ZeRO-1's parameter gather), so nothing a variant launches finishes outside the timing. Several
+runs: ``python bench/repeat.py --runs 3 -- python bench/bench_dp_mlp.py ...``. Variants:
   ddp           torch DistributedDataParallel, same bucket size, gradient_as_bucket_view=True
   ddp-again     a second, identical DDP model: an A/A control, its ratio to ddp is the noise
   overlap-off   fastpar DataParallel, every bucket reduced after backward
@@ -95,21 +96,14 @@ def _measure(rank, world_size, hidden, layers, batch, bucket_mb, rounds, iters):
     for name in ("overlap-off", "overlap-on", "zero1"):   # cross-check: same step as DDP
         for p, q in zip(variants[name][0].parameters(), ref):
             assert torch.allclose(p, q, atol=1e-6), f"{name} differs from ddp after a step"
-    times = {name: [] for name in variants}
-    names = list(variants)
-    for r in range(rounds):
-        for name in common.rotated(names, r):
-            model, opt = variants[name]
-            dist.barrier()
-            # The round's last parameter gather (ZeRO-1) is waited for inside the window.
-            finish = opt.finish_param_sync if name == "zero1" else None
-            times[name].append(common.time_steps(lambda: step(model, opt), mesh.device,
-                                                 iters, finish))
-    med = torch.tensor([common.median(times[n]) for n in variants])
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)       # a step is as slow as the slowest rank
+    # The round's last parameter gather (ZeRO-1) is waited for inside the window.
+    result = common.compare({n: (lambda m=m, o=o: step(m, o)) for n, (m, o) in variants.items()},
+                            "ddp", mesh.device, rounds, iters, control="ddp-again",
+                            finish={"zero1": variants["zero1"][1].finish_param_sync},
+                            barrier=dist.barrier)
     state = {"plain": _state_bytes(variants["ddp"][1]),
              "zero1": variants["zero1"][1].state_bytes()}
-    return dict(zip(variants, med.tolist())), state
+    return result, state
 
 
 def main(argv=None):
@@ -123,8 +117,9 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--label", default="loopback", help="the link, for the table (e.g. 1gbit)")
     a = p.parse_args(argv)
-    med, state = run_ranks(_measure, a.ranks, a.hidden, a.layers, a.batch, a.bucket_mb,
-                           a.rounds, a.iters, init_pg=False, timeout=3600)[0]
+    result, state = run_ranks(_measure, a.ranks, a.hidden, a.layers, a.batch, a.bucket_mb,
+                              a.rounds, a.iters, init_pg=False, timeout=3600)[0]
+    med = result["median"]
     params = a.layers * (a.hidden * a.hidden + a.hidden)
     flops = 6 * a.batch * params                     # fwd + bwd of the linear layers, per rank
     floor, off = med["compute-only"], med["overlap-off"]
@@ -133,7 +128,8 @@ def main(argv=None):
                   "bucket_mb": a.bucket_mb}
     rows = []
     for name, t in med.items():
-        row = {**common_row, "variant": name, "median_ms": t * 1e3, "vs_ddp": t / med["ddp"],
+        row = {**common_row, "variant": name, "median_ms": t * 1e3,
+               "vs_ddp": result["ratio"][name],
                "GFLOP/s/rank": flops / t / 1e9,
                "state_MB": state["zero1" if name == "zero1" else "plain"] / 2**20}
         if name in ("ddp", "ddp-again", "overlap-on", "zero1"):
@@ -148,7 +144,9 @@ def main(argv=None):
                  "state_MB": state["zero1"] / state["plain"]})
     common.report(f"dp_mlp_{a.label}", rows,
                   ["link", "variant", "params_M", "batch", "bucket_mb", "median_ms", "vs_ddp",
-                   "hidden", "comm_share", "GB/s", "GFLOP/s/rank", "state_MB"])
+                   "hidden", "comm_share", "GB/s", "GFLOP/s/rank", "state_MB"],
+                  [{"key": a.label, **result}])
+
 
 if __name__ == "__main__":
     main()

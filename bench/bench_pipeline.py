@@ -3,10 +3,11 @@ micro-batches, on gloo.
 
     flock /tmp/fastpar-bench.lock python bench/bench_pipeline.py [--pp 2 4] [--runs 3]
 
-For each pp, ``--runs`` times with fresh ranks; in each run the variants take turns step by step
-(the order rotated each time), a barrier before each step (``--rounds`` rounds of ``--iters``
-steps; median per round, median over rounds, slowest rank). Every number is the median over the
-runs (fastpar / torch: the median of each run's ratio):
+For each pp, ``--runs`` times with fresh ranks; each run measures with bench/common.py's
+``compare``: ``--rounds`` rounds in which every variant runs ``--iters`` steps as one timed
+window, a barrier before it, the order rotated every round (a round's time the slowest rank's,
+the median over rounds). Every number in the table is the median over the runs, fastpar / torch
+the ratio of the two medians printed (each run's rows are kept in the JSON):
   torch   ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (v=2),
           ScheduleInterleavedZeroBubble (one stage per rank: ZB-H1's setting)
   fastpar gpipe, 1f1b, interleaved (v=2), zb-h1
@@ -144,21 +145,20 @@ def _measure(rank, world_size, a):
     y = torch.randint(0, a.vocab, (a.micro * a.m, a.seq), generator=g)
     variants, pipes = {}, {}
     for name, v, torch_cls in SCHEDULES:
-        step, mods = _torch_step(copy.deepcopy(base), mesh, pp, v, a.m, torch_cls)
-        variants[("torch", name)] = (step, mods)
+        variants[f"torch {name}"] = _torch_step(copy.deepcopy(base), mesh, pp, v, a.m, torch_cls)
         mods = build_stages(copy.deepcopy(base), rank, pp, v)
         pipe = PipelineExecutor(mods, build_schedule(name, pp, a.m, v), mesh.pp_group,
                                 loss_fn=loss_fn, record=True)
         pipes[name] = pipe
-        variants[("fastpar", name)] = (lambda x, y, pipe=pipe: pipe.step(x, y), mods)
+        variants[f"fastpar {name}"] = (lambda x, y, pipe=pipe: pipe.step(x, y), mods)
     # An A/A control: a second torch Schedule1F1B, measured like the others.
-    variants[("torch", "1f1b again")] = _torch_step(copy.deepcopy(base), mesh, pp, 1, a.m,
-                                                    "Schedule1F1B")
+    variants["torch 1f1b again"] = _torch_step(copy.deepcopy(base), mesh, pp, 1, a.m,
+                                               "Schedule1F1B")
     # 1F1B again with every p2p batch waited for at once: what posting receives early buys.
     mods = build_stages(copy.deepcopy(base), rank, pp)
     sync = PipelineExecutor(mods, build_schedule("1f1b", pp, a.m), mesh.pp_group,
                             loss_fn=loss_fn, overlap=False)
-    variants[("fastpar", "1f1b overlap off")] = (lambda x, y: sync.step(x, y), mods)
+    variants["fastpar 1f1b overlap off"] = (lambda x, y: sync.step(x, y), mods)
 
     def run(key):
         step, mods = variants[key]
@@ -166,28 +166,18 @@ def _measure(rank, world_size, a):
             mod.zero_grad(set_to_none=True)
         step(x, y)
 
-    times = {key: [] for key in variants}
     for key in variants:                                     # warm-up (and shape inference)
         run(key)
-    # Variants take turns step by step (a barrier before each), so a burst of load from
-    # elsewhere on the machine lands on all of them alike, in an order rotated each time so that
-    # none always follows the same one; median per round, then over rounds.
-    keys = list(variants)
-    for r in range(a.rounds):
-        steps = {key: [] for key in variants}
-        for i in range(a.iters):
-            for key in common.rotated(keys, r * a.iters + i):
-                dist.barrier(mesh.pp_group)
-                t = common.time_it(lambda: run(key), mesh.device, warmup=0, iters=1)
-                steps[key] += t
-        for key in variants:
-            times[key].append(common.median(steps[key]))
-    med = torch.tensor([common.median(times[k]) for k in variants])
-    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=mesh.pp_group)
-    out = {"ms": {f"{lib} {name}": t * 1e3 for (lib, name), t in zip(variants, med.tolist())},
+    # Each fastpar schedule against torch's of the same name; the rest against torch 1F1B.
+    result = common.compare({key: (lambda key=key: run(key)) for key in variants},
+                            "torch 1f1b", mesh.device, a.rounds, a.iters,
+                            control="torch 1f1b again",
+                            peers={f"fastpar {name}": f"torch {name}" for name, _, _ in SCHEDULES},
+                            barrier=lambda: dist.barrier(mesh.pp_group), group=mesh.pp_group)
+    out = {"ms": {key: t * 1e3 for key, t in result["median"].items()}, "compare": result,
            "p2p_ms": _one_way_p2p(mesh, (a.micro, a.seq, a.hidden)) * 1e3}
     for name, pipe in pipes.items():
-        bubble, costs, events = _bubble_and_costs(pipe, lambda x, y: run(("fastpar", name)), x,
+        bubble, costs, events = _bubble_and_costs(pipe, lambda x, y: run(f"fastpar {name}"), x,
                                                   y, mesh)
         out[name] = {"bubble": bubble, "costs": costs, "events": events}
     return out
@@ -238,14 +228,15 @@ def _rows(pp, res, a, flops_per_step):
     return rows
 
 
-def _median_rows(runs: list[list[dict]]) -> list[dict]:
-    """Each number the median over runs; every run's row kept under "runs"."""
-    out = []
-    for same in zip(*runs):
-        row = {k: statistics.median([r[k] for r in same]) if isinstance(v, float) else v
-               for k, v in same[0].items()}
-        row["runs"] = list(same)
-        out.append(row)
+def _median_res(results: list[dict]) -> dict:
+    """Every measured number of several runs' results, the median over the runs."""
+    med = statistics.median
+    out = {"ms": {k: med([r["ms"][k] for r in results]) for k in results[0]["ms"]},
+           "p2p_ms": med([r["p2p_ms"] for r in results])}
+    for name, _, _ in SCHEDULES:
+        costs = [r[name]["costs"] for r in results]
+        out[name] = {"bubble": med([r[name]["bubble"] for r in results]),
+                     "costs": [[med(c) for c in zip(*rows)] for rows in zip(*costs)]}
     return out
 
 
@@ -265,18 +256,25 @@ def main(argv=None):
     h = a.hidden
     # fwd + bwd = 6 flops per weight per token: blocks (8 h^2 each) and the head (h * vocab).
     flops_per_step = 6 * (a.layers * 8 * h * h + h * a.vocab) * a.micro * a.m * a.seq
-    rows = []
+    rows, comparisons = [], []
     for pp in a.pp:
-        runs = []
+        results = []
         for _ in range(a.runs):
             res = run_ranks(_measure, pp, a, init_pg=False, timeout=3600)[0]
             _write_timelines(pp, res)
-            runs.append(_rows(pp, res, a, flops_per_step))
-            runs[-1][-1]["p2p_ms"] = res["p2p_ms"]
-        rows += _median_rows(runs)
+            comparisons.append({"key": f"pp{pp}", **res.pop("compare")})
+            results.append(res)
+        # Every column, ratios too, from the medians over the runs; each run's rows kept.
+        per_run = [_rows(pp, res, a, flops_per_step) for res in results]
+        merged = _median_res(results)
+        med_rows = _rows(pp, merged, a, flops_per_step)
+        med_rows[-1]["p2p_ms"] = merged["p2p_ms"]
+        for i, row in enumerate(med_rows):
+            row["runs"] = [run[i] for run in per_run]
+        rows += med_rows
     common.report("pipeline", rows, ["pp", "schedule", "torch", "torch_ms", "fastpar_ms",
                                      "fastpar/torch", "GFLOP/s/rank", "bubble_meas",
-                                     "bubble_sim", "sim_ms", "p2p_ms"])
+                                     "bubble_sim", "sim_ms", "p2p_ms"], comparisons)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
     python bench/bench_tp_mlp.py [--ranks 2] [--hidden 512] [--tokens 2048] [--rounds 5]
     ../shared/tools/shaped-link 1gbit python bench/bench_tp_mlp.py --label 1gbit
 
-Variants, measured in the same run, interleaved round by round, the order rotated every round
-so that no variant always runs first (medians reported):
+Measured with bench/common.py's ``compare``: variants in the same run, interleaved round by
+round, the order rotated every round, each round's ``--iters`` steps timed as one window
+(medians reported, ratios from the same medians). Variants:
   dtensor       torch's parallelize_module with ColwiseParallel / RowwiseParallel
   dtensor-again a second, identical DTensor block: an A/A control, its ratio is the noise
   dtensor-sp    the sequence-parallel plan as torchtitan writes it: ColwiseParallel with
@@ -84,7 +85,6 @@ def _measure(rank, world_size, hidden, tokens, rounds, iters, chunks):
     mesh = fastpar.init(tp=world_size)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
     variants = _variants(mesh, hidden, 4 * hidden, tokens, chunks)
-    times = {name: [] for name in variants}
 
     def step(model, x):
         x = x.detach().requires_grad_()
@@ -92,15 +92,10 @@ def _measure(rank, world_size, hidden, tokens, rounds, iters, chunks):
 
     for name, (model, x) in variants.items():      # warm-up, and a correctness cross-check
         step(model, x)
-    for r in range(rounds):
-        for name in common.rotated(list(variants), r):
-            model, x = variants[name]
-            dist.barrier()
-            t = common.time_it(lambda: step(model, x), mesh.device, warmup=0, iters=iters)
-            times[name].append(common.median(t))
-    med = torch.tensor([common.median(times[n]) for n in variants])
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)       # a step is as slow as the slowest rank
-    return dict(zip(variants, med.tolist()))
+    return common.compare({n: (lambda m=m, x=x: step(m, x)) for n, (m, x) in variants.items()},
+                          "dtensor", mesh.device, rounds, iters, control="dtensor-again",
+                          peers={"sp-off": "dtensor-sp", "sp-on": "dtensor-sp"},
+                          barrier=dist.barrier)
 
 
 def main(argv=None):
@@ -114,9 +109,9 @@ def main(argv=None):
                    help="RowParallelLinear's GEMM + all-reduce chunks")
     p.add_argument("--label", default="loopback", help="the link, for the table (e.g. 1gbit)")
     a = p.parse_args(argv)
-    med = run_ranks(_measure, a.ranks, a.hidden, a.tokens, a.rounds, a.iters, a.chunks,
-                    init_pg=False,
-                    timeout=3600)[0]
+    result = run_ranks(_measure, a.ranks, a.hidden, a.tokens, a.rounds, a.iters, a.chunks,
+                       init_pg=False, timeout=3600)[0]
+    med, ratio = result["median"], result["ratio"]
     # fwd + bwd = 3x the forward's 2 GEMMs of 2*T*h*4h flops each, split over the ranks.
     flops = 3 * 2 * (2 * a.tokens * a.hidden * 4 * a.hidden) / a.ranks
     floor = med["compute-only"]
@@ -124,7 +119,7 @@ def main(argv=None):
     for name, t in med.items():
         rows.append({"link": a.label, "variant": name, "tp": a.ranks, "hidden": a.hidden,
                      "tokens": a.tokens, "median_ms": t * 1e3,
-                     "vs_peer": t / med["dtensor-sp" if name.startswith("sp-") else "dtensor"],
+                     "vs_peer": ratio[name],
                      "comm_share": max(0.0, 1 - floor / t),
                      "GFLOP/s/rank": flops / t / 1e9})
     rows.append({"link": a.label, "variant": "on/off ratio", "median_ms": "",
@@ -133,10 +128,11 @@ def main(argv=None):
     rows.append({"link": a.label, "variant": "sp on/off ratio", "median_ms": "",
                  "vs_peer": med["sp-on"] / med["sp-off"]})
     rows.append({"link": a.label, "variant": "A/A (dtensor-again / dtensor)", "median_ms": "",
-                 "vs_peer": med["dtensor-again"] / med["dtensor"]})
+                 "vs_peer": ratio["dtensor-again"]})
     common.report(f"tp_mlp_{a.label}", rows, ["link", "variant", "tp", "hidden", "tokens",
                                               "median_ms", "vs_peer", "comm_share",
-                                              "GFLOP/s/rank"])
+                                              "GFLOP/s/rank"],
+                  [{"key": a.label, **result}])
 
 
 if __name__ == "__main__":

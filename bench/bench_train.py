@@ -36,11 +36,13 @@ TP bytes: one extra step of each TP variant under tests/wire.py's recorder (coll
 least 4 KiB), against ``megatron_tp_bytes``. DTensor saves the gathered activations for
 backward instead of gathering them again, so it moves less than Megatron's formula under SP.
 
-Timing: the variants (fastpar, the torch peer and a second instance of the peer, an A/A control)
-of each layout in ``--layouts`` live in the same two ranks and take turns step by step, the order
-rotated every round, a barrier before each step (``--rounds`` rounds of ``--iters`` steps; median
-per round, median over rounds, the slowest rank). tokens/s = global batch x seq / step; fastpar/torch is the step-time ratio (lower is
-better); GFLOP/s per rank uses the trainer's 6N + 12 L d S per token.
+Timing (bench/common.py's ``compare``): the variants (fastpar, the torch peer and a second
+instance of the peer, an A/A control) of each layout in ``--layouts`` live in the same two ranks
+and take turns round by round, the order rotated every round; each round runs a variant's
+``--iters`` steps as one timed window, a barrier before it (a round's time the slowest rank's,
+the median over ``--rounds`` rounds). tokens/s = global batch x seq / step; fastpar/torch is the
+ratio of the two medians printed (lower is better), A/A the control's; GFLOP/s per rank uses the
+trainer's 6N + 12 L d S per token.
 """
 from __future__ import annotations
 
@@ -234,36 +236,31 @@ def _measure(rank, world_size, a, model):
         cfg = BenchConfig(**base, **dims)
         cfg.check_layout(world_size)
         shares[name] = x.chunk(mesh.dp_size)[mesh.dp_rank], y.chunk(mesh.dp_size)[mesh.dp_rank]
-        variants[("fastpar", name)] = fastpar_variant(cfg, mesh)
-        variants[("torch", name)] = TORCH[name](cfg, mesh)
-        variants[("torch-aa", name)] = TORCH[name](cfg, mesh)   # A/A: the peer against itself
+        variants[f"fastpar {name}"] = fastpar_variant(cfg, mesh)
+        variants[f"torch {name}"] = TORCH[name](cfg, mesh)
+        variants[f"torch-aa {name}"] = TORCH[name](cfg, mesh)   # A/A: the peer against itself
+    layout = {key: key.split()[1] for key in variants}
 
-    losses = {key: [step(*shares[key[1]]) for _ in range(2)] for key, step in variants.items()}
-    ref = losses[("fastpar", a.layouts[0])]
+    losses = {key: [step(*shares[layout[key]]) for _ in range(2)]
+              for key, step in variants.items()}
+    ref = losses[f"fastpar {a.layouts[0]}"]
     for key, got in losses.items():                 # the same math in every variant
         for s, (l, r) in enumerate(zip(got, ref)):
             assert abs(l - r) <= 1e-4 * abs(r), f"{key} loss {l} at warm-up step {s} != {r}"
     wire = {}
     for key, step in variants.items():           # TP bytes of one step, outside the timing
-        if key[0] != "torch-aa" and key[1].startswith("tp"):
+        if not key.startswith("torch-aa") and layout[key].startswith("tp"):
             with WireRecorder() as rec:
-                step(*shares[key[1]])
-            wire[f"{key[0]} {key[1]}"] = rec.summary(min_bytes=4096)
-    times = {key: [] for key in variants}
-    for r in range(a.rounds):
-        steps = {key: [] for key in variants}
-        for _ in range(a.iters):
-            for key in common.rotated(list(variants), r):      # no variant always goes first
-                step = variants[key]
-                dist.barrier()
-                xs, ys = shares[key[1]]
-                steps[key] += common.time_it(lambda: step(xs, ys), torch.device("cpu"),
-                                             warmup=0, iters=1)
-        for key in variants:
-            times[key].append(common.median(steps[key]))
-    med = torch.tensor([common.median(times[k]) for k in variants])
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)       # a step is as slow as the slowest rank
-    return {f"{lib} {name}": t for (lib, name), t in zip(variants, med.tolist())}, ref, wire
+                step(*shares[layout[key]])
+            wire[key] = rec.summary(min_bytes=4096)
+    # Each layout's fastpar and A/A control against torch's step of the same layout.
+    result = common.compare(
+        {key: (lambda step=step, key=key: step(*shares[layout[key]]))
+         for key, step in variants.items()},
+        f"torch {a.layouts[0]}", torch.device("cpu"), a.rounds, a.iters,
+        control=[f"torch-aa {name}" for name in a.layouts],
+        peers={key: f"torch {layout[key]}" for key in variants}, barrier=dist.barrier)
+    return result, ref, wire
 
 
 def megatron_tp_bytes(mc, a, layout) -> int:
@@ -296,15 +293,17 @@ def main(argv=None):
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     a = p.parse_args(argv)
     world, tokens = 2, a.batch * a.seq
-    rows = []
+    rows, comparisons = [], []
     for model in a.models:
-        sec, losses, wire = run_ranks(_measure, world, a, model, init_pg=False, timeout=3600)[0]
+        result, losses, wire = run_ranks(_measure, world, a, model, init_pg=False, timeout=3600)[0]
         mc = BenchConfig(model=model, seq_len=a.seq,
                          layers=a.small_layers if model == "small" else None).model_config
         flops = flops_per_token(mc.num_params(), mc.n_layers, mc.d_model, a.seq) * tokens
         shape = f"L{mc.n_layers} d{mc.d_model} h{mc.n_heads}"
+        sec, ratio = result["median"], result["ratio"]
+        comparisons.append({"key": model, **result})
         for name in a.layouts:
-            f, t, aa = sec[f"fastpar {name}"], sec[f"torch {name}"], sec[f"torch-aa {name}"]
+            f, t = sec[f"fastpar {name}"], sec[f"torch {name}"]
             tp_bytes = {lib: sum(n for _, n in wire.get(f"{lib} {name}", {}).values())
                         for lib in ("fastpar", "torch")}
             rows.append({"model": model, "shape": shape, "params_M": mc.num_params() / 1e6,
@@ -314,14 +313,16 @@ def main(argv=None):
                          "wire": {lib: wire.get(f"{lib} {name}") for lib in ("fastpar", "torch")},
                          "layout": name, "fastpar_ms": f * 1e3, "torch_ms": t * 1e3,
                          "fastpar_tok/s": tokens / f, "torch_tok/s": tokens / t,
-                         "fastpar/torch": f / t, "A/A": aa / t,
+                         "fastpar/torch": ratio[f"fastpar {name}"],
+                         "A/A": ratio[f"torch-aa {name}"],
                          "fastpar_GFLOP/s/rank": flops / f / world / 1e9,
                          "torch_GFLOP/s/rank": flops / t / world / 1e9, "warmup_losses": losses,
                          "batch": a.batch, "micro": a.micro, "seq": a.seq})
     common.report(f"train_{a.label}", rows,
                   ["model", "shape", "layout", "fastpar_ms", "torch_ms", "fastpar_tok/s",
                    "torch_tok/s", "fastpar/torch", "A/A", "fastpar_GFLOP/s/rank",
-                   "torch_GFLOP/s/rank", "fastpar_TP_MB", "torch_TP_MB", "megatron_TP_MB"])
+                   "torch_GFLOP/s/rank", "fastpar_TP_MB", "torch_TP_MB", "megatron_TP_MB"],
+                  comparisons)
 
 
 if __name__ == "__main__":
