@@ -86,7 +86,8 @@ def table(docs: list[dict], command: str) -> str:
            f"Machine: {'; '.join(sorted(machines))}. Runs: {times[0]} to {times[-1]}."]
     for key, cmps in by_key.items():
         first = cmps[0]
-        out += ["", f"{key + ': ' if key else ''}{_count(len(cmps), 'run')}, each "
+        few = " (fewer than the 3 a RESULTS.md table needs)" if len(cmps) < 3 else ""
+        out += ["", f"{key + ': ' if key else ''}{_count(len(cmps), 'run')}{few}, each "
                 f"{_count(first['rounds'], 'round')} of {_count(first['iters'], 'step')} per "
                 f"variant; ratio = variant median / peer median in the same run; medians over "
                 f"runs taken separately.", "",

@@ -120,6 +120,7 @@ def test_repeat_table_lists_every_run_the_medians_and_the_controls_spread():
     assert text.startswith("`python bench/repeat.py --runs 3 -- python bench/bench_x.py`")
     assert "h, x86_64, 2 cores, no GPU, torch 2" in text
     assert "pp2: 3 runs, each 3 rounds of 2 steps" in text
+    assert "fewer than the 3" in repeat.table(docs[:2], "x")
     assert "| ours | peer | 0.900, 1.100, 0.950 | 0.950 | 90.0, 132.0, 95.0 | 95.0 |" in text
     assert "| again (A/A) | peer | 1.000, 0.970, 1.040 | 1.000 |" in text
     assert "A/A control again / peer: 0.970-1.040 over the runs (spread 0.070), " \
