@@ -145,8 +145,54 @@ def test_evaluate_output_and_search_order():
     assert len(best) == 4 and all(e.fits for e in best)
     times = [e.step_time_s for e in best]
     assert times == sorted(times)
-    # The bound-and-prune search finds what evaluating every candidate finds.
-    assert best[0].step_time_s <= est.step_time_s
+
+
+# A CPU-like profile (reference ops, per-operator overhead, slow links) whose memory is set per case.
+CPU_LIKE = Hardware("cpu-like", peak_tflops=0.05, matmul_efficiency=0.6, hbm_gb=1.0,
+                    hbm_gbps=10.0, intra_node_gbps=0.5, inter_node_gbps=0.5,
+                    collective_latency_us=500.0, kernel_overhead_us=20.0, sync_us=100.0,
+                    memory_reserve_gb=0.0, kind="cpu", activation_gbps=2.0, bytes_per_element=4)
+NO_OVERLAP = Features(tp_overlap=False, dp_overlap=False, flash_attention=False, dropout=True)
+SEARCH_CASES = {   # (workload, cluster, features, some candidates rejected for memory)
+    "tiny, 2 CPU ranks": (Workload(get_config("tiny"), 128, 16), Cluster(2, 2, CPU_LIKE),
+                          cost.FASTPAR, False),
+    "small, 4 CPU ranks, 0.1 GB": (Workload(get_config("small"), 256, 16),
+                                   Cluster(4, 4, Hardware(**{**CPU_LIKE.to_dict(),
+                                                             "hbm_gb": 0.1})),
+                                   cost.FASTPAR, True),
+    # No overlap and unfused attention: the bound the search used before exceeded the simulated
+    # step of three ZB-H1 candidates here.
+    "8 layers, 8 A100, no overlap": (Workload(GPT, 2048, 8), Cluster(8, 8, BUILTIN["a100-80gb"]),
+                                     NO_OVERLAP, False),
+    "8 layers, 2 nodes of 8 A100, 3 GB": (Workload(GPT, 2048, 16), Cluster(16, 8, Hardware(
+        **{**BUILTIN["a100-80gb"].to_dict(), "hbm_gb": 3.0})), cost.FASTPAR, True),
+}
+
+
+@pytest.mark.parametrize("case", list(SEARCH_CASES))
+def test_pruned_search_equals_exhaustive_evaluation(case):
+    """The branch-and-bound search returns what evaluating every candidate returns, and its
+    step bound is below every candidate's simulated step."""
+    work, cluster, feat, tight = SEARCH_CASES[case]
+    every, fits = [], []
+    for cfg in planner.candidates(work, cluster):
+        est = evaluate(work, cluster, cfg, feat)
+        every.append(est)
+        fits += [est] if est.fits else []
+        fbw = planner._stage_costs(work, cluster, cfg, feat, cfg.schedule == "zb-h1")[0]
+        bound = planner._step_lower_bound(fbw, cfg.pp, cfg.num_microbatches(work),
+                                          cfg.schedule == "zb-h1")
+        assert bound <= est.step_time_s, cfg
+    assert (len(fits) < len(every)) == tight and fits
+    fits.sort(key=lambda e: (e.step_time_s, e.memory_gb_per_gpu))
+    best, rejected = search(work, cluster, feat, top=3)
+
+    def key(e):
+        return e.step_time_s, e.memory_gb_per_gpu
+    assert [key(e) for e in best] == [key(e) for e in fits[:3]]
+    assert best[0].config in [e.config for e in fits if key(e) == key(fits[0])]
+    if tight:      # the fastest layout of all does not fit: memory decides
+        assert min(every, key=key).config != best[0].config and rejected["memory"] > 0
 
 
 @pytest.mark.parametrize("make, words", [

@@ -334,6 +334,26 @@ def _peak_lower_bound(cfg: ParallelConfig, num_mb: int) -> int:
     return min(pp, num_mb)
 
 
+def _step_lower_bound(fbw, pp: int, num_mb: int, split: bool) -> float:
+    """Seconds no schedule of these per-stage (F, B, W) costs can beat (stage ``s`` on rank
+    ``s % pp``), communication taken as free. Every rank ``r`` runs all its work, ``num_mb``
+    times its stages' F + B + W, one action at a time; it cannot start before the first
+    forward has passed the ``r`` stages before it, and after its last backward the backward
+    of the ``r`` stages below it is still to come. Without a split-off W a rank's last action
+    is that backward (costing B + W); with one, only the W work can follow it."""
+    best = 0.0
+    for r in range(pp):
+        mine = fbw[r::pp]
+        work = num_mb * sum(sum(row) for row in mine)
+        head = sum(row[0] for row in fbw[:r])
+        if split:
+            tail = max(0.0, sum(row[1] for row in fbw[:r]) - num_mb * sum(row[2] for row in mine))
+        else:
+            tail = sum(row[1] + row[2] for row in fbw[:r])
+        best = max(best, head + work + tail)
+    return best
+
+
 def candidates(work: Workload, cluster: Cluster, fixed: dict | None = None):
     """Every configuration that can run, TP inside a node; ``fixed`` pins fields by name."""
     fixed = fixed or {}
@@ -364,9 +384,10 @@ def search(work: Workload, cluster: Cluster, feat: Features = FASTPAR, fixed: di
            top: int = 10) -> tuple[list[Estimate], dict[str, int]]:
     """The ``top`` fastest configurations that fit, best first, and a count of the rejected ones
     by reason. Branch and bound: candidates are visited by a lower bound on their step time
-    (no bubble below ZB-H1's, no communication) and the search stops once that bound exceeds
-    the ``top``-th best step found; configurations whose memory cannot fit even at the fewest
-    live micro-batches their schedule allows are rejected without simulating."""
+    (:func:`_step_lower_bound`) and the search stops once that bound reaches the ``top``-th
+    best step found; configurations whose memory cannot fit even at the fewest live
+    micro-batches their schedule allows are rejected without simulating. Both bounds hold for
+    every candidate, so the result is what evaluating every candidate gives (tested)."""
     bounds, rejected, cache = [], {"memory": 0}, {}
     for cfg in candidates(work, cluster, fixed):
         key = (cfg.tp, cfg.pp, cfg.virtual_stages, cfg.micro_batch_size, cfg.recompute,
@@ -380,9 +401,7 @@ def search(work: Workload, cluster: Cluster, feat: Features = FASTPAR, fixed: di
         if _memory(work, cluster, cfg, feat, ranges, peaks)["total"] > cluster.hardware.hbm_gb:
             rejected["memory"] += 1
             continue
-        busiest = max(sum(sum(row) for row in fbw[r::cfg.pp]) for r in range(cfg.pp))
-        fill = min(max(0.0, f + b - 2 * w) for f, b, w in fbw)
-        bounds.append((num_mb * busiest + (cfg.pp - 1) * fill, cfg))
+        bounds.append((_step_lower_bound(fbw, cfg.pp, num_mb, key[-1]), cfg))
     bounds.sort(key=lambda x: x[0])
     found: list[Estimate] = []
     schedules: dict = {}
