@@ -63,7 +63,16 @@ void trace_collective(const char* kind, const at::Tensor& whole) {
   trace_event(kind, whole.numel() * static_cast<int64_t>(whole.element_size()));
 }
 
+// Progress, not just order: "comm_pending" when a collective has not finished right after it
+// was issued (it did not block), "comm_ready" when it has finished before anyone waited for it
+// (it progressed while the GEMMs between ran). Polled only while tracing.
+Work issued(Work work, int64_t index) {
+  if (trace_enabled() && !work->isCompleted()) trace_event("comm_pending", index);
+  return work;
+}
+
 void wait(Work& work, int64_t index) {
+  if (trace_enabled() && work->isCompleted()) trace_event("comm_ready", index);
   work->wait();
   trace_event("comm_done", index);
 }
@@ -87,7 +96,7 @@ at::Tensor matmul_allreduce(const at::Tensor& x_, const at::Tensor& w, const std
     gemm_into(block, x.narrow(0, lo, hi - lo), w, i);
     std::vector<at::Tensor> bufs{block};
     trace_event("comm_start", i);
-    works.push_back(pg->allreduce(bufs));
+    works.push_back(issued(pg->allreduce(bufs), i));
   }
   for (int64_t i = 0; i < chunks; ++i) wait(works[i], i);
   return out;
@@ -109,8 +118,8 @@ std::tuple<at::Tensor, at::Tensor> allgather_matmul(const at::Tensor& x_, const 
     Work work;
     if (s + 1 < tp) {
       trace_event("comm_start", s);
-      work = ring_exchange(*pg, gathered.narrow(0, cur * m, m),
-                           gathered.narrow(0, incoming * m, m), next, prev);
+      work = issued(ring_exchange(*pg, gathered.narrow(0, cur * m, m),
+                                  gathered.narrow(0, incoming * m, m), next, prev), s);
     }
     gemm_into(out.narrow(0, cur * m, m), gathered.narrow(0, cur * m, m), w, s);
     if (work) wait(work, s);
@@ -145,7 +154,7 @@ at::Tensor matmul_reducescatter(const at::Tensor& x_, const at::Tensor& w,
     }
     if (s + 1 < tp) {
       trace_event("comm_start", s);
-      work = ring_exchange(*pg, acc, incoming, next, prev);
+      work = issued(ring_exchange(*pg, acc, incoming, next, prev), s);
     }
   }
   return out;
@@ -177,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor> column_linear_backward(
       total = at::empty({rows, input.size(1)}, input.options());
       trace_event("comm_start", 0);
       trace_collective("coll:all_gather", total);
-      gather_work = pg->_allgather_base(total, const_cast<at::Tensor&>(input));
+      gather_work = issued(pg->_allgather_base(total, const_cast<at::Tensor&>(input)), 0);
     }
     trace_event("gemm_begin", 0);
     at::Tensor partial = at::mm(grad_out, w);  // (rows, K): this rank's share of the sum
@@ -186,7 +195,7 @@ std::tuple<at::Tensor, at::Tensor> column_linear_backward(
     grad_input = at::empty({rows / tp, input.size(1)}, input.options());
     trace_event("comm_start", 1);
     trace_collective("coll:reduce_scatter", partial);
-    reduce_works.push_back(pg->_reduce_scatter_base(grad_input, partial));
+    reduce_works.push_back(issued(pg->_reduce_scatter_base(grad_input, partial), 1));
   } else if (need_input_grad) {
     // Row chunks of the dgrad: each is all-reduced in place while the next chunk, and then the
     // wgrad GEMM, compute.
@@ -201,7 +210,7 @@ std::tuple<at::Tensor, at::Tensor> column_linear_backward(
       trace_event("gemm_end", i);
       std::vector<at::Tensor> bufs{block};
       trace_event("comm_start", i);
-      reduce_works.push_back(pg->allreduce(bufs));
+      reduce_works.push_back(issued(pg->allreduce(bufs), i));
     }
   } else if (sequence_parallel && need_weight_grad) {
     total = at::empty({rows, input.size(1)}, input.options());

@@ -17,6 +17,8 @@ void trace_enable(bool on) {
   enabled = on;
 }
 
+bool trace_enabled() { return enabled.load(std::memory_order_relaxed); }
+
 void trace_event(const char* name, int64_t index) {
   if (!enabled.load(std::memory_order_relaxed)) return;
   const int64_t t = std::chrono::duration_cast<std::chrono::nanoseconds>(

@@ -9,6 +9,7 @@
 namespace fastpar {
 
 void trace_enable(bool on);
+bool trace_enabled();
 void trace_event(const char* name, int64_t index);
 std::vector<std::tuple<std::string, int64_t, int64_t>> trace_take();
 

@@ -132,3 +132,62 @@ def _overlap(rank, tp):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_collectives_are_in_flight_during_the_next_gemm(tp):
     assert run_ranks(_overlap, tp, timeout=90) == [True] * tp
+
+
+def _seen(fn):
+    """Which indices' collectives were pending right after issue and which had finished before
+    anyone waited for them, over one run of ``fn``."""
+    ops.trace(True)
+    fn()
+    ev = ops.trace_events()
+    ops.trace(False)
+    return ({i for name, i, _ in ev if name == "comm_pending"},
+            {i for name, i, _ in ev if name == "comm_ready"})
+
+
+def _progress(rank, tp):
+    g = dist.new_group(list(range(tp)))
+    # Each GEMM below takes milliseconds; each collective moves about 1 MB.
+    x, w = torch.randn(2048, 512), torch.randn(512, 512)
+    cases = {
+        # chunk 0's all-reduce: only GEMMs 1..3 run between its issue and its wait.
+        "matmul_allreduce": (lambda: ops.matmul_allreduce(x, w, g, 4), range(4), {0}),
+        # ring step s: only GEMM s runs between the exchange's issue and its wait.
+        "allgather_matmul": (lambda: ops.allgather_matmul(x[:512], w, g), range(tp - 1),
+                             set(range(tp - 1))),
+        # ring step s: only GEMM s+1 (and the add) runs in between.
+        "matmul_reducescatter": (lambda: ops.matmul_reducescatter(x, w, g), range(tp - 1),
+                                 set(range(tp - 1))),
+        # chunk 0's dgrad all-reduce: dgrad GEMMs 1, 2 and the wgrad GEMM run in between.
+        "column_backward": (lambda: ops.column_linear_backward(x, x, w, g, False, True, True, 3),
+                            range(3), {0}),
+        # SP: the input all-gather (0) across the dgrad GEMM, the dgrad reduce-scatter (1) across
+        # the wgrad GEMM.
+        "column_backward_sp": (lambda: ops.column_linear_backward(
+            x, x[:2048 // tp], w, g, True, True, True), (0, 1), {0, 1}),
+    }
+    out = {}
+    for name, (fn, issued, may_finish) in cases.items():
+        pending_share, finished = [], set()
+        for _ in range(4):                  # a peer descheduled for a whole GEMM can miss one
+            dist.barrier(group=g)
+            pending, ready = _seen(fn)
+            # A collective can finish between its issue and the check when the issuing thread
+            # is descheduled as gloo's wakes (2 ranks' threads on 2 cores): most, not all, are
+            # still in flight; a blocking issue leaves none.
+            pending_share.append(len(pending & set(issued)) / len(issued))
+            finished |= ready & may_finish
+        out[name] = (sum(pending_share) / len(pending_share), sorted(finished))
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_collectives_progress_while_the_gemms_run(tp):
+    """Progress, not order: the collectives are still in flight right after they are issued (the
+    issue did not block), and at least one is observed finished (``work.is_completed()``) at
+    the moment the op comes to wait for it, with only GEMMs run in between. An op that waited
+    right after issuing, or whose collective only moved when waited on, fails here."""
+    for rank_out in run_ranks(_progress, tp, timeout=120):
+        for name, (pending_share, finished) in rank_out.items():
+            assert pending_share >= 0.5, f"{name}: collectives had finished when issue returned"
+            assert finished, f"{name}: no collective progressed while the GEMMs ran"
