@@ -87,12 +87,17 @@ def test_ops_match_plain_collectives(tp):
     assert all(o == out[0] for o in out)
 
 
-def _events(fn):
+def _trace(fn):
+    """The (event, index, ns) tuples the extension records over one run of ``fn``."""
     ops.trace(True)
     fn()
     ev = ops.trace_events()
     ops.trace(False)
-    return {(name, i): t for name, i, t in ev}
+    return ev
+
+
+def _events(fn):
+    return {(name, i): t for name, i, t in _trace(fn)}
 
 
 def _overlap(rank, tp):
@@ -137,10 +142,7 @@ def test_collectives_are_in_flight_during_the_next_gemm(tp):
 def _seen(fn):
     """Which indices' collectives were pending right after issue and which had finished before
     anyone waited for them, over one run of ``fn``."""
-    ops.trace(True)
-    fn()
-    ev = ops.trace_events()
-    ops.trace(False)
+    ev = _trace(fn)
     return ({i for name, i, _ in ev if name == "comm_pending"},
             {i for name, i, _ in ev if name == "comm_ready"})
 
