@@ -6,6 +6,9 @@ take turns round by round, the order rotated every round; each variant's ``iters
 timed as one window that also holds every wait the steps defer (``finish``), a barrier before
 it; a round's time is the slowest rank's; each variant's median over rounds is divided by its
 peer's median, and an A/A control (a second, identical instance of the peer) gives the noise.
+A paired ratio is also kept: each round's time over its peer's time in the same round (the two
+windows are minutes apart at most, so a drift of the machine's speed cancels), its median over
+rounds; a run's A/A control gives the spread of both.
 ``bench/repeat.py`` runs a bench several times and tabulates every run.
 """
 from __future__ import annotations
@@ -102,7 +105,9 @@ def compare(variants: dict[str, Callable[[], object]], peer: str, device: torch.
 
     Returns (JSON-ready): ``seconds`` per variant per round (per step), ``median`` per variant,
     ``peer_of``, ``ratio`` = median / its peer's median (the same medians as printed), ``aa``
-    per control (its ratio) and ``aa_rounds`` (its per-round ratios: the spread inside a run).
+    per control (its ratio) and ``aa_rounds`` (its per-round ratios: the spread inside a run),
+    ``round_ratio`` per variant (each round's time / its peer's in that round) and ``paired``,
+    their median.
     """
     names = list(variants)
     peer_of = {n: peer for n in names}
@@ -135,11 +140,13 @@ def compare(variants: dict[str, Callable[[], object]], peer: str, device: torch.
         seconds = dict(zip(names, t.tolist()))
     med = {n: median(seconds[n]) for n in names}
     ratio = {n: med[n] / med[peer_of[n]] for n in names}
+    round_ratio = {n: [a / b for a, b in zip(seconds[n], seconds[peer_of[n]])] for n in names}
     return {"peer": peer, "peer_of": peer_of, "controls": controls, "rounds": rounds,
             "iters": iters, "seconds": seconds, "median": med, "ratio": ratio,
             "aa": {c: ratio[c] for c in controls},
-            "aa_rounds": {c: [a / b for a, b in zip(seconds[c], seconds[peer_of[c]])]
-                          for c in controls}}
+            "aa_rounds": {c: round_ratio[c] for c in controls},
+            "round_ratio": round_ratio,
+            "paired": {n: median(round_ratio[n]) for n in names}}
 
 
 def report(name: str, rows: list[dict], columns: list[str],

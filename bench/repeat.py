@@ -10,7 +10,9 @@ other. Each run's bench writes bench/results/<name>.json through ``common.report
 the run id this script puts in its environment; those files are read back after the run. For
 each comparison (``common.compare``; one per key, e.g. per pp or per model) the table gives, per
 variant, its peer, every run's ratio to the peer and median ms, and the median over the runs of
-each; then the A/A control's ratios over the runs and over the rounds inside them, its spread.
+each, and the paired ratio (each round's time over its peer's in the same round) per run and its
+median over every round of every run; then the A/A control's ratios over the runs and over the
+rounds inside them, its spread.
 The command and the machine head the table, ready for bench/RESULTS.md; every run's results are
 kept in bench/results/repeat_<name>.json. ``--files`` tabulates results already written, one
 file per run.
@@ -74,6 +76,18 @@ def _machine(m: dict) -> str:
     return f"{m.get('host')}, {m.get('cpu')}, {m.get('cores')} cores, {gpu}, torch {m.get('torch')}"
 
 
+def _round_ratios(cmp: dict, name: str) -> list[float] | None:
+    """Each round's time over its peer's in the same round (older results: from ``seconds``)."""
+    if "round_ratio" in cmp:
+        return cmp["round_ratio"][name]
+    if name in cmp.get("aa_rounds", {}):
+        return cmp["aa_rounds"][name]
+    if "seconds" in cmp:
+        return [a / b for a, b in zip(cmp["seconds"][name],
+                                      cmp["seconds"][cmp["peer_of"][name]])]
+    return None
+
+
 def table(docs: list[dict], command: str) -> str:
     """The markdown table of several runs' result documents (``common.report``'s JSON)."""
     by_key: dict[str, list[dict]] = {}
@@ -89,23 +103,34 @@ def table(docs: list[dict], command: str) -> str:
         few = " (fewer than the 3 a RESULTS.md table needs)" if len(cmps) < 3 else ""
         out += ["", f"{key + ': ' if key else ''}{_count(len(cmps), 'run')}{few}, each "
                 f"{_count(first['rounds'], 'round')} of {_count(first['iters'], 'step')} per "
-                f"variant; ratio = variant median / peer median in the same run; medians over "
-                f"runs taken separately.", "",
-                "| variant | peer | vs peer, per run | vs peer, median | ms per run | ms, median |",
-                "|---|---|---|---|---|---|"]
+                f"variant; ratio = variant median / peer median in the same run; paired = "
+                f"median of each round's time / its peer's in that round; medians over runs "
+                f"taken separately, the paired one over every round of every run.", "",
+                "| variant | peer | vs peer, per run | vs peer, median | paired, per run | "
+                "paired, all rounds | ms per run | ms, median |",
+                "|---|---|---|---|---|---|---|---|"]
         for name in first["median"]:
             ratios = [c["ratio"][name] for c in cmps]
             ms = [c["median"][name] * 1e3 for c in cmps]
+            rounds = [_round_ratios(c, name) for c in cmps]
+            if all(r is not None for r in rounds):
+                paired = (_nums([statistics.median(r) for r in rounds]),
+                          f"{statistics.median([x for r in rounds for x in r]):.3f}")
+            else:
+                paired = ("n/a", "n/a")
             label = f"{name} (A/A)" if name in first["controls"] else name
             out.append(f"| {label} | {first['peer_of'][name]} | {_nums(ratios)} | "
-                       f"{statistics.median(ratios):.3f} | {_nums(ms, '{:.1f}')} | "
-                       f"{statistics.median(ms):.1f} |")
+                       f"{statistics.median(ratios):.3f} | {paired[0]} | {paired[1]} | "
+                       f"{_nums(ms, '{:.1f}')} | {statistics.median(ms):.1f} |")
         out.append("")
         for c in first["controls"]:
             runs = [cmp["aa"][c] for cmp in cmps]
-            rounds = [r for cmp in cmps for r in cmp["aa_rounds"][c]]
+            per_run = [cmp["aa_rounds"][c] for cmp in cmps]
+            rounds = [r for rs in per_run for r in rs]
+            paired = [statistics.median(rs) for rs in per_run]
             out.append(f"A/A control {c} / {first['peer_of'][c]}: {min(runs):.3f}-"
                        f"{max(runs):.3f} over the runs (spread {max(runs) - min(runs):.3f}), "
+                       f"paired {min(paired):.3f}-{max(paired):.3f} over the runs, "
                        f"{min(rounds):.3f}-{max(rounds):.3f} over single rounds.")
     return "\n".join(out)
 

@@ -58,6 +58,8 @@ def test_compare_times_each_window_with_its_finish_and_rotates(clock):
     assert out["ratio"]["ours"] == out["median"]["ours"] / out["median"]["peer"]
     assert out["aa"] == {"peer-again": pytest.approx(1.1)}
     assert out["aa_rounds"]["peer-again"] == pytest.approx([1.1] * 3)
+    assert out["round_ratio"]["ours"] == pytest.approx([1.1] * 3)
+    assert out["paired"]["ours"] == pytest.approx(1.1)
     json.dumps(out)                              # JSON-ready
 
 
@@ -121,7 +123,22 @@ def test_repeat_table_lists_every_run_the_medians_and_the_controls_spread():
     assert "h, x86_64, 2 cores, no GPU, torch 2" in text
     assert "pp2: 3 runs, each 3 rounds of 2 steps" in text
     assert "fewer than the 3" in repeat.table(docs[:2], "x")
-    assert "| ours | peer | 0.900, 1.100, 0.950 | 0.950 | 90.0, 132.0, 95.0 | 95.0 |" in text
-    assert "| again (A/A) | peer | 1.000, 0.970, 1.040 | 1.000 |" in text
-    assert "A/A control again / peer: 0.970-1.040 over the runs (spread 0.070), " \
-           "0.960-1.060 over single rounds." in text
+    assert "| ours | peer | 0.900, 1.100, 0.950 | 0.950 | n/a | n/a | 90.0, 132.0, 95.0 | " \
+           "95.0 |" in text
+    assert "| again (A/A) | peer | 1.000, 0.970, 1.040 | 1.000 | 1.005, 0.975, 1.045 | " \
+           "1.005 |" in text
+    assert "A/A control again / peer: 0.970-1.040 over the runs (spread 0.070), paired " \
+           "0.975-1.045 over the runs, 0.960-1.060 over single rounds." in text
+
+
+def test_repeat_table_pairs_each_round_with_its_peers_round():
+    docs = [_doc(1.0, 1.0) for _ in range(3)]
+    for d, slow in zip(docs, (1.0, 1.5, 0.8)):       # the machine's speed drifts between runs
+        cmp = d["comparisons"][0]
+        cmp["seconds"] = {"peer": [0.1 * slow, 0.2 * slow, 0.1 * slow],
+                          "again": [0.1 * slow, 0.2 * slow, 0.1 * slow],
+                          "ours": [0.095 * slow, 0.19 * slow, 0.095 * slow]}
+        del cmp["aa_rounds"]
+        cmp["aa_rounds"] = {"again": [1.0, 1.0, 1.0]}
+    text = repeat.table(docs, "x")
+    assert "| ours | peer | 1.000, 1.000, 1.000 | 1.000 | 0.950, 0.950, 0.950 | 0.950 |" in text
