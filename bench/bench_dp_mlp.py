@@ -17,8 +17,13 @@ runs: ``python bench/repeat.py --runs 3 -- python bench/bench_dp_mlp.py ...``. V
   ddp-again     a second, identical DDP model: an A/A control, its ratio to ddp is the noise
   overlap-off   fastpar DataParallel, every bucket reduced after backward
   overlap-on    fastpar DataParallel, each bucket reduced as soon as its gradients are ready
-  zero1         overlap-on + DistributedOptimizer (reduce-scatter, sharded AdamW, all-gather
-                overlapped with the next forward)
+  zero1         overlap-on + DistributedOptimizer (reduce-scatter, sharded AdamW stepped
+                bucket by bucket, each bucket's all-gather started as soon as it is stepped and
+                waited for by the next forward)
+  zero1-step    zero1 with overlap_step=True: each bucket's shard is stepped (and its gather
+                started) the moment its reduce-scatter lands, while later buckets still reduce
+  dp-step       overlap-on + an unsharded DistributedOptimizer with overlap_step=True: each
+                bucket's parameters are stepped as soon as its all-reduce lands
   compute-only  the same model and local batch with no communication at all: the floor
 """
 from __future__ import annotations
@@ -72,6 +77,12 @@ def _variants(mesh, hidden, layers, bucket_mb):
     m = DataParallel(_mlp(hidden, layers), dp_group=g, bucket_cap_mb=bucket_mb)
     out["zero1"] = (m, DistributedOptimizer(m, torch.optim.AdamW, overlap_param_gather=True,
                                             lr=1e-4))
+    m = DataParallel(_mlp(hidden, layers), dp_group=g, bucket_cap_mb=bucket_mb)
+    out["zero1-step"] = (m, DistributedOptimizer(m, torch.optim.AdamW, overlap_param_gather=True,
+                                                 overlap_step=True, lr=1e-4))
+    m = DataParallel(_mlp(hidden, layers), dp_group=g, bucket_cap_mb=bucket_mb)
+    out["dp-step"] = (m, DistributedOptimizer(m, torch.optim.AdamW, shard=False,
+                                              overlap_step=True, lr=1e-4))
     m = _mlp(hidden, layers)
     out["compute-only"] = (m, adamw(m.parameters()))
     return out
@@ -91,18 +102,22 @@ def _measure(rank, world_size, hidden, layers, batch, bucket_mb, rounds, iters):
 
     for model, opt in variants.values():           # warm-up (AdamW allocates its state)
         step(model, opt)
-    variants["zero1"][1].finish_param_sync()
+    zeros = ("zero1", "zero1-step")
+    for name in zeros:
+        variants[name][1].finish_param_sync()
     ref = [p.detach() for p in variants["ddp"][0].parameters()]
-    for name in ("overlap-off", "overlap-on", "zero1"):   # cross-check: same step as DDP
+    for name in ("overlap-off", "overlap-on", *zeros, "dp-step"):   # the same step as DDP
         for p, q in zip(variants[name][0].parameters(), ref):
             assert torch.allclose(p, q, atol=1e-6), f"{name} differs from ddp after a step"
     # The round's last parameter gather (ZeRO-1) is waited for inside the window.
     result = common.compare({n: (lambda m=m, o=o: step(m, o)) for n, (m, o) in variants.items()},
                             "ddp", mesh.device, rounds, iters, control="ddp-again",
-                            finish={"zero1": variants["zero1"][1].finish_param_sync},
+                            finish={n: variants[n][1].finish_param_sync for n in zeros},
                             barrier=dist.barrier)
     state = {"plain": _state_bytes(variants["ddp"][1]),
-             "zero1": variants["zero1"][1].state_bytes()}
+             "zero1": variants["zero1"][1].state_bytes(),
+             "zero1-step": variants["zero1-step"][1].state_bytes(),
+             "dp-step": variants["dp-step"][1].state_bytes()}
     return result, state
 
 
@@ -131,8 +146,8 @@ def main(argv=None):
         row = {**common_row, "variant": name, "median_ms": t * 1e3,
                "vs_ddp": result["ratio"][name],
                "GFLOP/s/rank": flops / t / 1e9,
-               "state_MB": state["zero1" if name == "zero1" else "plain"] / 2**20}
-        if name in ("ddp", "ddp-again", "overlap-on", "zero1"):
+               "state_MB": state.get(name, state["plain"]) / 2**20}
+        if name in ("ddp", "ddp-again", "overlap-on", "zero1", "zero1-step", "dp-step"):
             row["hidden"] = 1 - max(t - floor, 0.0) / exposed_off
         rows.append(row)
     # The reduction itself: what overlap-off adds to the floor.

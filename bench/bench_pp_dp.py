@@ -1,21 +1,22 @@
 """pp=2 x dp=2 training step of a GPT: DP reduction overlapped with the pipeline cool-down, on/off.
 
-    python bench/bench_pp_dp.py [--model small] [--schedule 1f1b] [--runs 3] [--rounds 4]
+    python bench/bench_pp_dp.py [--model small] [--schedule 1f1b] [--rounds 6] [--iters 2]
     ../shared/tools/shaped-link 1gbit python bench/bench_pp_dp.py --label 1gbit
+    python bench/repeat.py --runs 3 -- python bench/bench_pp_dp.py      # a table for RESULTS
 
 Four gloo ranks (pp=2 x dp=2), each step the trainer's own ``_step`` (pipeline step, DP
-reduction of every bucket, the pipeline's loss all-reduce) plus AdamW. Variants, each its own
-model, measured in the same run round by round, the order rotated each round:
+reduction of every bucket, the pipeline's loss all-reduce) plus AdamW and zero_grad. Measured
+with bench/common.py's ``compare`` (variants in one process set, the order rotated every round,
+each variant's ``--iters`` steps one timed window after a barrier, the slowest rank's time),
+against ``off``:
   on            each chunk's buckets start inside its last backward (the trainer's default)
-  off           every bucket starts after the pipeline step (the old behaviour)
-  off-again     a second, identical ``off``: an A/A control, its ratio to ``off`` is the noise
+  off           every bucket starts after the pipeline step (the old behaviour): the peer
+  off-again     a second, identical ``off``: the A/A control, its ratio to ``off`` is the noise
   compute-only  the same step with no DP reduction at all: the floor
-  reduce-alone  the DP reduction of the accumulated gradients alone, timed after an untimed
-                pipeline step: what the reduction costs with nothing to hide it behind
-Each timed step starts and ends with a barrier of all four ranks (a step is over when the
-slowest rank is done). ``exposed`` = step - compute-only; ``hidden`` = 1 - exposed(on) /
-reduce-alone, the share of the reduction that the overlap takes off the step. Each run is a
-fresh set of ranks; medians over rounds x iterations per run, then the median of the runs.
+After the comparison, ``reduce-alone`` times the DP reduction of the accumulated gradients with
+nothing else running (after an untimed pipeline step, barriers around it): what the reduction
+costs with nothing to hide it behind. ``exposed`` = step - compute-only; ``hidden`` = 1 -
+exposed(on) / reduce-alone, the share of the reduction that the overlap takes off the step.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from fastpar.testing import run_ranks  # noqa: E402
 from fastpar.train import TrainConfig  # noqa: E402
 from fastpar.train.trainer import _loss_fn, _Stage, _step, build_model  # noqa: E402
 
-VARIANTS = ["on", "off", "off-again", "compute-only", "reduce-alone"]
+VARIANTS = ["on", "off", "off-again", "compute-only"]
 
 
 class _Variant:
@@ -60,20 +61,20 @@ class _Variant:
         self.pipe = PipelineExecutor(stages, build_schedule(cfg.schedule, cfg.pp, self.M, v),
                                      mesh.pp_group, loss_fn=_loss_fn(mesh.tp_group))
 
-    def timed(self, x, y) -> float:
-        if self.kind == "reduce-alone":
-            self.ddp.set_requires_gradient_sync(False, wait_in_backward=False)
-            self.pipe.before_backward = None
-            self.pipe.step(x, y)
-            dist.barrier()
-            t0 = time.perf_counter()
-            self.ddp.reduce_gradients()
-        else:
-            dist.barrier()
-            t0 = time.perf_counter()
-            _step(self.chunks, self.ddp, self.pipe, x, y, self.M, self.mesh,
-                  overlap=self.kind == "on")
-            self.opt.step()
+    def step(self, x, y) -> None:
+        _step(self.chunks, self.ddp, self.pipe, x, y, self.M, self.mesh,
+              overlap=self.kind == "on")
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def reduce_alone(self, x, y) -> float:
+        """The DP reduction of one step's gradients, nothing else running (slowest rank)."""
+        self.ddp.set_requires_gradient_sync(False, wait_in_backward=False)
+        self.pipe.before_backward = None
+        self.pipe.step(x, y)
+        dist.barrier()
+        t0 = time.perf_counter()
+        self.ddp.reduce_gradients()
         dist.barrier()
         t = time.perf_counter() - t0
         self.opt.zero_grad(set_to_none=True)
@@ -86,31 +87,33 @@ def _rank(rank, world_size, a):
     cfg = TrainConfig(model=a["model"], pp=2, schedule=a["schedule"],
                       virtual_stages=a["virtual_stages"], seq_len=a["seq_len"],
                       global_batch_size=a["global_batch"], micro_batch_size=a["micro_batch"])
-    variants = {k: _Variant(cfg, mesh, k) for k in VARIANTS}
+    variants = {k: _Variant(cfg, mesh, k) for k in [*VARIANTS, "reduce-alone"]}
     g = torch.Generator().manual_seed(mesh.dp_rank)
     local = a["global_batch"] // mesh.dp_size
     x = torch.randint(0, cfg.model_config.vocab_size, (local, a["seq_len"]), generator=g)
     y = torch.randint(0, cfg.model_config.vocab_size, (local, a["seq_len"]), generator=g)
-    for v in variants.values():              # warm-up: shapes, allocator, optimizer state
-        v.timed(x, y)
-    times = {k: [] for k in VARIANTS}
-    for r in range(a["rounds"]):
-        for k in common.rotated(VARIANTS, r):
-            times[k] += [variants[k].timed(x, y) for _ in range(a["iters"])]
+    for k in VARIANTS:                       # warm-up: shapes, allocator, optimizer state
+        variants[k].step(x, y)
+    alone = variants["reduce-alone"]
+    alone.reduce_alone(x, y)
+    result = common.compare({k: (lambda v=variants[k]: v.step(x, y)) for k in VARIANTS}, "off",
+                            mesh.device, a["rounds"], a["iters"], control="off-again",
+                            barrier=dist.barrier)
+    result["reduce_alone"] = statistics.median(
+        alone.reduce_alone(x, y) for _ in range(a["rounds"] * a["iters"]))
     ddp = variants["off"].ddp
-    return dict(times=times, grad_bytes=variants["off"].grad_bytes,
+    return dict(result=result, grad_bytes=variants["off"].grad_bytes,
                 buckets=len(ddp.bucket_specs), microbatches=variants["off"].M)
 
 
-def _summary(med: dict) -> dict:
+def _summary(med: dict, reduce_alone: float) -> dict:
     exposed_on, exposed_off = med["on"] - med["compute-only"], med["off"] - med["compute-only"]
-    return dict(on_over_off=med["on"] / med["off"], aa=med["off-again"] / med["off"],
-                exposed_on=exposed_on, exposed_off=exposed_off,
-                hidden=1 - exposed_on / med["reduce-alone"],
+    return dict(exposed_on_ms=1e3 * exposed_on, exposed_off_ms=1e3 * exposed_off,
+                reduce_alone_ms=1e3 * reduce_alone, hidden=1 - exposed_on / reduce_alone,
                 hidden_vs_off=1 - exposed_on / exposed_off if exposed_off > 0 else float("nan"))
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small")
     ap.add_argument("--schedule", default="1f1b")
@@ -118,38 +121,28 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--label", default="loopback")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     a = dict(model=args.model, schedule=args.schedule, virtual_stages=args.virtual_stages,
              seq_len=args.seq_len, global_batch=args.global_batch, micro_batch=args.micro_batch,
              rounds=args.rounds, iters=args.iters)
-    rows, per_run = [], []
-    for run in range(args.runs):
-        start = time.perf_counter()
-        out = run_ranks(_rank, 4, a, init_pg=False, timeout=600)[0]     # rank 0 (pp 0, dp 0)
-        med = {k: statistics.median(v) for k, v in out["times"].items()}
-        s = _summary(med)
-        per_run.append((med, s))
-        rows.append(dict(run=run, **{f"{k}_ms": 1e3 * v for k, v in med.items()},
-                         on_over_off=s["on_over_off"], aa=s["aa"], hidden=s["hidden"],
-                         hidden_vs_off=s["hidden_vs_off"],
-                         reduce_MB_s=out["grad_bytes"] / med["reduce-alone"] / 1e6,
-                         wall_s=time.perf_counter() - start))
-        print(f"run {run}: " + "  ".join(f"{k} {v:.4g}" for k, v in rows[-1].items()
-                                         if k != "run"), flush=True)
-    med = {k: statistics.median(m[k] for m, _ in per_run) for k in VARIANTS}
-    keys = ("on_over_off", "aa", "hidden", "hidden_vs_off")
-    rows.append(dict(run="median", **{f"{k}_ms": 1e3 * v for k, v in med.items()},
-                     **{k: statistics.median(s[k] for _, s in per_run) for k in keys},
-                     reduce_MB_s=statistics.median(r["reduce_MB_s"] for r in rows)))
+    out = run_ranks(_rank, 4, a, init_pg=False, timeout=1800)[0]     # rank 0 (pp 0, dp 0)
+    result = out["result"]
+    med = result["median"]
+    rows = [dict(variant=k, median_ms=1e3 * med[k], vs_off=result["ratio"][k],
+                 paired=result["paired"][k]) for k in VARIANTS]
+    s = _summary(med, result["reduce_alone"])
+    rows.append(dict(variant="summary", **s,
+                     reduce_MB_s=out["grad_bytes"] / result["reduce_alone"] / 1e6))
     print(f"{args.label}: model {args.model}, {args.schedule} v{args.virtual_stages}, "
           f"{out['microbatches']} micro-batches of {args.micro_batch} x {args.seq_len}, "
           f"{out['grad_bytes'] / 1e6:.1f} MB of gradients per rank in {out['buckets']} buckets")
     common.report(f"pp_dp_{args.label}", rows,
-                  ["run"] + [f"{k}_ms" for k in VARIANTS] + list(keys) + ["reduce_MB_s"])
+                  ["variant", "median_ms", "vs_off", "paired", "exposed_on_ms", "exposed_off_ms",
+                   "reduce_alone_ms", "hidden", "hidden_vs_off", "reduce_MB_s"],
+                  [{"key": args.label, **result}])
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 Run inside the ranks of tests/test_dp_data_parallel.py (one spawn per world size serves every
 data-parallel check).
 """
+import time
+
 import pytest
 import torch
 import torch.nn as nn
@@ -98,6 +100,66 @@ def _zero_low_precision_and_unused(rank, world):
     assert torch.equal(net["dead"].weight, dead)
 
 
+def _zero_overlap_step(rank, world):
+    """overlap_step: each bucket steps as its reduction lands, inside backward, in bucket order
+    while the later buckets are still outstanding; the result equals plain DP + AdamW."""
+    for shard, gather in ((True, False), (True, True), (False, False)):
+        plain, model = DataParallel(_mlp(), bucket_cap_mb=CAP_MB), \
+            DataParallel(_mlp(), bucket_cap_mb=CAP_MB)
+        assert len(model.bucket_specs) >= 2
+        opt = torch.optim.AdamW([{"params": [p for n, p in plain.named_parameters()
+                                             if n.endswith("weight")]},
+                                 {"params": [p for n, p in plain.named_parameters()
+                                             if n.endswith("bias")], "weight_decay": 0.0}],
+                                lr=1e-2, weight_decay=0.1)
+        zero = DistributedOptimizer(model, torch.optim.AdamW,
+                                    [{"params": [model.module[i].bias for i in (0, 2, 4)],
+                                      "weight_decay": 0.0}], shard=shard,
+                                    overlap_param_gather=gather, overlap_step=True, lr=1e-2,
+                                    weight_decay=0.1)
+        log = model._reducer.events
+        stepped = []
+        inner = zero.optimizer.step
+        zero.optimizer.step = lambda: (stepped.append(time.perf_counter_ns()), inner())[1]
+        for step in range(4):
+            x, y = _batch(step, world, rank)
+            F.mse_loss(plain(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            log.enable()
+            stepped.clear()
+            before = model.module[4].weight.detach().clone()
+            F.mse_loss(model(x), y).backward()
+            events = log.take()
+            log.enable(False)
+            # Stepped inside backward: the last layer's bucket (bucket 0) changed already.
+            zero.finish_param_sync()
+            assert not torch.equal(model.module[4].weight, before)
+            # One optimizer step per bucket, each after its own bucket's wait and before the
+            # next bucket's wait returns (that bucket was launched before, so it was in flight).
+            done = [t for e, b, t in events if e == "done"]
+            launch = [t for e, b, t in events if e == "launch"]
+            assert len(stepped) == len(done) == len(model.bucket_specs)
+            for b in range(len(done) - 1):
+                assert done[b] < stepped[b] < done[b + 1] and launch[b + 1] < stepped[b]
+            zero.step()                          # nothing left but the bookkeeping
+            assert len(stepped) == len(done)
+            zero.zero_grad()
+        zero.finish_param_sync()
+        for (n, p), q in zip(plain.named_parameters(), model.parameters()):
+            assert torch.allclose(p, q, atol=1e-6, rtol=0), f"{n}: {(p - q).abs().max()}"
+        with pytest.raises(RuntimeError, match="no gradient reduction since the last step"):
+            zero.step()
+        F.mse_loss(model(x), y).backward()
+        with pytest.raises(RuntimeError, match="clip_grad_norm_ cannot run with overlap_step"):
+            zero.clip_grad_norm_(1.0)
+        zero.step()
+    with pytest.raises(ValueError, match="overlap_step=True needs find_unused_parameters=False"):
+        DistributedOptimizer(DataParallel(_mlp(), find_unused_parameters=True),
+                             torch.optim.AdamW, overlap_step=True)
+
+
 def zero_checks(rank, world):
     _zero_equals_plain_dp(rank, world)
     _zero_low_precision_and_unused(rank, world)
+    _zero_overlap_step(rank, world)

@@ -7,7 +7,9 @@ Life of one synchronised backward:
      order (the same order on every rank); with ``overlap=False`` nothing starts before step 3;
   3. the engine has finished -> ``finish``: buckets not started yet (parameters that got no
      gradient) are started; then everything is waited for, the averaged gradients are handed to
-     ``.grad``, and unused parameters are checked.
+     ``.grad``, and unused parameters are checked. With ``on_reduced`` set (a distributed
+     optimizer's ``overlap_step``), each bucket is handed to it the moment its wait returns,
+     while the later buckets are still in flight.
 The hot path never waits for the device on the host (no ``.item()``, ``.tolist()``, tensors
 built from Python lists or timed waits): on CUDA, waiting only makes the compute stream wait for
 the comm stream. As in torch DDP, only ``find_unused_parameters`` pays for a host sync: a small
@@ -127,6 +129,7 @@ class GradReducer:
         self.wait_in_backward = True  # False: a pipeline schedule calls finish() itself
         self.sharded = False
         self.optimizer = None         # the DistributedOptimizer stepping these buckets, if any
+        self.on_reduced = None        # on_reduced(b): bucket b's mean gradient is in place
         self.in_flight = False        # started and not yet finished
         self.reduced = False          # a reduction finished since the optimizer last stepped
         self.unused: set[int] = set()  # parameters no rank used in the last reduction
@@ -250,10 +253,19 @@ class GradReducer:
         if not self.in_flight or self._armed:
             return
         self.launch_all()
+        # Without the used-map every rank knows on the host which gradients it has, so a bucket
+        # can be handed on (``on_reduced``, e.g. to step its optimizer) as soon as it lands.
+        early = self.on_reduced if not self.find_unused else None
+        delivered = set()
         for b, bucket in enumerate(self.buckets):
             if bucket.work is not None:
                 bucket.work.wait()
             self.events.record("done", b)
+            if early is not None and not bucket.missing:
+                self.stream.join()
+                self._deliver(bucket)
+                delivered.add(b)
+                early(b)
         if self._used_work is not None:
             self._used_work.wait()
         self.stream.join()
@@ -261,8 +273,9 @@ class GradReducer:
         counts = (self._used_counts.tolist() if self._used_counts is not None
                   else [int(t) for t in self._touched])
         self.unused = {i for i, c in enumerate(counts) if c == 0} if self.find_unused else set()
-        for bucket in self.buckets:
-            self._deliver(bucket)
+        for b, bucket in enumerate(self.buckets):
+            if b not in delivered:
+                self._deliver(bucket)
             bucket.reset()
         self._touched = [False] * len(self.params)
         self._next, self._used_counts, self._used_work = 0, None, None

@@ -13,6 +13,14 @@ parameters with the extension's multi-tensor op; with ``overlap_param_gather=Tru
 bucket by bucket, until a module's forward first needs its parameters. The optimizer updates
 elementwise, so the result equals plain data parallelism with the same optimizer.
 
+The optimizer steps bucket by bucket, each bucket's gather launched as soon as its shard is
+updated, so it travels while the next bucket steps (the first layers' bucket first: the next
+forward needs it first). ``overlap_step=True`` goes further: each bucket is stepped the moment
+its reduction lands at the end of backward, while the later buckets are still reduced, and its
+gather starts right there; ``step()`` then has nothing left to do. The global gradient norm is
+not known before the first bucket steps, so it rules out ``clip_grad_norm_`` (as torch's
+optimizer-in-backward does), and it needs ``find_unused_parameters=False``.
+
 ``shard=False`` keeps the whole optimizer state on every rank (the buckets are all-reduced, each
 rank steps every parameter): with a bf16 model wrapped as ``DataParallel(..., main_grads=True)``
 this is Megatron's mixed precision without ZeRO: bf16 parameters (2 bytes each), fp32 main
@@ -58,7 +66,7 @@ class DistributedOptimizer:
 
     def __init__(self, model: DataParallel, optimizer_class=torch.optim.AdamW,
                  param_groups: list[dict] | None = None, *, overlap_param_gather: bool = False,
-                 shard: bool = True, **defaults):
+                 shard: bool = True, overlap_step: bool = False, **defaults):
         if not isinstance(model, DataParallel):
             raise ValueError(f"DistributedOptimizer needs a fastpar DataParallel model, got "
                              f"{type(model).__name__}")
@@ -75,6 +83,10 @@ class DistributedOptimizer:
         if overlap_param_gather and not shard:
             raise ValueError("overlap_param_gather=True needs shard=True: an unsharded "
                              "optimizer gathers no parameters")
+        if overlap_step and reducer.find_unused:
+            raise ValueError("overlap_step=True needs find_unused_parameters=False: with it, "
+                             "which parameters got no gradient is known only after every "
+                             "bucket's reduction")
         group_of = _group_index(reducer.params, param_groups)
         self.model, self.overlap_param_gather, self.shard = model, overlap_param_gather, shard
         self._reducer, self._world, self._rank = reducer, model.dp_size, model.dp_rank
@@ -94,6 +106,15 @@ class DistributedOptimizer:
         for pc, sp in zip(self._pieces, self._shard_params):
             groups[group_of[pc.param]]["params"].append(sp)
         self.optimizer = optimizer_class([g for g in groups if g["params"]], **defaults)
+        # Each bucket's shard parameters per optimizer group: what one bucket's step sees.
+        in_bucket = [{id(sp) for pc, sp in zip(self._pieces, self._shard_params) if pc.bucket == b}
+                     for b in range(len(reducer.buckets))]
+        self._bucket_groups = [[[p for p in g["params"] if id(p) in mine]
+                                for g in self.optimizer.param_groups] for mine in in_bucket]
+        self.overlap_step = overlap_step
+        self._stepped: set[int] = set()  # buckets stepped by overlap_step in this reduction
+        if overlap_step:
+            reducer.on_reduced = self._on_reduced
         self._full = [b.buffer.new_empty(b.spec.padded_numel, dtype=b.spec.dtype)
                       for b in reducer.buckets] if shard else []
         self._gathers: dict[int, object] = {}
@@ -133,18 +154,46 @@ class DistributedOptimizer:
 
     # -- stepping -----------------------------------------------------------------------------
     def step(self, closure=None):
-        """One optimizer step on this rank's shard, then the parameters are all-gathered."""
+        """One optimizer step on this rank's shard, bucket by bucket, each bucket's parameters
+        all-gathered as soon as it is stepped (with ``overlap_step``, done during backward)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._prepare_grads()
-        self.optimizer.step()
-        self._reducer.reduced, self._prepared = False, False
-        self._launch_gathers()
+        self.model.finish_gradient_sync()
+        if not self._stepped:
+            self._prepare_grads()
+            for b in reversed(range(len(self._master))):
+                self._step_bucket(b)
+        elif len(self._stepped) < len(self._master):
+            raise RuntimeError(f"DistributedOptimizer.step: overlap_step stepped buckets "
+                               f"{sorted(self._stepped)} of {len(self._master)} in backward; "
+                               f"the others got no reduced gradient")
+        self._reducer.reduced, self._prepared, self._stepped = False, False, set()
         if not self.overlap_param_gather:
             self.finish_param_sync()
         return loss
+
+    def _on_reduced(self, b: int) -> None:
+        """overlap_step: bucket b's mean gradient has landed; step it and start its gather."""
+        self.finish_param_sync([b])          # the previous step's gather into the same buffer
+        self._bucket_grads(b)
+        self._step_bucket(b)
+        self._stepped.add(b)
+
+    @torch.no_grad()
+    def _step_bucket(self, b: int) -> None:
+        """Step the optimizer on bucket b's pieces only, then start the bucket's gather."""
+        groups = self.optimizer.param_groups
+        keep = [g["params"] for g in groups]
+        try:
+            for g, mine in zip(groups, self._bucket_groups[b]):
+                g["params"] = mine
+            self.optimizer.step()
+        finally:
+            for g, ps in zip(groups, keep):
+                g["params"] = ps
+        self._launch_gather(b)
 
     @torch.no_grad()
     def _prepare_grads(self) -> None:
@@ -156,28 +205,37 @@ class DistributedOptimizer:
         if not self._reducer.reduced:
             raise RuntimeError("DistributedOptimizer.step: no gradient reduction since the last "
                                "step (did backward run outside no_sync()?)")
-        for g, bucket in zip(self._grads, self._reducer.buckets):
-            src = self._reducer.mean_grads(bucket)
-            if g is not src:
-                g.copy_(src)
-        unused = self._reducer.unused
-        for pc, sp in zip(self._pieces, self._shard_params):
-            sp.grad = None if pc.param in unused else \
-                self._grads[pc.bucket][pc.lo:pc.hi].view(sp.shape)
+        for b in range(len(self._grads)):
+            self._bucket_grads(b)
         self._prepared = True
 
     @torch.no_grad()
-    def _launch_gathers(self) -> None:
+    def _bucket_grads(self, b: int) -> None:
+        """Hand each of bucket b's shard pieces its mean gradient (None: no rank used it)."""
+        g, src = self._grads[b], self._reducer.mean_grads(self._reducer.buckets[b])
+        if g is not src:
+            g.copy_(src)
+        unused = self._reducer.unused
+        for pc, sp in zip(self._pieces, self._shard_params):
+            if pc.bucket == b:
+                sp.grad = None if pc.param in unused else g[pc.lo:pc.hi].view(sp.shape)
+
+    @torch.no_grad()
+    def _launch_gather(self, b: int) -> None:
+        bucket = self._reducer.buckets[b]
         if not self.shard:          # every rank stepped every parameter: cast the masters back
-            for master, bucket in zip(self._master, self._reducer.buckets):
-                ops.multi_tensor_unpack(master, [p.detach() for p in bucket.params])
+            ops.multi_tensor_unpack(self._master[b], [p.detach() for p in bucket.params])
             return
+        with self._reducer.stream.issue():
+            shard = self._master[b].to(self._full[b].dtype)
+            work = all_gather_async(self._full[b], shard, self.model.dp_group)
+        self._gathers[b] = (work, shard)         # the shard must live until the gather ends
+
+    @torch.no_grad()
+    def _launch_gathers(self) -> None:
         # Last bucket first: it holds the first layers, which the next forward needs first.
         for b in reversed(range(len(self._master))):
-            with self._reducer.stream.issue():
-                shard = self._master[b].to(self._full[b].dtype)
-                work = all_gather_async(self._full[b], shard, self.model.dp_group)
-            self._gathers[b] = (work, shard)     # the shard must live until the gather ends
+            self._launch_gather(b)
 
     @torch.no_grad()
     def finish_param_sync(self, buckets=None) -> None:
@@ -215,6 +273,11 @@ class DistributedOptimizer:
         says whether this rank counts parameter ``p`` (e.g. parameters replicated over TP only
         on tp rank 0). Without them the norm is that of this model replica.
         """
+        if self.overlap_step:
+            raise RuntimeError("clip_grad_norm_ cannot run with overlap_step=True: each bucket "
+                               "is stepped as its reduction lands, before the global norm "
+                               "exists; build the DistributedOptimizer with overlap_step=False "
+                               "to clip")
         self._prepare_grads()
         keep = [pc.param not in self._reducer.unused and
                 (counted is None or counted(self._reducer.params[pc.param]))
