@@ -33,8 +33,21 @@ RUN_ID_ENV = "FASTPAR_BENCH_RUN"     # set by bench/repeat.py; report() writes i
 def machine() -> dict:
     """What the numbers were measured on, recorded with every row."""
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__}
+    return {"host": platform.node(), "cpu": _cpu_model() or platform.processor() or
+            platform.machine(), "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__,
+            "isa": torch.backends.cpu.get_cpu_capability()}
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name (Linux), e.g. 'Intel(R) Xeon(R) Processor'; None elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def command() -> str:

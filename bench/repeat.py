@@ -73,7 +73,9 @@ def _count(n: int, what: str) -> str:
 
 def _machine(m: dict) -> str:
     gpu = m.get("gpu") or "no GPU"
-    return f"{m.get('host')}, {m.get('cpu')}, {m.get('cores')} cores, {gpu}, torch {m.get('torch')}"
+    isa = f" ({m['isa']})" if m.get("isa") else ""
+    return (f"{m.get('host')}, {m.get('cpu')}{isa}, {m.get('cores')} cores, {gpu}, "
+            f"torch {m.get('torch')}")
 
 
 def _round_ratios(cmp: dict, name: str) -> list[float] | None:
