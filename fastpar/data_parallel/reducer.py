@@ -63,7 +63,7 @@ class _Bucket:
         self.views = [self.buffer[o:o + n].view(p.shape) for o, n, p in
                       zip(spec.offsets, spec.numels, self.params)] if self.as_views else None
         self.shard: torch.Tensor | None = None    # reduce-scatter output when sharded
-        self.scratch: torch.Tensor | None = None  # its all-to-all receive buffer on gloo
+        self.scratch: torch.Tensor | None = None  # on gloo: the blocks its peers send it
         self.missing: list[tuple[int, bool]] = []  # (position, had no .grad) of unused params
         self.reset()
         for k, p in enumerate(self.params):       # keep gradients that exist already
@@ -160,7 +160,7 @@ class GradReducer:
         for bucket in self.buckets:
             bucket.shard = bucket.buffer.new_zeros(bucket.spec.padded_numel // self.world)
             if needs_scratch(self.group):
-                bucket.scratch = torch.empty_like(bucket.buffer)
+                bucket.scratch = bucket.buffer.new_empty(bucket.shard.numel() * (self.world - 1))
         self.sharded = True
 
     # -- 1, 2: hooks --------------------------------------------------------------------------
