@@ -56,6 +56,20 @@ def _zero_equals_plain_dp(rank, world):
             assert torch.allclose(p, q, atol=1e-6, rtol=0), f"{n}: {(p - q).abs().max()}"
         ratio = zero.state_bytes() / _state_bytes(opt)
         assert ratio < 1 / world + 0.05, f"ZeRO state is {ratio:.3f} of plain AdamW's"
+        # fp32: the parameters are views of the gather buffers, which the gathers land in.
+        stores = {zero._full[b].untyped_storage().data_ptr() for b in range(len(zero._full))}
+        assert all(p.untyped_storage().data_ptr() in stores for p in sharded.parameters())
+    # A parameter re-pointed by hand is no longer a view: the gathered values are copied in.
+    w = sharded.module[0].weight
+    w.data = w.data.clone()
+    x, y = _batch(8, world, rank)
+    for model, o in ((plain, opt), (sharded, zero)):
+        F.mse_loss(model(x), y).backward()
+        o.step()
+        o.zero_grad()
+    zero.finish_param_sync()
+    for p, q in zip(plain.parameters(), sharded.parameters()):
+        assert torch.allclose(p, q, atol=1e-6, rtol=0)
     # Clipping the sharded gradients equals torch's clip_grad_norm_ on the full mean gradient.
     x, y = _batch(9, world, rank)
     for model in (plain, sharded):

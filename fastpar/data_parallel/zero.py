@@ -94,6 +94,14 @@ class DistributedOptimizer:
         if shard:
             reducer.enable_sharding()
         self._pieces = [pc for b in range(len(reducer.buckets)) for pc in self._cut(b)]
+        self._full = [b.buffer.new_empty(b.spec.padded_numel, dtype=b.spec.dtype)
+                      for b in reducer.buckets] if shard else []
+        # Buckets whose parameters need no separate master (not half/bf16): the parameters
+        # become views of the gather buffer and this rank's shard of it is the master, so the
+        # optimizer steps the parameters in place and the gather lands in them (no unpack).
+        self._in_place = [shard and b.spec.dtype not in _LOW for b in reducer.buckets]
+        self._views = [self._adopt_params(b) if self._in_place[b] else None
+                       for b in range(len(reducer.buckets))]
         self._master, self._grads = self._shard_buffers()
         # Unsharded, each piece is a whole parameter: its master (and so its optimizer state)
         # takes the parameter's shape.
@@ -115,8 +123,6 @@ class DistributedOptimizer:
         self._stepped: set[int] = set()  # buckets stepped by overlap_step in this reduction
         if overlap_step:
             reducer.on_reduced = self._on_reduced
-        self._full = [b.buffer.new_empty(b.spec.padded_numel, dtype=b.spec.dtype)
-                      for b in reducer.buckets] if shard else []
         self._gathers: dict[int, object] = {}
         self._prepared = False          # shard pieces hold this reduction's gradients
         model.module.register_state_dict_pre_hook(lambda *_a, **_kw: self.finish_param_sync())
@@ -135,12 +141,30 @@ class DistributedOptimizer:
         return out
 
     @torch.no_grad()
+    def _adopt_params(self, b: int) -> list[int]:
+        """Make bucket b's parameters views of its gather buffer (their values copied in);
+        returns their data pointers, to tell later whether they are still views."""
+        full, spec = self._full[b], self._reducer.buckets[b].spec
+        full.zero_()                              # the padding
+        for o, n, p in zip(spec.offsets, spec.numels, self._reducer.buckets[b].params):
+            view = full[o:o + n].view(p.shape)
+            view.copy_(p.detach())
+            p.data = view
+        return [p.data_ptr() for p in self._reducer.buckets[b].params]
+
+    @torch.no_grad()
     def _shard_buffers(self):
-        """Master shards packed from the parameters, and the optimizer's gradient shards."""
+        """Master shards (packed from the parameters, or this rank's block of the gather buffer
+        for in-place buckets), and the optimizer's gradient shards."""
         masters, grads = [], []
         for b, bucket in enumerate(self._reducer.buckets):
             dtype = torch.float32 if bucket.spec.dtype in _LOW else bucket.spec.dtype
             src = self._reducer.mean_grads(bucket)
+            if self._in_place[b]:
+                lo, hi = bucket.spec.shard(self._rank, self._world)
+                masters.append(self._full[b][lo:hi])
+                grads.append(src if src.dtype == dtype else torch.zeros_like(masters[-1]))
+                continue
             master = src.new_zeros(src.numel(), dtype=dtype)
             ops.multi_tensor_pack([self._flat(pc) for pc in self._pieces if pc.bucket == b],
                                   master)
@@ -247,8 +271,10 @@ class DistributedOptimizer:
             if item[0] is not None:
                 item[0].wait()
             self._reducer.stream.join()
-            ops.multi_tensor_unpack(self._full[b],
-                                    [p.detach() for p in self._reducer.buckets[b].params])
+            params = self._reducer.buckets[b].params
+            if self._in_place[b] and [p.data_ptr() for p in params] == self._views[b]:
+                continue                     # the gather landed in the parameters themselves
+            ops.multi_tensor_unpack(self._full[b], [p.detach() for p in params])
 
     def _register_gather_hooks(self) -> None:
         where = {id(p): b for b, bucket in enumerate(self._reducer.buckets) for p in bucket.params}
