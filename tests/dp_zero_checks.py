@@ -162,6 +162,7 @@ def _zero_overlap_step(rank, world):
         zero.finish_param_sync()
         for (n, p), q in zip(plain.named_parameters(), model.parameters()):
             assert torch.allclose(p, q, atol=1e-6, rtol=0), f"{n}: {(p - q).abs().max()}"
+        assert all(zero._intact(b) for b in range(len(model.bucket_specs)))   # stepped in place
         with pytest.raises(RuntimeError, match="no gradient reduction since the last step"):
             zero.step()
         F.mse_loss(model(x), y).backward()

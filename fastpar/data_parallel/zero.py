@@ -6,9 +6,10 @@
 
 Every bucket's flat buffer (padded to a multiple of dp) is cut into dp equal shards. Backward
 reduce-scatters each bucket, so rank r receives the mean gradient of shard r only. The optimizer
-(torch's own, e.g. AdamW) steps 1-D pieces of that shard, one per parameter it overlaps, held in
-a flat master buffer per bucket (fp32 for half/bf16 parameters); its state is therefore about
-1/dp of the plain optimizer's. The updated shards are then all-gathered and unpacked into the
+(torch's own, e.g. AdamW) steps 1-D pieces of that shard, one per parameter it overlaps; its
+state is therefore about 1/dp of the plain optimizer's. For half/bf16 parameters the pieces live
+in a flat fp32 master buffer per bucket; other parameters are made views of one flat buffer per
+bucket whose shard is the master itself, so they are stepped in place and gathered into. The updated shards are then all-gathered and unpacked into the
 parameters with the extension's multi-tensor op; with ``overlap_param_gather=True`` that waits,
 bucket by bucket, until a module's forward first needs its parameters. The optimizer updates
 elementwise, so the result equals plain data parallelism with the same optimizer.
@@ -94,12 +95,14 @@ class DistributedOptimizer:
         if shard:
             reducer.enable_sharding()
         self._pieces = [pc for b in range(len(reducer.buckets)) for pc in self._cut(b)]
-        self._full = [b.buffer.new_empty(b.spec.padded_numel, dtype=b.spec.dtype)
-                      for b in reducer.buckets] if shard else []
         # Buckets whose parameters need no separate master (not half/bf16): the parameters
-        # become views of the gather buffer and this rank's shard of it is the master, so the
-        # optimizer steps the parameters in place and the gather lands in them (no unpack).
-        self._in_place = [shard and b.spec.dtype not in _LOW for b in reducer.buckets]
+        # become views of one flat buffer and this rank's shard of it (all of it, unsharded) is
+        # the master, so the optimizer steps the parameters in place and the gather lands in
+        # them (no unpack). Other buckets gather into the buffer and unpack from it.
+        self._in_place = [b.spec.dtype not in _LOW for b in reducer.buckets]
+        self._full = [b.buffer.new_empty(b.spec.padded_numel, dtype=b.spec.dtype)
+                      if shard or fits else None
+                      for b, fits in zip(reducer.buckets, self._in_place)]
         self._views = [self._adopt_params(b) if self._in_place[b] else None
                        for b in range(len(reducer.buckets))]
         self._master, self._grads = self._shard_buffers()
@@ -161,7 +164,8 @@ class DistributedOptimizer:
             dtype = torch.float32 if bucket.spec.dtype in _LOW else bucket.spec.dtype
             src = self._reducer.mean_grads(bucket)
             if self._in_place[b]:
-                lo, hi = bucket.spec.shard(self._rank, self._world)
+                lo, hi = bucket.spec.shard(self._rank, self._world) if self.shard else \
+                    (0, bucket.spec.padded_numel)
                 masters.append(self._full[b][lo:hi])
                 grads.append(src if src.dtype == dtype else torch.zeros_like(masters[-1]))
                 continue
@@ -244,11 +248,17 @@ class DistributedOptimizer:
             if pc.bucket == b:
                 sp.grad = None if pc.param in unused else g[pc.lo:pc.hi].view(sp.shape)
 
+    def _intact(self, b: int) -> bool:
+        """Whether bucket b's parameters are (still) views of its flat buffer."""
+        return self._in_place[b] and \
+            [p.data_ptr() for p in self._reducer.buckets[b].params] == self._views[b]
+
     @torch.no_grad()
     def _launch_gather(self, b: int) -> None:
         bucket = self._reducer.buckets[b]
         if not self.shard:          # every rank stepped every parameter: cast the masters back
-            ops.multi_tensor_unpack(self._master[b], [p.detach() for p in bucket.params])
+            if not self._intact(b):
+                ops.multi_tensor_unpack(self._master[b], [p.detach() for p in bucket.params])
             return
         with self._reducer.stream.issue():
             shard = self._master[b].to(self._full[b].dtype)
@@ -271,10 +281,10 @@ class DistributedOptimizer:
             if item[0] is not None:
                 item[0].wait()
             self._reducer.stream.join()
-            params = self._reducer.buckets[b].params
-            if self._in_place[b] and [p.data_ptr() for p in params] == self._views[b]:
+            if self._intact(b):
                 continue                     # the gather landed in the parameters themselves
-            ops.multi_tensor_unpack(self._full[b], [p.detach() for p in params])
+            ops.multi_tensor_unpack(self._full[b],
+                                    [p.detach() for p in self._reducer.buckets[b].params])
 
     def _register_gather_hooks(self) -> None:
         where = {id(p): b for b, bucket in enumerate(self._reducer.buckets) for p in bucket.params}
