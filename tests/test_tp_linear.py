@@ -5,7 +5,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastpar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from fastpar.tensor_parallel import ColumnParallelLinear, RowParallelLinear, overlap as tp_overlap
+from fastpar.tensor_parallel.overlap import row_chunks
 from fastpar.testing import run_ranks
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -83,6 +84,9 @@ def _mlp(g, rank, tp, sp, overlap):
 
 def _layers(rank, tp):
     g = dist.new_group(list(range(tp)))
+    # These shapes are far below a chunk's minimum size: lift it, so that the layers run
+    # their chunked all-reduces too (the rule itself: test_row_chunks_...).
+    tp_overlap.MIN_CHUNK_BYTES = 0
     outs = {}
     for sp in (False, True):
         for overlap in (False, True):
@@ -102,6 +106,16 @@ def _layers(rank, tp):
             other = outs[key[:2] + (False,) + key[3:]]
             assert torch.allclose(y, other, atol=1e-6, rtol=1e-6), f"overlap on/off differ: {key}"
     return len(outs)
+
+
+def test_row_chunks_keep_each_all_reduce_above_the_minimum():
+    assert tp_overlap.MIN_CHUNK_BYTES == 1 << 20
+    assert row_chunks(4, 2048, 512, 4) == 4        # 4 MiB: four chunks of 1 MiB
+    assert row_chunks(4, 1024, 512, 4) == 2        # 2 MiB: two
+    assert row_chunks(4, 2048, 512, 2) == 2        # bf16: half the bytes
+    assert row_chunks(4, 256, 128, 4) == 1         # 128 KiB (the tiny preset): one piece
+    assert row_chunks(4, 3, 1 << 20, 4) == 3       # never more chunks than rows
+    assert row_chunks(1, 1 << 16, 1 << 12, 4) == 1  # never more than asked
 
 
 @pytest.mark.parametrize("tp", [2, 4])

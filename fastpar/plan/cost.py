@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models import GPTConfig
+from ..tensor_parallel.overlap import row_chunks
 from .hardware import (ATTENTION_BACKWARD_FLASH, ATTENTION_BACKWARD_UNFUSED, CAUSAL_FRACTION,
                        GPU_BACKWARD_FACTOR, GPU_LAYER_KERNELS, GPU_ROTARY_KERNELS, Hardware)
 
@@ -35,7 +36,7 @@ class Features:
     """What the modelled training software does; the default is fastpar's trainer."""
 
     tp_overlap: bool = True          # TP collectives pipelined with their GEMM in row chunks
-    tp_chunks: int = 4               # chunks of those pipelines (ColumnParallelLinear's default)
+    tp_chunks: int = 4               # at most this many chunks (the layers' default ``chunks``)
     fused_qkv: bool = True           # one QKV and one up-gate linear (fastpar's, as Megatron):
     #                                  two column linears per layer, each with one TP reduction
     dp_overlap: bool = True          # DP buckets reduced during the last backward (pp == 1)
@@ -249,10 +250,11 @@ def layer_cost(shape: Shape, hw: Hardware, recompute: str = "none", tp_link_gbps
         raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
     gemm = sum(hw.gemm_time(*mnk) for mnk in _linears(shape))
     gemm_b = gemm
-    if shape.tp > 1 and feat.tp_overlap and not shape.sp and feat.tp_chunks > 1:
+    c = tp_pieces(shape, hw, feat)
+    if c > 1:
         # The overlapped path runs the row linears' forward GEMMs and the column linears'
-        # input-gradient GEMMs in tp_chunks row chunks (smaller GEMMs, more launches).
-        mats, c = _linears(shape), feat.tp_chunks
+        # input-gradient GEMMs in c row chunks (smaller GEMMs, more launches).
+        mats = _linears(shape)
         rows, cols = [mats[3], mats[-1]], mats[:3] + mats[4:-1]
 
         def chunked(group):
@@ -311,8 +313,8 @@ def tp_collectives(shape: Shape, hw: Hardware, link_gbps: float,
     With ``c`` column-parallel linears (fastpar: q, k, v, and gate and up or fc1, each with its
     own input-gradient reduction; a fused QKV / gate-up makes it 2) and 2 row-parallel ones:
     without SP, an all-reduce after each row linear (forward) and of each column linear's input
-    gradient (backward); the overlapped path issues each of them as ``tp_chunks`` all-reduces
-    of a row chunk, so the per-call latency is paid ``tp_chunks`` times. With SP: every column
+    gradient (backward); the overlapped path issues each of them as :func:`tp_pieces`
+    all-reduces of a row chunk, so the per-call latency is paid that many times. With SP: every column
     linear gathers its input and every row linear reduce-scatters its output (forward); the
     backward gathers each column linear's input again for its weight gradient and
     reduce-scatters its input gradient, and gathers each row linear's output gradient (fastpar
@@ -330,8 +332,16 @@ def tp_collectives(shape: Shape, hw: Hardware, link_gbps: float,
     if shape.sp:
         fwd = col * ring("all_gather") + row * ring("reduce_scatter")
         return fwd, col * (ring("all_gather") + ring("reduce_scatter")) + row * ring("all_gather")
-    pieces = feat.tp_chunks if feat.tp_overlap else 1
+    pieces = tp_pieces(shape, hw, feat)
     return row * ring("all_reduce", pieces), col * ring("all_reduce", pieces)
+
+
+def tp_pieces(shape: Shape, hw: Hardware, feat: Features = FASTPAR) -> int:
+    """Row chunks of each overlapped TP all-reduce (a (tokens, h) tensor), by the layers' own
+    rule (:func:`fastpar.tensor_parallel.overlap.row_chunks`); 1 without overlap or under SP."""
+    if shape.tp == 1 or shape.sp or not feat.tp_overlap:
+        return 1
+    return row_chunks(feat.tp_chunks, shape.tokens, shape.model.d_model, hw.bytes_per_element)
 
 
 def exposed(comm: float, compute: float, chunks: int) -> float:

@@ -143,8 +143,9 @@ def _stage_costs(work, cluster, cfg, feat, split):
     partner_b = lc.gemm_b + (0.0 if split else lc.w) + (lc.gemm_f if cfg.recompute == "full"
                                                         else 0.0)
     if feat.tp_overlap and hw.kind != "cpu":   # on a CPU gloo shares the cores: no overlap
-        exp_f = cost.exposed(lc.tp_comm_f, lc.gemm_f, feat.tp_chunks)
-        exp_b = cost.exposed(lc.tp_comm_b, partner_b, feat.tp_chunks)
+        pieces = feat.tp_chunks if shape.sp else cost.tp_pieces(shape, hw, feat)
+        exp_f = cost.exposed(lc.tp_comm_f, lc.gemm_f, pieces)
+        exp_b = cost.exposed(lc.tp_comm_b, partner_b, pieces)
     else:
         exp_f, exp_b = lc.tp_comm_f, lc.tp_comm_b
     layer = (lc.f + exp_f, lc.b + exp_b, lc.w)

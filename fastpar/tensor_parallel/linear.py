@@ -32,7 +32,9 @@ class _ParallelLinear(nn.Module):
         super().__init__()
         if chunks < 1:
             raise ValueError(f"{type(self).__name__}: chunks={chunks} must be >= 1")
-        self.chunks = chunks  # row chunks of the overlapped GEMM + all-reduce
+        # At most this many row chunks of the overlapped GEMM + all-reduce, each at least
+        # overlap.MIN_CHUNK_BYTES (overlap.row_chunks).
+        self.chunks = chunks
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.sequence_parallel, self.overlap = tp_group, sequence_parallel, overlap
         self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
