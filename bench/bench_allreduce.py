@@ -58,6 +58,7 @@ def main(argv=None):
     p.add_argument("--mb", type=int, default=64, help="tensor size in MiB")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=10, help="all-reduces per variant and round")
+    p.add_argument("--label", default="loopback", help="the link, for the table (e.g. 1gbit)")
     args = p.parse_args(argv)
     if "RANK" in os.environ:                       # under torchrun: every rank measures
         result = _measure(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.mb,
@@ -73,12 +74,12 @@ def main(argv=None):
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     rows = []
     for name, med in result["median"].items():
-        rows.append({"op": "all_reduce", "variant": name, "backend": backend, "ranks": n,
+        rows.append({"link": args.label, "op": "all_reduce", "variant": name, "backend": backend, "ranks": n,
                      "MiB": args.mb, "median_ms": med * 1e3, "vs_torch": result["ratio"][name],
                      "min_ms": min(result["seconds"][name]) * 1e3,
                      "algbw_GB/s": nbytes / med / 1e9,
                      "busbw_GB/s": nbytes / med / 1e9 * 2 * (n - 1) / n})
-    common.report("allreduce", rows, list(rows[0]), [{"key": "", **result}])
+    common.report(f"allreduce_{args.label}", rows, list(rows[0]), [{"key": args.label, **result}])
 
 
 if __name__ == "__main__":
