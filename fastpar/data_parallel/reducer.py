@@ -79,12 +79,15 @@ class _Bucket:
     def reset(self) -> None:
         self.pending = len(self.params)
         self.arrived = [False] * len(self.params)
+        self.divided = [False] * len(self.params)  # view already holds .grad / world
         self.work = None
         self.missing = []
 
-    def adopt(self, k: int) -> None:
-        """Make parameter k's ``.grad`` the view into the buffer (copying it in if it is not);
-        with main gradients, add ``.grad`` into ``main_grad`` and free it."""
+    def adopt(self, k: int, world: int = 1) -> None:
+        """Make parameter k's ``.grad`` the view into the buffer (copying it in if it is not;
+        with ``world`` > 1 dividing it by ``world`` on the way, as torch DDP does, so that the
+        launch need not divide that part of the bucket again); with main gradients, add
+        ``.grad`` into ``main_grad`` and free it."""
         p = self.params[k]
         if self.main is not None:
             if p.grad is not None:
@@ -93,8 +96,23 @@ class _Bucket:
             return
         view = self.views[k]
         if p.grad is not view:
-            view.copy_(p.grad)
+            if world > 1:
+                torch.div(p.grad, world, out=view)
+                self.divided[k] = True
+            else:
+                view.copy_(p.grad)
             p.grad = view
+
+    def divide(self, world: int) -> None:
+        """Divide what the launch sends by ``world``, except the views that ``adopt`` divided."""
+        if all(self.divided):
+            return
+        if not any(self.divided):
+            self.buffer.div_(world)
+            return
+        for view, done in zip(self.views, self.divided):
+            if not done:
+                view.div_(world)
 
     def fill_missing(self, k: int) -> None:
         """Parameter k got no gradient since the last reduction: contribute what .grad holds."""
@@ -174,7 +192,11 @@ class GradReducer:
                 f"wait_in_backward=False call finish_gradient_sync() (or run the wrapper's "
                 f"forward) before backwards that are not part of the reduction")
         if bucket.in_buffer:
-            bucket.adopt(k)
+            # A fresh gradient of a reducing backward is divided as it is copied in (one pass
+            # over it, not two). Not across several backward calls (wait_in_backward=False): a
+            # later call would add undivided gradients into the divided view.
+            divide = self.sync and self.wait_in_backward and not bucket.arrived[k]
+            bucket.adopt(k, self.world if divide else 1)
         self._touched[i] = True
         if not self.sync:
             return
@@ -200,7 +222,7 @@ class GradReducer:
                 torch.mul(bucket.main, 1.0 / self.world, out=bucket.buffer)   # bf16 on the wire
             elif bucket.in_buffer:
                 if self.world > 1:
-                    bucket.buffer.div_(self.world)   # the sum is then the mean, as in DDP
+                    bucket.divide(self.world)        # the sum is then the mean, as in DDP
             else:
                 ops.multi_tensor_pack([p.grad for p in bucket.params], bucket.buffer,
                                       1.0 / self.world)
