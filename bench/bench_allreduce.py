@@ -74,8 +74,8 @@ def main(argv=None):
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     rows = []
     for name, med in result["median"].items():
-        rows.append({"link": args.label, "op": "all_reduce", "variant": name, "backend": backend, "ranks": n,
-                     "MiB": args.mb, "median_ms": med * 1e3, "vs_torch": result["ratio"][name],
+        rows.append({"link": args.label, "op": "all_reduce", "variant": name, "backend": backend,
+                     "ranks": n, "MiB": args.mb, "median_ms": med * 1e3, "vs_torch": result["ratio"][name],
                      "min_ms": min(result["seconds"][name]) * 1e3,
                      "algbw_GB/s": nbytes / med / 1e9,
                      "busbw_GB/s": nbytes / med / 1e9 * 2 * (n - 1) / n})

@@ -226,10 +226,31 @@ def _deferred_wait_for_pipelines(rank, world):
     stage.finish_gradient_sync()
 
 
+def _each_gradient_divided_once(rank, world):
+    """A fresh gradient is divided as it is copied into its bucket, one accumulated in place
+    by the launch: buckets holding both (here every one: weight accumulated, bias fresh) must
+    still give each parameter the mean once, as DDP does."""
+    ref = _mlp(seed=2)
+    dp, ddp = DataParallel(_copy(ref), bucket_cap_mb=CAP_MB), DDP(_copy(ref), bucket_cap_mb=CAP_MB)
+    for step in range(3):
+        (_, _), (xs, ys) = _data(20 + step, world, rank)
+        for m in (dp, ddp):
+            for j, p in enumerate(m.parameters()):
+                if j % 2:
+                    p.grad = None                   # fresh: divided on the copy
+                elif p.grad is not None:
+                    p.grad.zero_()                  # in place into the view: divided at launch
+            F.mse_loss(m(xs), ys).backward()
+        for (n, p), q in zip(dp.module.named_parameters(), ddp.parameters()):
+            assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=0), \
+                f"step {step} {n}: {(p.grad - q.grad).abs().max()}"
+
+
 def _all_checks(rank, world):
     torch.set_num_threads(1)
     _train_equals_ddp_and_full_batch(rank, world)
     _no_sync_accumulates_without_communication(rank, world)
+    _each_gradient_divided_once(rank, world)
     _overlap_seen_in_events(rank, world)
     _reduce_dtypes(rank, world)
     _unused_and_frozen(rank, world)
