@@ -38,7 +38,7 @@ from fastpar.data_parallel import DataParallel  # noqa: E402
 from fastpar.pipeline import PipelineExecutor, build_schedule  # noqa: E402
 from fastpar.testing import run_ranks  # noqa: E402
 from fastpar.train import TrainConfig  # noqa: E402
-from fastpar.train.trainer import _loss_fn, _Stage, _step, build_model  # noqa: E402
+from fastpar.train.trainer import _loss_fn, _step, build_model  # noqa: E402
 
 VARIANTS = ["on", "off", "off-again", "compute-only"]
 
@@ -48,7 +48,7 @@ class _Variant:
 
     def __init__(self, cfg: TrainConfig, mesh, kind: str):
         torch.manual_seed(cfg.seed)
-        self.kind, self.mesh, self.M = kind, mesh, cfg.num_microbatches(mesh.dp_size)
+        self.kind, self.mesh, self.M = kind, mesh, cfg.num_microbatches(cfg.global_batch_size, mesh.dp_size)
         self.chunks = build_model(cfg, mesh)
         self.ddp = (None if kind == "compute-only" else
                     DataParallel(nn.ModuleList(self.chunks), dp_group=mesh.dp_group))
@@ -56,9 +56,7 @@ class _Variant:
         self.grad_bytes = sum(p.numel() * p.element_size() for p in params)
         self.opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
         v = cfg.virtual_stages
-        stages = [_Stage(g, c * cfg.pp + mesh.pp_rank, cfg.pp * v)
-                  for c, g in enumerate(self.chunks)]
-        self.pipe = PipelineExecutor(stages, build_schedule(cfg.schedule, cfg.pp, self.M, v),
+        self.pipe = PipelineExecutor(self.chunks, build_schedule(cfg.schedule, cfg.pp, self.M, v),
                                      mesh.pp_group, loss_fn=_loss_fn(mesh.tp_group))
 
     def step(self, x, y) -> None:

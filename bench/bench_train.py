@@ -69,9 +69,8 @@ from fastpar.pipeline import PipelineExecutor, build_schedule  # noqa: E402
 from fastpar.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from fastpar.testing import run_ranks  # noqa: E402
 from fastpar.train import TrainConfig  # noqa: E402
-from fastpar.train.metrics import flops_per_token  # noqa: E402
 from wire import WireRecorder  # noqa: E402  (tests/wire.py)
-from fastpar.train.trainer import (_clip, _loss_fn, _param_groups, _Stage, _step,  # noqa: E402
+from fastpar.train.trainer import (_clip, _loss_fn, _param_groups, _step,  # noqa: E402
                                    build_model)
 
 LAYOUTS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "tp2-sp": dict(tp=2, sequence_parallel=True),
@@ -122,11 +121,10 @@ def fastpar_variant(cfg, mesh):
     dp = mesh.dp_size
     ddp = DataParallel(nn.ModuleList(chunks), dp_group=mesh.dp_group) if dp > 1 else None
     opt = _adamw(cfg, chunks)
-    M = cfg.num_microbatches(dp)
+    M = cfg.num_microbatches(cfg.global_batch_size, dp)
     pipe = None
     if cfg.pp > 1:
-        stages = [_Stage(g, mesh.pp_rank, cfg.pp) for g in chunks]
-        pipe = PipelineExecutor(stages, build_schedule(cfg.schedule, cfg.pp, M), mesh.pp_group,
+        pipe = PipelineExecutor(chunks, build_schedule(cfg.schedule, cfg.pp, M), mesh.pp_group,
                                 loss_fn=_loss_fn(mesh.tp_group))
 
     def step(x, y):
@@ -145,7 +143,7 @@ def torch_dp(cfg, mesh):
     ddp = DDP(model, process_group=mesh.dp_group, broadcast_buffers=False,
               gradient_as_bucket_view=True)
     opt, params = _adamw(cfg, [model]), list(model.parameters())
-    M = cfg.num_microbatches(mesh.dp_size)
+    M = cfg.num_microbatches(cfg.global_batch_size, mesh.dp_size)
     norm = torch.nn.utils.get_total_norm
 
     def step(x, y):
@@ -166,7 +164,7 @@ def torch_tp(cfg, mesh):
     titan.parallelize(model, DeviceMesh(mesh.device.type, mesh.group_ranks("tp")),
                       sequence_parallel=cfg.sequence_parallel)
     opt, params = _adamw(cfg, [model]), list(model.parameters())
-    M = cfg.num_microbatches(mesh.dp_size)
+    M = cfg.num_microbatches(cfg.global_batch_size, mesh.dp_size)
 
     def norm(grads):
         """torchtitan's clip_grad_norm_ over the DTensor gradients (all of them under SP;
@@ -194,9 +192,9 @@ def torch_pp(cfg, mesh):
     from torch.distributed import pipelining
 
     chunks = build_model(cfg, mesh)
-    stage = pipelining.PipelineStage(_Stage(chunks[0], mesh.pp_rank, cfg.pp), mesh.pp_rank,
+    stage = pipelining.PipelineStage(chunks[0], mesh.pp_rank,
                                      cfg.pp, mesh.device, group=mesh.pp_group)
-    M = cfg.num_microbatches(mesh.dp_size)
+    M = cfg.num_microbatches(cfg.global_batch_size, mesh.dp_size)
     sched = pipelining.Schedule1F1B(stage, n_microbatches=M, loss_fn=_loss_fn(mesh.tp_group))
     opt, params = _adamw(cfg, chunks), [p for c in chunks for p in c.parameters()]
     first, last = mesh.pp_rank == 0, mesh.pp_rank == cfg.pp - 1
@@ -298,7 +296,7 @@ def main(argv=None):
         result, losses, wire = run_ranks(_measure, world, a, model, init_pg=False, timeout=3600)[0]
         mc = BenchConfig(model=model, seq_len=a.seq,
                          layers=a.small_layers if model == "small" else None).model_config
-        flops = flops_per_token(mc.num_params(), mc.n_layers, mc.d_model, a.seq) * tokens
+        flops = mc.train_flops(a.seq, tokens)
         shape = f"L{mc.n_layers} d{mc.d_model} h{mc.n_heads}"
         sec, ratio = result["median"], result["ratio"]
         comparisons.append({"key": model, **result})

@@ -2,7 +2,7 @@
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, sets torchrun's environment
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) in each, gives each rank its share of the
-cores and the allocator settings of :mod:`fastpar.dist.host` (where not set), optionally
+cores and the allocator settings of :mod:`fastpar.train.host` (where not set), optionally
 initialises a gloo process group, and calls ``fn(rank, world_size, *args)``. It returns the ranks'
 return values in rank order (tensors in them come back detached, on the CPU). A rank that raises
 fails the run with :class:`RankError`, which carries that rank's number and traceback; ranks that
@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from .dist.host import worker_env
+from .train.host import worker_env
 
 # After one rank fails, the others usually wait on it inside a collective: give them this long to
 # report (their own errors are shown too), then kill them.
@@ -140,7 +140,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     queue = ctx.SimpleQueue()  # unbuffered: a put is on the pipe before the child exits
     port = free_port()
     # As `fastpar train` does: the cores shared out among the ranks, and an allocator that
-    # keeps freed memory (fastpar.dist.host).
+    # keeps freed memory (fastpar.train.host).
     env = {**worker_env(world_size), "CUDA_VISIBLE_DEVICES": "", **(env or {})}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

@@ -13,15 +13,15 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = ("fastpar", "kernels", "bench", "tests")
 
 # Newer than the floor -> what to use instead. torch.distributed gained the `_single` names in
-# 2.13 (fastpar.dist.groups falls back to the old ones); DDP's `forward_sync_buffers` is 2.13's
+# 2.13 (fastpar.mesh.groups falls back to the old ones); DDP's `forward_sync_buffers` is 2.13's
 # name for 2.11's `broadcast_buffers`.
 _NEWER_THAN_FLOOR = {
     r"\b(dist|distributed|ProcessGroup|pg|group)\.all_gather_single\b":
-        "fastpar.dist.groups.all_gather_tensor",
+        "fastpar.mesh.groups.all_gather_tensor",
     r"\b(dist|distributed|ProcessGroup|pg|group)\.reduce_scatter_single\b":
-        "fastpar.dist.groups.reduce_scatter_tensor",
+        "fastpar.mesh.groups.reduce_scatter_tensor",
     r"\ball_gather_single_coalesced\b|\breduce_scatter_single_coalesced\b":
-        "a loop over fastpar.dist.groups' collectives",
+        "a loop over fastpar.mesh.groups' collectives",
     r"\bforward_sync_buffers\s*=": "DDP(broadcast_buffers=...)",
     r"\bnn\.LinearCrossEntropyLoss\b|\bF\.linear_cross_entropy\b":
         "fastpar's vocab-parallel cross entropy",
@@ -63,7 +63,7 @@ def test_the_scan_sees_the_source_tree():
 def test_fallbacks_resolve_on_this_torch():
     import torch.distributed as dist
 
-    from fastpar.dist import groups
+    from fastpar.mesh import groups
 
     assert groups.all_gather_tensor in (getattr(dist, "all_gather_single", None),
                                         dist.all_gather_into_tensor)

@@ -17,18 +17,18 @@ def _one_step(mesh, name, v, zero1, overlap):
     """One trainer step (fastpar.train's own pieces) on the tiny GPT; what the rank saw."""
     from fastpar.data_parallel import DataParallel, DistributedOptimizer
     from fastpar.pipeline import PipelineExecutor, build_schedule
-    from fastpar.train.trainer import _loss_fn, _Stage, _step, build_model
+    from fastpar.train.trainer import _loss_fn, _step, build_model
 
     cfg = TrainConfig(model="tiny", pp=2, schedule=name, virtual_stages=v, seq_len=32,
                       global_batch_size=16, micro_batch_size=2, zero1=zero1)
-    M = cfg.num_microbatches(mesh.dp_size)
+    M = cfg.num_microbatches(cfg.global_batch_size, mesh.dp_size)
     torch.manual_seed(cfg.seed)
     chunks = build_model(cfg, mesh)
     ddp = DataParallel(nn.ModuleList(chunks), dp_group=mesh.dp_group)
     params = [p for c in chunks for p in c.parameters()]
     opt = (DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2) if zero1
            else torch.optim.AdamW(params, lr=1e-2))
-    stages = [_Stage(g, c * 2 + mesh.pp_rank, 2 * v) for c, g in enumerate(chunks)]
+    stages = chunks
     pipe = PipelineExecutor(stages, build_schedule(name, 2, M, v), mesh.pp_group,
                             loss_fn=_loss_fn(mesh.tp_group), record=True)
     accumulated = []                # when any gradient was accumulated (hooks, this thread)

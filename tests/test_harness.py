@@ -84,7 +84,7 @@ def _env(rank, world_size):
 
 
 def test_ranks_share_the_cores_and_keep_freed_memory(monkeypatch):
-    from fastpar.dist.host import worker_env
+    from fastpar.train.host import worker_env
 
     for k in ("OMP_NUM_THREADS", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"):
         monkeypatch.delenv(k, raising=False)

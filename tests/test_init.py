@@ -106,7 +106,7 @@ def _fake_gpus(monkeypatch, count):
 ])
 def test_backend_needs_one_gpu_per_local_rank(monkeypatch, gpus, local_ranks, backend, expect):
     _fake_gpus(monkeypatch, gpus)
-    chosen, why = fastpar.dist.mesh.pick_backend(backend, local_ranks)
+    chosen, why = fastpar.mesh.mesh.pick_backend(backend, local_ranks)
     assert chosen == expect.rstrip("!")
     if expect.endswith("!"):
         assert why and "\n" not in why
@@ -120,11 +120,11 @@ def test_nccl_with_too_few_gpus_is_one_clear_error(monkeypatch):
     _fake_gpus(monkeypatch, 1)
     with pytest.raises(ValueError, match=r"backend='nccl' needs one GPU per rank, but this host "
                        r"runs 4 ranks and sees 1 CUDA device\(s\)"):
-        fastpar.dist.mesh.pick_backend("nccl", 4)
+        fastpar.mesh.mesh.pick_backend("nccl", 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    assert fastpar.dist.mesh.local_world_size(8) == 3
+    assert fastpar.mesh.mesh.local_world_size(8) == 3
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert fastpar.dist.mesh.local_world_size(8) == 8
+    assert fastpar.mesh.mesh.local_world_size(8) == 8
 
 
 def _init_on_one_gpu(rank, world_size):
@@ -170,11 +170,11 @@ def _nccl_options_class(monkeypatch):
 def test_nccl_groups_get_high_priority_streams(monkeypatch):
     options_class = _nccl_options_class(monkeypatch)
     monkeypatch.delenv("TORCH_NCCL_HIGH_PRIORITY", raising=False)
-    a, b = fastpar.dist.mesh.group_options("nccl"), fastpar.dist.mesh.group_options("nccl")
+    a, b = fastpar.mesh.mesh.group_options("nccl"), fastpar.mesh.mesh.group_options("nccl")
     assert isinstance(a, options_class) and a.is_high_priority_stream and a is not b
-    assert fastpar.dist.mesh.group_options("gloo") is None
+    assert fastpar.mesh.mesh.group_options("gloo") is None
     monkeypatch.setenv("TORCH_NCCL_HIGH_PRIORITY", "0")       # the user's opt-out wins
-    assert fastpar.dist.mesh.group_options("nccl") is None
+    assert fastpar.mesh.mesh.group_options("nccl") is None
 
 
 def test_init_passes_high_priority_options_to_every_nccl_group(monkeypatch):

@@ -20,15 +20,15 @@ ROUND = Hardware("round", peak_tflops=100.0, matmul_efficiency=0.5, hbm_gb=80.0,
 
 def test_layer_flops_match_megatron_count():
     T, s, h = 2 * 2048, 2048, 1024
-    fl = cost.layer_forward_flops(GPT, s, T)
+    fl = GPT.layer_flops(s, T)
     assert fl["qkvo"] == 8 * T * h * h
     assert fl["mlp"] == 16 * T * h * h
     assert sum(fl.values()) == 24 * T * h * h + 4 * T * s * h
-    model = cost.model_flops_per_step(GPT, s, 2)
+    model = GPT.train_flops(s, 2 * s)
     assert model == 3 * (8 * sum(fl.values()) + 2 * T * h * GPT.padded_vocab)
     # Megatron's 96 B s l h^2 (1 + s/6h + V/16lh) counts full recompute.
     mega = 96 * 2 * s * 8 * h * h * (1 + s / (6 * h) + GPT.padded_vocab / (16 * 8 * h))
-    assert cost.hardware_flops_per_step(GPT, s, 2, "full") == pytest.approx(mega)
+    assert GPT.train_flops(s, 2 * s, "full") == pytest.approx(mega)
 
 
 def test_gemm_roofline():
@@ -180,7 +180,7 @@ def test_pruned_search_equals_exhaustive_evaluation(case):
         every.append(est)
         fits += [est] if est.fits else []
         fbw = planner._stage_costs(work, cluster, cfg, feat, cfg.schedule == "zb-h1")[0]
-        bound = planner._step_lower_bound(fbw, cfg.pp, cfg.num_microbatches(work),
+        bound = planner._step_lower_bound(fbw, cfg.pp, cfg.num_microbatches(work.global_batch),
                                           cfg.schedule == "zb-h1")
         assert bound <= est.step_time_s, cfg
     assert (len(fits) < len(every)) == tight and fits
@@ -196,16 +196,18 @@ def test_pruned_search_equals_exhaustive_evaluation(case):
 
 
 @pytest.mark.parametrize("make, words", [
-    (lambda: ParallelConfig(tp=3, pp=1, dp=1).check(_work(), Cluster(3, 3, ROUND)),
+    (lambda: planner.check(ParallelConfig(tp=3, pp=1, dp=1), _work(), Cluster(3, 3, ROUND)),
      ["n_heads=16", "tp=3"]),
     (lambda: Cluster(12, 8, ROUND), ["gpus=12", "gpus_per_node=8"]),
     (lambda: get_hardware("a200"), ["'a200'", "a100-80gb"]),
-    (lambda: ParallelConfig(tp=1, pp=1, dp=8, micro_batch_size=3).check(_work(), Cluster(8, 8, ROUND)),
+    (lambda: planner.check(ParallelConfig(tp=1, pp=1, dp=8, micro_batch_size=3), _work(),
+                           Cluster(8, 8, ROUND)),
      ["global batch 64", "3 x 8"]),
-    (lambda: ParallelConfig(tp=2, pp=1, dp=2).check(_work(), Cluster(8, 8, ROUND)),
+    (lambda: planner.check(ParallelConfig(tp=2, pp=1, dp=2), _work(), Cluster(8, 8, ROUND)),
      ["2*1*2", "gpus=8"]),
-    (lambda: ParallelConfig(tp=1, pp=2, dp=1, schedule="interleaved", virtual_stages=2)
-     .check(_work(3), Cluster(2, 2, ROUND)), ["num_microbatches=3", "pp_size=2"]),
+    (lambda: planner.check(ParallelConfig(tp=1, pp=2, dp=1, schedule="interleaved",
+                                          virtual_stages=2), _work(3), Cluster(2, 2, ROUND)),
+     ["num_microbatches=3", "pp_size=2"]),
     (lambda: Hardware("x", peak_tflops=-1, matmul_efficiency=0.5, hbm_gb=1, hbm_gbps=1,
                       intra_node_gbps=1, inter_node_gbps=1), ["peak_tflops=-1"]),
 ])

@@ -23,7 +23,7 @@ from torch import nn
 
 from fastpar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                      VocabParallelEmbedding, vocab_parallel_cross_entropy)
-from fastpar.tensor_parallel.overlap import backward_phase
+from fastpar.split_backward import backward_phase
 from fastpar.testing import run_ranks
 
 V, D, H, S, B = 32, 16, 64, 8, 2

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from fastpar import ops
 from fastpar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from fastpar.tensor_parallel.overlap import backward_phase
+from fastpar.split_backward import backward_phase
 from fastpar.testing import run_ranks
 
 

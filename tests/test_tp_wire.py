@@ -75,13 +75,13 @@ def _pipeline_bytes(rank, world, pp, bf16):
     import fastpar
     from fastpar.pipeline import PipelineExecutor, build_schedule
     from fastpar.train import TrainConfig
-    from fastpar.train.trainer import _loss_fn, _Stage, build_model
+    from fastpar.train.trainer import _loss_fn, build_model
     cfg = TrainConfig(model="tiny", pp=pp, seq_len=16, global_batch_size=4, micro_batch_size=1,
                       precision="amp" if bf16 else "fp32", out="unused")
     mesh = fastpar.init(pp=pp)
     chunks = build_model(cfg, mesh)
-    stages = [_Stage(g, mesh.pp_rank, pp) for g in chunks]
-    M = cfg.num_microbatches(1)
+    stages = chunks
+    M = cfg.num_microbatches(cfg.global_batch_size, 1)
     pipe = PipelineExecutor(stages, build_schedule("1f1b", pp, M), mesh.pp_group,
                             loss_fn=_loss_fn(mesh.tp_group))
     x = torch.randint(0, 256, (4, 16))

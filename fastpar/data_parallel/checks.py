@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import ops
-from .comm import Group, group_rank
+from ..mesh.groups import Group, group_rank
 
 _FLOAT = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 

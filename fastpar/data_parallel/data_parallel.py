@@ -22,7 +22,8 @@ import torch.nn as nn
 
 from .buckets import BucketSpec, assign_buckets
 from .checks import broadcast_state, check_options, check_params, check_same_params, resolve_group
-from .comm import EventLog, group_rank, group_size
+from ..mesh.groups import group_rank, group_size
+from .comm import EventLog
 from .reducer import GradReducer
 
 # As torch DDP: the first bucket closes at 1 MiB, so the first reduction starts right away.

@@ -1,7 +1,7 @@
 """Floor 4: a GPT-style model built from the parallel layers."""
 from .config import PRESETS, GPTConfig, get_config
-from .gpt import GPT
+from .gpt import GPT, RECOMPUTE
 from .layers import Norm, ParallelAttention, ParallelMLP, ParallelTransformerLayer
 
-__all__ = ["GPT", "GPTConfig", "Norm", "PRESETS", "ParallelAttention", "ParallelMLP",
+__all__ = ["GPT", "GPTConfig", "Norm", "PRESETS", "RECOMPUTE", "ParallelAttention", "ParallelMLP",
            "ParallelTransformerLayer", "get_config"]

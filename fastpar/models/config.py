@@ -86,6 +86,34 @@ class GPTConfig:
         pos = 0 if self.rotary else self.max_seq_len * d
         return self.n_layers * layer + emb * (1 if self.tie_embeddings else 2) + pos + d
 
+    def layer_flops(self, seq_len: int, tokens: int = 1) -> dict[str, float]:
+        """Forward FLOPs of one layer for ``tokens`` tokens of ``seq_len``-long sequences, by
+        part: the attention projections, attention's core (QK^T and PV over every key, as
+        Megatron counts it) and the MLP."""
+        h, d, a, g, f = self.d_model, self.head_dim, self.n_heads, self.kv_heads, self.ffn_dim
+        return {"qkvo": 2.0 * tokens * h * (2 * a * d + 2 * g * d),
+                "core": 4.0 * tokens * seq_len * a * d,
+                "mlp": 2.0 * tokens * h * f * (3 if self.activation == "swiglu" else 2)}
+
+    def train_flops(self, seq_len: int, tokens: int = 1, recompute: str = "none") -> float:
+        """FLOPs of forward and backward (3x the forward) of ``tokens`` tokens through the
+        whole model, plus what ``recompute`` computes again. The one count behind the MFU the
+        trainer reports, the MFU the planner predicts and the pipeline's stage balance."""
+        fl = self.layer_flops(seq_len, tokens)
+        extra = {"none": 0.0, "selective": fl["core"], "full": sum(fl.values())}[recompute]
+        return 3.0 * (self.n_layers * sum(fl.values()) + self._head_flops(tokens)) \
+            + self.n_layers * extra
+
+    def piece_flops(self, seq_len: int) -> list[float]:
+        """Training FLOPs per token of [embedding, layer 0, ..., layer n-1, head]: the costs
+        :func:`fastpar.pipeline.partition` balances stages by (the embedding is a gather,
+        costed at 6 per output element as the pipeline costs any embedding)."""
+        layer = 3.0 * sum(self.layer_flops(seq_len).values())
+        return [6.0 * self.d_model] + [layer] * self.n_layers + [3.0 * self._head_flops(1)]
+
+    def _head_flops(self, tokens: int) -> float:
+        return 2.0 * tokens * self.d_model * self.padded_vocab
+
     def to_dict(self) -> dict:
         return asdict(self)
 

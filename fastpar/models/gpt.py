@@ -17,11 +17,13 @@ from torch.utils.checkpoint import checkpoint
 from .. import kernels
 from ..tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding, copy_to_tp,
                                gather_from_sp, vocab_parallel_cross_entropy)
-from ..tensor_parallel.mappings import group_rank, group_size
+from ..mesh.groups import group_rank, group_size
 from .config import GPTConfig
 from .layers import Norm, ParallelTransformerLayer, rotary_tables
 
-RECOMPUTE = ("none", "full", "selective")
+# Activation recomputation, from none to the most: "selective" redoes attention's core
+# (softmax(QK^T)V), "full" a whole layer's forward.
+RECOMPUTE = ("none", "selective", "full")
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp
-from ..tensor_parallel.mappings import group_rank, group_size
+from ..mesh.groups import group_rank, group_size
 from .config import GPTConfig
 
 

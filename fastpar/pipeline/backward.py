@@ -4,7 +4,7 @@ During F, forward hooks record the output of every leaf module that owns paramet
 LayerNorm, Embedding, the tensor-parallel linears). B asks autograd for the gradient of the stage
 input *and* of those outputs, without the parameters: autograd then skips every weight-gradient
 GEMM (each node computes only the edges asked for; the tensor-parallel linears' own Functions are
-told through ``backward_phase``) and keeps the graph. W runs, per recorded
+told through :mod:`fastpar.split_backward`) and keeps the graph. W runs, per recorded
 module, a backward from its output, with the gradient B captured, to its own parameters only: the
 weight half of exactly those nodes, and nothing upstream.
 
@@ -18,7 +18,7 @@ from collections import Counter
 import torch
 import torch.nn as nn
 
-from ..tensor_parallel.overlap import backward_phase
+from ..split_backward import backward_phase
 
 
 def _own(module: nn.Module) -> list[nn.Parameter]:

@@ -9,11 +9,12 @@ are the model's names (``blocks.3.fc1.weight``).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
 
+from ..mesh.layout import require_positive
 from .partition import partition
 
 
@@ -93,27 +94,35 @@ def check_parts(parts: Sequence[range], num_blocks: int, num_stages: int) -> lis
     return parts
 
 
-def build_stages(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: int = 1, *,
-                 parts: Sequence[range] | None = None, layer_costs: Sequence[float] | None = None,
+def build_stages(model: nn.Module | Callable[..., nn.Module], pp_rank: int, pp_size: int,
+                 virtual_stages: int = 1, *, parts: Sequence[range] | None = None,
+                 layer_costs: Sequence[float] | None = None, num_blocks: int | None = None,
                  blocks: str = "blocks", first: Sequence[str] = ("embed",),
-                 last: Sequence[str] = ("norm", "head")) -> list[PipelineStage]:
+                 last: Sequence[str] = ("norm", "head")) -> list[nn.Module]:
     """This rank's stages, one per chunk: chunk ``c`` is stage ``c * pp_size + pp_rank``.
+
+    ``model`` is either a whole model whose blocks sit in ``model.<blocks>`` (cut into
+    :class:`PipelineStage` views that share its modules), or a model provider, Megatron's
+    convention: ``model(layers=range, pre_process=bool, post_process=bool)`` builds only one
+    stage's chunk (``fastpar.models.GPT`` is one: ``functools.partial(GPT, config, ...)``), with
+    ``num_blocks`` the whole model's; the chunk gets ``stage_index`` and ``num_stages``.
 
     ``parts`` gives each of the ``pp_size * virtual_stages`` stages its range of block indices;
     without it the blocks are split by :func:`~fastpar.pipeline.partition` over ``layer_costs``
     (``[first modules, block 0, ..., block N-1, last modules]``, e.g. from
-    :func:`~fastpar.pipeline.estimate_layer_costs`), or evenly when that is not given either.
+    :func:`~fastpar.pipeline.estimate_layer_costs` or ``GPTConfig.piece_flops``), or evenly.
     """
-    for name, value in (("pp_size", pp_size), ("virtual_stages", virtual_stages)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"build_stages: {name}={value!r} must be an integer >= 1")
+    require_positive({"pp_size": pp_size, "virtual_stages": virtual_stages}, "build_stages: ")
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"build_stages: pp_rank={pp_rank} out of range for pp_size={pp_size}")
-    container = getattr(model, blocks, None)
-    if not isinstance(container, nn.ModuleDict):
+    provider = not isinstance(model, nn.Module)
+    container = None if provider else getattr(model, blocks, None)
+    if provider:
+        require_positive({"num_blocks": num_blocks}, "build_stages: a model provider needs ")
+    elif not isinstance(container, nn.ModuleDict):
         raise ValueError(f"build_stages: model.{blocks} must be an nn.ModuleDict of blocks in "
                          f"execution order, got {type(container).__name__}")
-    keys = list(container.keys())
+    keys = [str(i) for i in range(num_blocks)] if provider else list(container.keys())
     num_stages = pp_size * virtual_stages
     if parts is None:
         costs = list(layer_costs) if layer_costs is not None else [0.0] + [1.0] * len(keys) + [0.0]
@@ -122,6 +131,9 @@ def build_stages(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: i
                              f"{len(keys) + 2} (first modules, {len(keys)} blocks, last modules)")
         parts = partition(costs, pp_size, virtual_stages)
     parts = check_parts(parts, len(keys), num_stages)
+    if provider:
+        return [_provided(model, c * pp_size + pp_rank, num_stages, parts)
+                for c in range(virtual_stages)]
     head = _optional_modules(model, first, "first")
     tail = _optional_modules(model, last, "last")
     stages = []
@@ -131,3 +143,9 @@ def build_stages(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: i
                                     first=head if s == 0 else None,
                                     last=tail if s == num_stages - 1 else None, blocks_name=blocks))
     return stages
+
+
+def _provided(make, s: int, num_stages: int, parts: list[range]) -> nn.Module:
+    chunk = make(layers=parts[s], pre_process=s == 0, post_process=s == num_stages - 1)
+    chunk.stage_index, chunk.num_stages = s, num_stages
+    return chunk

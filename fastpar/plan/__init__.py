@@ -8,7 +8,8 @@
 """
 from .cost import FASTPAR, Features
 from .hardware import BUILTIN, Hardware, get_hardware, load_hardware, save_hardware
-from .planner import Cluster, Estimate, ParallelConfig, Workload, candidates, evaluate, search
+from ..mesh.layout import ParallelConfig
+from .planner import Cluster, Estimate, Workload, candidates, evaluate, search
 
 __all__ = ["BUILTIN", "Cluster", "Estimate", "FASTPAR", "Features", "Hardware",
            "ParallelConfig", "Workload", "candidates", "evaluate", "get_hardware",

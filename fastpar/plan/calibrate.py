@@ -29,6 +29,7 @@ None of this runs fastpar's model or trainer.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import os
@@ -42,21 +43,17 @@ import torch.distributed as dist
 from .hardware import Hardware, save_hardware
 
 
-# Set by measure() while several ranks calibrate together: a barrier over their group, passed
-# before every timed measurement so that all ranks time the same thing at the same moment.
-_together = None
-
-
-def _timed(fn, device, iters: int) -> float:
-    """Median seconds of ``fn`` over ``iters`` calls, after two untimed ones."""
+def _timed(fn, device, iters: int, barrier=None) -> float:
+    """Median seconds of ``fn`` over ``iters`` calls, after two untimed ones and ``barrier()``
+    (when several ranks calibrate together: all ranks time the same thing at the same moment)."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     for _ in range(2):
         fn()
     sync()
-    if _together is not None:
-        _together()
+    if barrier is not None:
+        barrier()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -76,7 +73,7 @@ def gemm_shapes(sizes=(64, 128, 256, 512, 1024)) -> list[tuple[int, int, int]]:
 
 
 def measure_matmul(device: torch.device, dtype: torch.dtype, shapes=None,
-                   working_set: float = 32e6) -> tuple[float, float, list]:
+                   working_set: float = 32e6, barrier=None) -> tuple[float, float, list]:
     """(best FLOP/s, seconds of a tiny GEMM, [(flops, FLOP/s)] per shape).
 
     Each shape's GEMMs take turns over operand pairs that together fill ``working_set`` bytes,
@@ -92,10 +89,10 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, shapes=None,
         turn = itertools.cycle(pairs)
         flops = 2.0 * m * n * k
         t = _timed(lambda: operator.matmul(*next(turn)), device,
-                   iters=max(3, min(50, int(1e9 / flops))))
+                   iters=max(3, min(50, int(1e9 / flops))), barrier=barrier)
         points.append((flops, flops / t))
     a = torch.randn(8, 8, device=device, dtype=dtype)
-    return max(r for _, r in points), _timed(lambda: a @ a, device, iters=200), points
+    return max(r for _, r in points), _timed(lambda: a @ a, device, 200, barrier), points
 
 
 def _curve(points: list, peak: float) -> list:
@@ -130,7 +127,7 @@ def count_ops(fn) -> int:
     return _Count.n
 
 
-def measure_op_overhead(device: torch.device) -> float:
+def measure_op_overhead(device: torch.device, barrier=None) -> float:
     """Seconds per operator of eager forward + backward code on tiny tensors."""
     torch.manual_seed(0)
     lin1, lin2 = torch.nn.Linear(16, 32, bias=False), torch.nn.Linear(32, 16, bias=False)
@@ -148,11 +145,12 @@ def measure_op_overhead(device: torch.device) -> float:
         x.sum().backward()
 
     ops = count_ops(block)
-    return _timed(block, device, iters=30) / ops
+    return _timed(block, device, iters=30, barrier=barrier) / ops
 
 
 def measure_attention(device: torch.device, dtype: torch.dtype, overhead: float,
-                      shapes=((2, 4, 128, 32), (2, 8, 256, 64), (1, 16, 512, 64))) -> list:
+                      shapes=((2, 4, 128, 32), (2, 8, 256, 64), (1, 16, 512, 64)),
+                      barrier=None) -> list:
     """[(modelled forward FLOPs, FLOP/s on forward + backward FLOPs)] of causal SDPA: the cost
     model's count (half the blocks, backward 2.5x), less its operators' overhead."""
     from .cost import REFERENCE_OPS
@@ -166,7 +164,7 @@ def measure_attention(device: torch.device, dtype: torch.dtype, overhead: float,
         def run():
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True) \
                 .sum().backward()
-        t = _timed(run, device, iters=10)
+        t = _timed(run, device, iters=10, barrier=barrier)
         t = max(0.5 * t, t - sum(REFERENCE_OPS["core"]) * overhead)
         flops = CAUSAL_FRACTION * 4.0 * b * h * s * s * d
         points.append((flops, (1 + ATTENTION_BACKWARD_FLASH) * flops / t))
@@ -174,27 +172,28 @@ def measure_attention(device: torch.device, dtype: torch.dtype, overhead: float,
 
 
 def measure_memory(device: torch.device,
-                   sizes=(2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24, 2 ** 26)) -> list:
+                   sizes=(2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24, 2 ** 26), barrier=None) -> list:
     """[(bytes moved, bytes per second)] of copies whose source is ``sizes`` bytes."""
     points = []
     for size in sizes:
         src = torch.empty(size // 4, device=device, dtype=torch.float32).uniform_()
         dst = torch.empty_like(src)
-        t = _timed(lambda: dst.copy_(src), device, iters=max(10, min(200, 2 ** 26 // size)))
+        t = _timed(lambda: dst.copy_(src), device, max(10, min(200, 2 ** 26 // size)), barrier)
         points.append((2.0 * size, 2.0 * size / t))
     return points
 
 
-def measure_activation(device: torch.device, dtype: torch.dtype, numel: int = 2 ** 20) -> float:
+def measure_activation(device: torch.device, dtype: torch.dtype, numel: int = 2 ** 20,
+                       barrier=None) -> float:
     """Bytes per second (read + write) of SiLU, tanh-GELU and exp kernels: the median."""
     x = torch.randn(numel, device=device, dtype=dtype)
     nbytes = 2.0 * numel * x.element_size()
     fns = (torch.nn.functional.silu, lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
            torch.exp)
-    return statistics.median(nbytes / _timed(lambda: fn(x), device, iters=20) for fn in fns)
+    return statistics.median(nbytes / _timed(lambda: fn(x), device, 20, barrier) for fn in fns)
 
 
-def measure_link(group=None, device=None) -> tuple[float, float, float]:
+def measure_link(group=None, device=None, barrier=None) -> tuple[float, float, float]:
     """(bytes per second, seconds of latency per ring step, seconds of sync per call) of
     all-reduce over ``group``.
 
@@ -230,7 +229,7 @@ def measure_link(group=None, device=None) -> tuple[float, float, float]:
                 (large, lambda: dist.all_reduce(xs[large], group=group), 3),
                 ("work", work, 10), ("after_work", after_work, 10)):
             dist.barrier(group=group)
-            rounds.setdefault(key, []).append(slowest(_timed(fn, dev, iters=iters)))
+            rounds.setdefault(key, []).append(slowest(_timed(fn, dev, iters, barrier)))
     times = {k: statistics.median(v) for k, v in rounds.items()}
     sync = max(0.0, times["after_work"] - times["work"] - times[small])
     steps, share = 2 * (n - 1), 2 * (n - 1) / n
@@ -248,27 +247,22 @@ def measure(name: str = "calibrated", group=None) -> Hardware:
     cuda = torch.cuda.is_available()
     grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    global _together
-    if grouped:
-        _together = lambda: dist.barrier(group=group)       # noqa: E731
-    try:
-        compute = _measure_compute(device, torch.bfloat16 if cuda else torch.float32, cuda)
-        return _profile(name, group, cuda, grouped, *compute)
-    finally:
-        _together = None
+    barrier = functools.partial(dist.barrier, group=group) if grouped else None
+    compute = _measure_compute(device, torch.bfloat16 if cuda else torch.float32, cuda, barrier)
+    return _profile(name, group, cuda, barrier, *compute)
 
 
-def _measure_compute(device, dtype, cuda):
-    peak, tiny_gemm, gemms = measure_matmul(device, dtype)
-    overhead = tiny_gemm if cuda else max(tiny_gemm, measure_op_overhead(device))
-    memory = measure_memory(device)
-    attention = measure_attention(device, dtype, overhead)
-    return peak, overhead, gemms, memory, attention, measure_activation(device, dtype)
+def _measure_compute(device, dtype, cuda, barrier):
+    kw = {"barrier": barrier} if barrier is not None else {}    # one rank: the plain calls
+    peak, tiny_gemm, gemms = measure_matmul(device, dtype, **kw)
+    overhead = tiny_gemm if cuda else max(tiny_gemm, measure_op_overhead(device, **kw))
+    memory = measure_memory(device, **kw)
+    attention = measure_attention(device, dtype, overhead, **kw)
+    return peak, overhead, gemms, memory, attention, measure_activation(device, dtype, **kw)
 
 
-def _profile(name, group, cuda, grouped, peak, overhead, gemms, memory, attention, activation):
+def _profile(name, group, cuda, barrier, peak, overhead, gemms, memory, attention, activation):
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
     mem_bw = memory[-1][1]
     matmul_curve = _curve(gemms, peak)
     if cuda:
@@ -277,8 +271,8 @@ def _profile(name, group, cuda, grouped, peak, overhead, gemms, memory, attentio
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         hbm = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / ranks
     link, latency, sync = (mem_bw, 0.0, 0.0)
-    if grouped:
-        link, latency, sync = measure_link(group, device if cuda else None)
+    if barrier is not None:
+        link, latency, sync = measure_link(group, device if cuda else None, barrier)
     return Hardware(name=name, peak_tflops=peak / 1e12,
                     matmul_efficiency=statistics.median(y for _, y in matmul_curve), hbm_gb=hbm,
                     hbm_gbps=mem_bw / 1e9, intra_node_gbps=link / 1e9, inter_node_gbps=link / 1e9,

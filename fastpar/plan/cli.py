@@ -1,14 +1,15 @@
 """``fastpar plan``: the command-line edge of the planner (argparse lives only here)."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 from ..models import PRESETS, GPTConfig, get_config
-from .cost import RECOMPUTE
+from ..models import RECOMPUTE
 from .hardware import BUILTIN, get_hardware
-from .planner import Cluster, ParallelConfig, Workload, evaluate, search
+from ..mesh.layout import ParallelConfig
+from ..pipeline.schedules import SCHEDULES
+from .planner import Cluster, Workload, evaluate, search
 
 _FIXED = ("virtual_stages", "micro_batch_size", "schedule", "recompute")
 
@@ -36,7 +37,7 @@ def add_plan(sub) -> None:
     k.add_argument("--pp", type=int)
     k.add_argument("--virtual-stages", type=int)
     k.add_argument("--micro-batch-size", type=int)
-    k.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
+    k.add_argument("--schedule", choices=tuple(SCHEDULES))
     k.add_argument("--recompute", choices=RECOMPUTE)
     k.add_argument("--sequence-parallel", action="store_true")
     k.add_argument("--zero1", action="store_true")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models import GPTConfig
+from ..models import RECOMPUTE, GPTConfig
 from ..tensor_parallel.overlap import row_chunks
 from .hardware import (ATTENTION_BACKWARD_FLASH, ATTENTION_BACKWARD_UNFUSED, CAUSAL_FRACTION,
                        GPU_BACKWARD_FACTOR, GPU_LAYER_KERNELS, GPU_ROTARY_KERNELS, Hardware)
@@ -50,7 +50,6 @@ class Features:
 
 
 FASTPAR = Features()
-RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -66,35 +65,6 @@ class Shape:
     @property
     def tokens(self) -> int:
         return self.micro_batch * self.seq_len
-
-
-def layer_forward_flops(model: GPTConfig, seq_len: int, tokens: int) -> dict[str, float]:
-    """Forward FLOPs of one whole layer (all TP ranks together) for ``tokens`` tokens."""
-    h, d, a, g, f = model.d_model, model.head_dim, model.n_heads, model.kv_heads, model.ffn_dim
-    mlp_mats = 3 if model.activation == "swiglu" else 2
-    return {"qkvo": 2.0 * tokens * h * (2 * a * d + 2 * g * d),
-            "core": 4.0 * tokens * seq_len * a * d,
-            "mlp": 2.0 * tokens * h * f * mlp_mats}
-
-
-def head_forward_flops(model: GPTConfig, tokens: int) -> float:
-    return 2.0 * tokens * model.d_model * model.padded_vocab
-
-
-def model_flops_per_step(model: GPTConfig, seq_len: int, global_batch: int) -> float:
-    """Training FLOPs of one step without recompute: 3x the forward of every layer and the head."""
-    tokens = global_batch * seq_len
-    layer = sum(layer_forward_flops(model, seq_len, tokens).values())
-    return 3.0 * (model.n_layers * layer + head_forward_flops(model, tokens))
-
-
-def hardware_flops_per_step(model: GPTConfig, seq_len: int, global_batch: int,
-                            recompute: str) -> float:
-    """FLOPs actually computed: the model's plus what recompute redoes."""
-    tokens = global_batch * seq_len
-    fl = layer_forward_flops(model, seq_len, tokens)
-    extra = {"none": 0.0, "selective": fl["core"], "full": sum(fl.values())}[recompute]
-    return model_flops_per_step(model, seq_len, global_batch) + model.n_layers * extra
 
 
 def _linears(shape: Shape) -> list[tuple[int, int, int]]:

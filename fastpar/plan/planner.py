@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..kernels.cross_entropy import REFERENCE_CHUNK
-from ..models import GPTConfig
+from ..mesh.layout import ParallelConfig, require_positive
+from ..models import RECOMPUTE, GPTConfig
 from ..pipeline import build_schedule, partition, simulate
-from ..pipeline.schedules import check_args
 from . import cost
 from .cost import FASTPAR, Features, Shape
 from .hardware import (ACCUMULATE_PASSES, BUCKET_COPY_PASSES, CPU_EMBED_OPS,
@@ -31,10 +31,7 @@ class Cluster:
     hardware: Hardware
 
     def __post_init__(self):
-        for name in ("gpus", "gpus_per_node"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name}={v!r} must be an integer >= 1")
+        require_positive({k: getattr(self, k) for k in ("gpus", "gpus_per_node")})
         if self.gpus % self.gpus_per_node:
             raise ValueError(f"gpus={self.gpus} is not divisible by gpus_per_node="
                              f"{self.gpus_per_node} (whole nodes only)")
@@ -60,51 +57,14 @@ class Workload:
     global_batch: int                # sequences per step
 
     def __post_init__(self):
-        for name in ("seq_len", "global_batch"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name}={v!r} must be an integer >= 1")
+        require_positive({k: getattr(self, k) for k in ("seq_len", "global_batch")})
 
 
-@dataclass(frozen=True)
-class ParallelConfig:
-    """One way to run the workload; ``check`` says whether it can run at all."""
-
-    tp: int
-    pp: int
-    dp: int
-    virtual_stages: int = 1
-    micro_batch_size: int = 1
-    schedule: str = "1f1b"
-    recompute: str = "none"
-    sequence_parallel: bool = False
-    zero1: bool = False
-
-    def num_microbatches(self, work: Workload) -> int:
-        return work.global_batch // (self.micro_batch_size * self.dp)
-
-    def check(self, work: Workload, cluster: Cluster) -> None:
-        """Raise ValueError naming the numbers if this configuration cannot run."""
-        for name in ("tp", "pp", "dp", "virtual_stages", "micro_batch_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name}={v!r} must be an integer >= 1")
-        if self.tp * self.pp * self.dp != cluster.gpus:
-            raise ValueError(f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = "
-                             f"{self.tp * self.pp * self.dp} != gpus={cluster.gpus}")
-        work.model.check_tp(self.tp)
-        if work.global_batch % (self.micro_batch_size * self.dp):
-            raise ValueError(f"global batch {work.global_batch} is not divisible by "
-                             f"micro-batch size x dp = {self.micro_batch_size} x {self.dp}")
-        if work.model.n_layers < self.pp * self.virtual_stages:
-            raise ValueError(f"{work.model.n_layers} layers cannot fill pp x virtual stages = "
-                             f"{self.pp} x {self.virtual_stages} stages")
-        if self.recompute not in cost.RECOMPUTE:
-            raise ValueError(f"recompute={self.recompute!r} is not one of {cost.RECOMPUTE}")
-        if self.sequence_parallel and (self.tp == 1 or work.seq_len % self.tp):
-            raise ValueError(f"sequence parallelism needs tp > 1 dividing seq_len={work.seq_len}"
-                             f", got tp={self.tp}")
-        check_args(self.schedule, self.pp, self.num_microbatches(work), self.virtual_stages)
+def check(cfg: ParallelConfig, work: Workload, cluster: Cluster) -> None:
+    """Raise ValueError naming the numbers if ``cfg`` cannot run ``work`` on ``cluster``."""
+    if cfg.dp is None:
+        raise ValueError("the planner needs dp given (tp * pp * dp = gpus)")
+    cfg.check(work.model, cluster.gpus, work.global_batch, work.seq_len, world_name="gpus=")
 
 
 @dataclass
@@ -252,9 +212,9 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
              feat: Features = FASTPAR, schedules: dict | None = None) -> Estimate:
     """Predict one configuration. Raises ValueError if it cannot run; one that runs out of
     memory comes back with ``fits=False`` and the ``reason``."""
-    cfg.check(work, cluster)
+    check(cfg, work, cluster)
     hw, m = cluster.hardware, work.model
-    num_mb = cfg.num_microbatches(work)
+    num_mb = cfg.num_microbatches(work.global_batch)
     key = (cfg.schedule, cfg.pp, num_mb, cfg.virtual_stages)
     schedules = {} if schedules is None else schedules
     if key not in schedules:
@@ -281,8 +241,9 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
     optimizer = hw.memory_time(params / (cfg.dp if cfg.zero1 else 1) * OPTIMIZER_STEP_BYTES,
                                kernels)
     step = sim.step_time + accumulate + dp_exposed + optimizer + _step_collectives(cluster, cfg)
-    model_flops = cost.model_flops_per_step(m, work.seq_len, work.global_batch)
-    hw_flops = cost.hardware_flops_per_step(m, work.seq_len, work.global_batch, cfg.recompute)
+    tokens = work.global_batch * work.seq_len
+    model_flops = m.train_flops(work.seq_len, tokens)
+    hw_flops = m.train_flops(work.seq_len, tokens, cfg.recompute)
     est = Estimate(
         config=cfg, step_time_s=step, tflops_per_gpu=model_flops / step / cluster.gpus / 1e12,
         hw_tflops_per_gpu=hw_flops / step / cluster.gpus / 1e12,
@@ -368,14 +329,14 @@ def candidates(work: Workload, cluster: Cluster, fixed: dict | None = None):
                     [("1f1b", 1), ("zb-h1", 1), ("gpipe", 1)] + \
                     [("interleaved", v) for v in (2, 3, 4, 5, 6, 8) if pp * v <= m.n_layers]
                 for name, v in scheds:
-                    for rec in cost.RECOMPUTE:
+                    for rec in RECOMPUTE:
                         for sp in ((False, True) if tp > 1 else (False,)):
                             for zero1 in ((False, True) if dp > 1 else (False,)):
                                 cfg = ParallelConfig(tp, pp, dp, v, mbs, name, rec, sp, zero1)
                                 if any(getattr(cfg, k) != val for k, val in fixed.items()):
                                     continue
                                 try:
-                                    cfg.check(work, cluster)
+                                    check(cfg, work, cluster)
                                 except ValueError:
                                     continue
                                 yield cfg
@@ -397,7 +358,7 @@ def search(work: Workload, cluster: Cluster, feat: Features = FASTPAR, fixed: di
             fbw, ranges, _, _ = _stage_costs(work, cluster, cfg, feat, key[-1])
             cache[key] = fbw, ranges
         fbw, ranges = cache[key]
-        num_mb = cfg.num_microbatches(work)
+        num_mb = cfg.num_microbatches(work.global_batch)
         peaks = [_peak_lower_bound(cfg, num_mb)] + [0] * (cfg.pp - 1)
         if _memory(work, cluster, cfg, feat, ranges, peaks)["total"] > cluster.hardware.hbm_gb:
             rejected["memory"] += 1

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from fastpar.dist.groups import Group, all_gather_tensor, group_rank, group_size
+from ..mesh.groups import Group, all_gather_tensor, group_rank, group_size
 from fastpar.kernels.cross_entropy import (cross_entropy_combine, cross_entropy_shard_grad,
                                            cross_entropy_shard_stats)
 

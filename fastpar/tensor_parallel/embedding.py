@@ -20,17 +20,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpar.dist.groups import all_gather_tensor
+from ..mesh.groups import all_gather_tensor
 from fastpar.tensor_parallel.mappings import (
     Group, group_rank, group_size, reduce_from_tp, reduce_scatter_to_sp)
+from .linear import TPSharded
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(TPSharded):
     """An embedding whose vocabulary is sharded over ``tp_group``; see the module doc.
 
     With ``tp_group=None`` (or a group of size 1) it computes exactly ``nn.Embedding``.
     ``sequence_parallel=True`` reduce-scatters the output along dim 0 (sequence-first ids).
     """
+
+    tp_shard_dims = {"weight": 0}  # the vocabulary rows
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: Group = None,
                  sequence_parallel: bool = False, dtype: torch.dtype | None = None,

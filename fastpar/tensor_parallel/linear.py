@@ -17,15 +17,23 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .mappings import (check_divisible, copy_to_tp, gather_from_sp, gather_from_tp, group_rank,
-                       group_size, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp, _gather)
+from ..mesh.groups import group_rank, group_size
+from .mappings import (check_divisible, copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp,
+                       reduce_scatter_to_sp, scatter_to_tp, _gather)
 from .overlap import ColumnLinearOverlap, RowLinearOverlap
 
 
-class _ParallelLinear(nn.Module):
+class TPSharded(nn.Module):
+    """A module whose own parameters may be split over TP. ``tp_shard_dims`` maps parameter names
+    to the dim split over the TP group, None where replicated; checkpoints read it."""
+
+    tp_shard_dims: dict[str, int | None]
+
+
+class _ParallelLinear(TPSharded):
     """Shared by both layers: sharding, nn.Linear's initialisation, gathering back."""
 
-    shard_dim: int  # dim of the (out, in) weight that is split over TP
+    shard_dim = property(lambda self: self.tp_shard_dims["weight"])  # of the (out, in) weight
 
     def __init__(self, in_features, out_features, bias, tp_group, sequence_parallel, overlap,
                  chunks, dtype, device, parts=None):
@@ -97,10 +105,10 @@ class _ParallelLinear(nn.Module):
                     tp_group=tp_group, dtype=module.weight.dtype, device="meta", **kwargs)
         layer.to_empty(device=module.weight.device)
         with torch.no_grad():
-            layer.weight.copy_(layer._slice(module.weight, cls.shard_dim))
+            layer.weight.copy_(layer._slice(module.weight, layer.shard_dim))
             layer.weight.requires_grad_(module.weight.requires_grad)
             if module.bias is not None:
-                b = module.bias if cls.shard_dim == 1 else layer._slice(module.bias, 0)
+                b = module.bias if layer.shard_dim == 1 else layer._slice(module.bias, 0)
                 layer.bias.copy_(b)
                 layer.bias.requires_grad_(module.bias.requires_grad)
         return layer
@@ -149,7 +157,7 @@ class _ParallelLinear(nn.Module):
 class ColumnParallelLinear(_ParallelLinear):
     """y = x W^T + b with W split by rows (output features) over the TP group."""
 
-    shard_dim = 0
+    tp_shard_dims = {"weight": 0, "bias": 0}
 
     def __init__(self, in_features, out_features, bias=True, *, tp_group=None,
                  gather_output=False, sequence_parallel=False, overlap=True, chunks=4,
@@ -217,7 +225,7 @@ class ColumnParallelLinear(_ParallelLinear):
 class RowParallelLinear(_ParallelLinear):
     """y = sum over TP of x_r W_r^T, + b once; W split by columns (input features)."""
 
-    shard_dim = 1
+    tp_shard_dims = {"weight": 1, "bias": None}  # the bias is whole, added after the sum
 
     def __init__(self, in_features, out_features, bias=True, *, tp_group=None,
                  input_is_parallel=True, sequence_parallel=False, overlap=True, chunks=4,

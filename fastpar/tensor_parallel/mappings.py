@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..dist.groups import Group, group_rank, group_size  # noqa: F401  (re-exported)
-from ..dist.groups import all_gather_tensor as _all_gather_tensor
-from ..dist.groups import reduce_scatter_tensor as _reduce_scatter_tensor
+from ..mesh.groups import Group, group_rank, group_size
+from ..mesh.groups import all_gather_tensor as _all_gather_tensor
+from ..mesh.groups import reduce_scatter_tensor as _reduce_scatter_tensor
 
 
 def check_divisible(size: int, tp: int, what: str) -> None:

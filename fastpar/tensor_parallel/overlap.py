@@ -3,22 +3,16 @@
 Inputs are 2-D ``(rows, features)``: rows are the flattened sequence-first tokens, so a
 sequence-parallel shard is a contiguous block of rows. ``w`` is an nn.Linear weight shard, or
 its autocast copy; ``weight_id`` is ``id()`` of the parameter itself, which names it to
-:func:`backward_phase` (the copy is a new tensor at every forward).
-
-A zero-bubble pipeline schedule splits backward into B (input gradients) and W (weight
-gradients). Built-in autograd nodes compute only the gradient edges a call asks for; these
-Functions cannot see that, so the split backward tells them through :func:`backward_phase`:
-under ``"input"`` they skip the weight-gradient GEMM of the weights named, under ``"weight"``
-the input-gradient GEMM and its collective - otherwise B and W would each do both halves.
+:mod:`fastpar.split_backward` (the copy is a new tensor at every forward): in B of a split
+backward they skip the weight-gradient GEMM, in W the input-gradient GEMM and its collective.
 """
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 import torch
 
 from .. import ops
-from ..dist.groups import all_gather_tensor
+from ..mesh.groups import all_gather_tensor
+from ..split_backward import phase_of
 
 # A chunked GEMM + all-reduce cuts its (rows, cols) result into at most the layer's ``chunks``
 # row chunks, and each chunk's all-reduce moves at least this many bytes: below it a collective's
@@ -34,34 +28,11 @@ def row_chunks(chunks: int, rows: int, cols: int, itemsize: int) -> int:
     return max(1, min(chunks, rows, rows * cols * itemsize // max(MIN_CHUNK_BYTES, 1)))
 
 
-# (phase, ids of the weights it applies to) while a split backward runs, else None. A global, not
-# a thread-local: on CUDA the autograd engine runs backward on its own device thread.
-_PHASE: tuple[str, set[int]] | None = None
-
-
-@contextmanager
-def backward_phase(phase: str, weights):
-    """Within: backward of these Functions for ``weights`` computes only the input gradients
-    (``phase="input"``) or only the weight gradients (``phase="weight"``)."""
-    global _PHASE
-    if phase not in ("input", "weight"):
-        raise ValueError(f"backward_phase: phase={phase!r} must be 'input' or 'weight'")
-    before, _PHASE = _PHASE, (phase, {id(w) for w in weights})
-    try:
-        yield
-    finally:
-        _PHASE = before
-
-
 def _needs(ctx) -> tuple[bool, bool]:
     """(input gradient wanted, weight gradient wanted) for this backward call."""
-    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    if _PHASE is not None and ctx.weight_id in _PHASE[1]:
-        if _PHASE[0] == "input":
-            need_w = False
-        else:
-            need_x = False
-    return need_x, need_w
+    need_x, need_w = ctx.needs_input_grad[:2]
+    phase = phase_of(ctx.weight_id)
+    return need_x and phase != "weight", need_w and phase != "input"
 
 
 class ColumnLinearOverlap(torch.autograd.Function):

@@ -22,8 +22,6 @@ import torch
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
-from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-
 _OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
@@ -32,10 +30,10 @@ def tp_params(modules: list[nn.Module]) -> list[tuple[nn.Parameter, bool]]:
     out = []
     for root in modules:
         for module in root.modules():
-            for pname, p in module.named_parameters(recurse=False):
-                split = isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) or (
-                    isinstance(module, RowParallelLinear) and pname == "weight")
-                out.append((p, split and getattr(module, "tp_size", 1) > 1))
+            # Declared by the tensor-parallel layers; none: replicated.
+            dims, tp = getattr(module, "tp_shard_dims", {}), getattr(module, "tp_size", 1)
+            out += [(p, dims.get(pname) is not None and tp > 1)
+                    for pname, p in module.named_parameters(recurse=False)]
     return out
 
 
@@ -47,32 +45,21 @@ def shard_specs(modules: list[nn.Module], tp_size: int, tp_rank: int) -> dict:
     out = {}
     for root in modules:
         for mname, module in root.named_modules():
-            parts = getattr(module, "parts", (("", 0),))
-            named = isinstance(module, ColumnParallelLinear) and parts[0][0] != ""
+            dims = getattr(module, "tp_shard_dims", {})      # see tp_params
+            named = bool(dims) and getattr(module, "parts", (("", 0),))[0][0] != ""
             for pname, p in module.named_parameters(recurse=False):
-                dim = None
-                if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-                    dim = 0
-                elif isinstance(module, RowParallelLinear) and pname == "weight":
-                    dim = 1
-                if named:
+                pieces = [(f"{mname}.{pname}" if mname else pname, p)]
+                if named:   # one tensor per part, each split as the whole parameter is
                     parent = mname.rsplit(".", 1)[0] + "." if "." in mname else ""
-                    for part, offset, rows in module.local_parts():
-                        shape = [rows * tp_size] + list(p.shape[1:])
-                        view = p.narrow(0, offset, rows)
-                        split = tp_size > 1
-                        out[f"{parent}{part}.{pname}"] = (
-                            view, shape, 0 if split else None,
-                            rows * tp_rank if split else 0, rows * (tp_rank + 1) if split else 0)
-                    continue
-                shape = list(p.shape)
-                start = stop = 0
-                if dim is not None and tp_size > 1:
-                    start, stop = p.shape[dim] * tp_rank, p.shape[dim] * (tp_rank + 1)
-                    shape[dim] *= tp_size
-                else:
-                    dim = None
-                out[f"{mname}.{pname}" if mname else pname] = (p, shape, dim, start, stop)
+                    pieces = [(f"{parent}{part}.{pname}", p.narrow(0, offset, rows))
+                              for part, offset, rows in module.local_parts()]
+                for name, t in pieces:
+                    dim = dims.get(pname) if tp_size > 1 else None
+                    shape, start, stop = list(t.shape), 0, 0
+                    if dim is not None:
+                        start, stop = t.shape[dim] * tp_rank, t.shape[dim] * (tp_rank + 1)
+                        shape[dim] *= tp_size
+                    out[name] = (t, shape, dim, start, stop)
     return out
 
 

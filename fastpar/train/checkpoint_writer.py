@@ -23,7 +23,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from ..dist.watchdog import CollectiveTimeoutError, default_store, run_prefix
+from ..mesh.watchdog import CollectiveTimeoutError, default_store, run_prefix
 from .checkpoint import complete_checkpoints, file_digest, snapshot
 
 

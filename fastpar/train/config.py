@@ -3,24 +3,23 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..mesh.layout import ParallelConfig, require_positive
 from ..models import GPTConfig, get_config
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-RECOMPUTE = ("none", "full", "selective")
 PRECISIONS = ("auto", "bf16", "amp", "fp32")
 REDUCE_DTYPES = ("fp32", "bf16")
 
 
-@dataclass
-class TrainConfig:
+@dataclass(frozen=True)
+class TrainConfig(ParallelConfig):
+    """A :class:`~fastpar.mesh.ParallelConfig` (tp, pp, dp, schedule, ...) and the rest of a run.
+
+    Each field is a flag of ``fastpar train`` (``micro_batch_size`` -> ``--micro-batch-size``);
+    the comment after it is the flag's help."""
+
     model: str = "tiny"                 # a preset of fastpar.models.PRESETS
-    tp: int = 1                         # tensor-parallel size
-    pp: int = 1                         # pipeline-parallel size
-    dp: int | None = None               # data-parallel size; None = world / (tp * pp)
-    schedule: str = "1f1b"              # pipeline schedule when pp > 1
-    virtual_stages: int = 1             # model chunks per pipeline rank (interleaved)
-    global_batch_size: int = 16         # sequences per optimizer step, over all DP ranks
     micro_batch_size: int = 4           # sequences per micro-batch
+    global_batch_size: int = 16         # sequences per optimizer step, over all DP ranks
     seq_len: int = 128                  # tokens per sequence
     steps: int = 200                    # optimizer steps
     lr: float = 3e-3                    # peak learning rate
@@ -42,9 +41,6 @@ class TrainConfig:
     timeout: float = 600.0              # seconds a collective waits for a peer before failing
     max_skipped_steps: int = 5          # non-finite steps in a row (skipped) before stopping
     deterministic: bool = False         # deterministic kernels on GPU (CPU always is)
-    zero1: bool = False                 # shard optimizer state over the DP group
-    recompute: str = "none"             # activation checkpointing: none | full | selective
-    sequence_parallel: bool = False     # sequence parallelism inside TP
     precision: str = "auto"             # bf16: Megatron's mixed precision (bf16 parameters and
                                         # activations, fp32 main gradients and master weights) |
                                         # amp: bf16 autocast over fp32 weights | fp32 |
@@ -55,12 +51,10 @@ class TrainConfig:
 
     def __post_init__(self):
         get_config(self.model)          # an unknown model raises here
-        for name in ("tp", "pp", "virtual_stages", "global_batch_size", "micro_batch_size",
-                     "seq_len", "log_every", "max_skipped_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
-        if self.dp is not None and self.dp < 1:
-            raise ValueError(f"--dp={self.dp} must be >= 1")
+        self.check_fields(flags=True)
+        require_positive({k: getattr(self, k) for k in ("global_batch_size", "seq_len",
+                                                        "log_every", "max_skipped_steps")},
+                         flags=True)
         if self.steps < 1:
             raise ValueError(f"--steps={self.steps} must be >= 1: a run trains at least one "
                              "step (to evaluate or convert a checkpoint, load it with "
@@ -81,15 +75,11 @@ class TrainConfig:
             raise ValueError(f"--no-save contradicts --save-every={self.save_every}")
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr={self.min_lr} is above --lr={self.lr}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"--schedule={self.schedule!r} is not one of {SCHEDULES}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision={self.precision!r} is not one of {PRECISIONS}")
         if self.grad_reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"--grad-reduce-dtype={self.grad_reduce_dtype!r} is not one of "
                              f"{REDUCE_DTYPES}")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"--recompute={self.recompute!r} is not one of {RECOMPUTE}")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ValueError(f"--virtual-stages={self.virtual_stages} needs "
                              f"--schedule interleaved, not {self.schedule!r}")
@@ -101,25 +91,7 @@ class TrainConfig:
 
     def check_layout(self, world_size: int) -> int:
         """Check the config against the world; returns dp. Raises ValueError naming the numbers."""
-        tp, pp = self.tp, self.pp
-        if world_size % (tp * pp):
-            raise ValueError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}")
-        dp = self.dp or world_size // (tp * pp)
-        if tp * pp * dp != world_size:
-            raise ValueError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} != world size "
-                             f"{world_size}")
-        mc = self.model_config
-        mc.check_tp(tp)
-        if mc.n_layers < pp * self.virtual_stages:
-            raise ValueError(f"model {self.model!r} has {mc.n_layers} layers, fewer than "
-                             f"pp x virtual stages = {pp} x {self.virtual_stages}")
-        if self.global_batch_size % (self.micro_batch_size * dp):
-            raise ValueError(f"global batch {self.global_batch_size} is not divisible by "
-                             f"micro-batch size x dp = {self.micro_batch_size} x {dp}")
-        if self.sequence_parallel and self.seq_len % tp:
-            raise ValueError(f"--seq-len={self.seq_len} is not divisible by tp={tp} under "
-                             f"sequence parallelism")
-        return dp
+        return self.check(self.model_config, world_size, self.global_batch_size, self.seq_len)
 
     @property
     def warmup(self) -> int:
@@ -134,9 +106,6 @@ class TrainConfig:
         """Whether steps run under bf16 autocast (both bf16 modes: ops autocast keeps in fp32,
         such as softmax, stay fp32 with bf16 parameters too)."""
         return self.precision == "amp" or self.bf16_params(device_type)
-
-    def num_microbatches(self, dp: int) -> int:
-        return self.global_batch_size // (self.micro_batch_size * dp)
 
     def to_dict(self) -> dict:
         return asdict(self)

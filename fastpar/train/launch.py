@@ -20,7 +20,7 @@ import sys
 import uuid
 from dataclasses import replace
 
-from ..dist.host import worker_env
+from .host import worker_env
 from .config import TrainConfig
 
 _RDZV = "fastpar-loopback"
@@ -157,7 +157,7 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0) -> None:
     rendezvous_handler_registry.register(_RDZV, _loopback_handler)
     # The spawned workers inherit these: gloo on loopback, the cores shared out among the
     # ranks rather than each rank's threads fighting for all of them (as torchrun does), and
-    # an allocator that keeps freed memory (fastpar.dist.host).
+    # an allocator that keeps freed memory (fastpar.train.host).
     lo = _loopback_interface()
     if lo and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = lo

@@ -8,11 +8,6 @@ from pathlib import Path
 import torch
 
 
-def flops_per_token(num_params: int, n_layers: int, d_model: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the weights plus attention's 12 L d S (PaLM's count)."""
-    return 6 * num_params + 12 * n_layers * d_model * seq_len
-
-
 class Metrics:
     """Writes one JSON object per step; on the first rank only (``enabled``)."""
 

@@ -8,12 +8,13 @@ takes its share, cut into micro-batches; gradients are averaged over the DP grou
 mean over the whole global batch; gradients are clipped by the true global norm.
 
 Reliability: every collective waits at most ``cfg.timeout`` seconds, and a stuck one fails with a
-message naming it, its group and the ranks that did not arrive (:mod:`fastpar.dist.watchdog`); a
+message naming it, its group and the ranks that did not arrive (:mod:`fastpar.mesh.watchdog`); a
 non-finite step is skipped on every rank (:mod:`.guard`); checkpoints are atomic, checksummed and
 optionally written in the background (:mod:`.checkpoint_writer`).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -25,9 +26,9 @@ import torch.nn as nn
 
 import fastpar
 from ..data_parallel import DataParallel, DistributedOptimizer
-from ..dist.watchdog import CollectiveTimeoutError, Watchdog
+from ..mesh.watchdog import CollectiveTimeoutError, Watchdog
 from ..models import GPT
-from ..pipeline import PipelineExecutor, build_schedule, partition
+from ..pipeline import PipelineExecutor, build_schedule, build_stages
 from ..tensor_parallel import vocab_parallel_cross_entropy
 from . import faults
 from .checkpoint import Verifier, latest_checkpoint, load_checkpoint, pointer_note, \
@@ -36,44 +37,19 @@ from .checkpoint_writer import CheckpointWriter
 from .config import TrainConfig
 from .data import BatchSampler, check_length, check_vocab, load_tokens
 from .guard import NonFiniteError, NonFiniteGuard
-from .metrics import Metrics, flops_per_token
+from .metrics import Metrics
 from .outdir import nothing_to_resume, prepare_out, resolve_out
 from .schedule import lr_at
 
 
-def _stage_ranges(cfg: TrainConfig) -> list[range]:
-    """Layers of each of the pp * v stages, balanced by cost (embedding and head counted)."""
-    mc = cfg.model_config
-    n, stages = mc.n_layers, cfg.pp * cfg.virtual_stages
-    if stages == 1:
-        return [range(n)]
-    layer = 1.0
-    embed = 0.1 * mc.padded_vocab * mc.d_model / (12 * mc.d_model ** 2)   # relative to a layer
-    return partition([embed] + [layer] * n + [2 * embed], cfg.pp, cfg.virtual_stages)
-
-
-class _Stage(nn.Module):
-    """A GPT chunk as the pipeline executor sees it (stage index, forward(x) -> y)."""
-
-    def __init__(self, gpt: GPT, stage_index: int, num_stages: int):
-        super().__init__()
-        self.gpt, self.stage_index, self.num_stages = gpt, stage_index, num_stages
-
-    def forward(self, x):
-        return self.gpt(x)
-
-
 def build_model(cfg: TrainConfig, mesh) -> list[GPT]:
-    """This rank's model chunks (one per virtual stage)."""
-    mc, ranges = cfg.model_config, _stage_ranges(cfg)
-    chunks = []
-    for c in range(cfg.virtual_stages):
-        s = c * cfg.pp + mesh.pp_rank
-        chunks.append(GPT(mc, tp_group=mesh.tp_group, sequence_parallel=cfg.sequence_parallel,
-                          layers=ranges[s], pre_process=s == 0,
-                          post_process=s == len(ranges) - 1, recompute=cfg.recompute,
-                          device=mesh.device))
-    return chunks
+    """This rank's model chunks (one per virtual stage), each built with only its layers and
+    numbered as its pipeline stage; stages balanced by ``GPTConfig.piece_flops``."""
+    mc = cfg.model_config
+    make = functools.partial(GPT, mc, tp_group=mesh.tp_group, recompute=cfg.recompute,
+                             sequence_parallel=cfg.sequence_parallel, device=mesh.device)
+    return build_stages(make, mesh.pp_rank, cfg.pp, cfg.virtual_stages, num_blocks=mc.n_layers,
+                        layer_costs=mc.piece_flops(cfg.seq_len))
 
 
 def _wrap(cfg: TrainConfig, chunks, mesh, dp: int):
@@ -209,13 +185,11 @@ def train(cfg: TrainConfig) -> list[dict]:
     ckpt_opt = None if zero else opt          # a ZeRO shard is saved per rank, see below
     sampler = BatchSampler(tokens, cfg.seq_len, cfg.global_batch_size, cfg.seed,
                            mesh.dp_rank, dp)
-    M = cfg.num_microbatches(dp)
+    M = cfg.num_microbatches(cfg.global_batch_size, dp)
     pipe = None
     if cfg.pp > 1:
         sched = build_schedule(cfg.schedule, cfg.pp, M, cfg.virtual_stages)
-        stages = [_Stage(g, c * cfg.pp + mesh.pp_rank, cfg.pp * cfg.virtual_stages)
-                  for c, g in enumerate(chunks)]
-        pipe = PipelineExecutor(stages, sched, mesh.pp_group, loss_fn=_loss_fn(mesh.tp_group))
+        pipe = PipelineExecutor(chunks, sched, mesh.pp_group, loss_fn=_loss_fn(mesh.tp_group))
     start = 0
     if resume_from is not None:
         manifest = load_checkpoint(resume_from, chunks, ckpt_opt, mesh)
@@ -229,8 +203,8 @@ def train(cfg: TrainConfig) -> list[dict]:
             {"train": cfg.to_dict(), "model": cfg.model_config.to_dict(), "world_size": world,
              "dp": dp}, indent=2))
     mc = cfg.model_config
-    flops = flops_per_token(mc.num_params(), mc.n_layers, mc.d_model, cfg.seq_len)
     step_tokens = cfg.global_batch_size * cfg.seq_len
+    flops = mc.train_flops(cfg.seq_len, step_tokens, cfg.recompute)
     metrics = Metrics(cfg.out, mesh.rank == 0, cfg.steps, start, cfg.log_every,
                       cfg.peak_tflops * 1e12 if cfg.peak_tflops else None, resume=start > 0)
     wd = Watchdog(mesh, cfg.timeout)
@@ -267,7 +241,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         if guard.exhausted:
             raise guard.error(writer.wait() or resume_from)
         rows.append(metrics.log(step, loss, lr, step_tokens, time.perf_counter() - t0,
-                                flops * step_tokens, world, skipped=not ok))
+                                flops, world, skipped=not ok))
         if not cfg.no_save and ((cfg.save_every and step % cfg.save_every == 0)
                                 or step == cfg.steps):
             shard = _zero_tensors(opt) if zero else None

@@ -143,7 +143,7 @@ def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-dp-pp
     ``timeout`` (seconds) bounds every collective of every group: a rank that stops taking part
     makes the others fail instead of hanging. On NCCL the watchdog's error handling and the
     flight recorder are turned on (unless set already); ``nccl_trace`` is the path prefix of its
-    per-rank dumps (see :func:`fastpar.dist.watchdog.nccl_debug_env`). NCCL groups get
+    per-rank dumps (see :func:`fastpar.mesh.watchdog.nccl_debug_env`). NCCL groups get
     high-priority streams (:func:`group_options`).
     """
     timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))

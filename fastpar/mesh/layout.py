@@ -1,0 +1,198 @@
+"""Rank layout: how global ranks map to (dp, pp, tp) coordinates and process groups, and the
+parallel configuration (:class:`ParallelConfig`) that training and the planner both check.
+
+Pure arithmetic, no processes. The ``order`` string names the dimensions from the innermost
+(consecutive ranks) to the outermost, as Megatron writes it. With the default ``"tp-dp-pp"``
+a rank is ``tp + tp_size * (dp + dp_size * pp)``: tensor-parallel groups are consecutive ranks
+(inside a node, on NVLink), pipeline stages are the outermost cut.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import product
+from typing import NamedTuple
+
+DIMS = ("tp", "dp", "pp")
+
+
+def require_positive(values: dict, where: str = "", flags: bool = False) -> None:
+    """Raise ValueError naming the first of ``values`` (name -> value) that is not an integer
+    >= 1; ``flags`` names it as a command-line flag (``--micro-batch-size``)."""
+    for name, v in values.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            shown = "--" + name.replace("_", "-") if flags else name
+            kind = "" if isinstance(v, int) and not isinstance(v, bool) else "an integer "
+            raise ValueError(f"{where}{shown}={v!r} must be {kind}>= 1")
+
+
+def check_sizes(world: int, tp: int, pp: int, dp: int | None,
+                world_name: str = "world_size=") -> int:
+    """dp (``None``: ``world // (tp * pp)``) once tp * pp * dp is checked to be ``world``."""
+    if dp is None:
+        if world % (tp * pp):
+            raise ValueError(f"{world_name}{world} is not divisible by tp*pp = {tp}*{pp} = "
+                             f"{tp * pp}")
+        dp = world // (tp * pp)
+    if tp * pp * dp != world:
+        raise ValueError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} != {world_name}{world}")
+    return dp
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one training step is laid out and run: the sizes of the three dimensions, the
+    pipeline schedule, micro-batching, recomputation, sequence parallelism and ZeRO-1.
+
+    ``fastpar.train.TrainConfig`` is one (plus the run's other settings); the planner searches
+    them. :meth:`check` is the one place their combination with a model and a world is checked.
+    """
+
+    tp: int = 1                         # tensor-parallel size
+    pp: int = 1                         # pipeline-parallel size
+    dp: int | None = None               # data-parallel size; None = world / (tp * pp)
+    virtual_stages: int = 1             # model chunks per pipeline rank (interleaved)
+    micro_batch_size: int = 1           # sequences per micro-batch
+    schedule: str = "1f1b"              # pipeline schedule when pp > 1
+    recompute: str = "none"             # activation recomputation: none | selective | full
+    sequence_parallel: bool = False     # sequence parallelism inside TP
+    zero1: bool = False                 # shard optimizer state over the DP group
+
+    def num_microbatches(self, global_batch: int, dp: int | None = None) -> int:
+        return global_batch // (self.micro_batch_size * (dp or self.dp))
+
+    def check_fields(self, flags: bool = False) -> None:
+        """The checks that need no model or world: sizes >= 1, known schedule and recompute."""
+        from ..models import RECOMPUTE
+        from ..pipeline.schedules import SCHEDULES
+        require_positive({k: getattr(self, k) for k in ("tp", "pp", "virtual_stages",
+                                                        "micro_batch_size")}, flags=flags)
+        if self.dp is not None:
+            require_positive({"dp": self.dp}, flags=flags)
+        for name, allowed in (("schedule", tuple(SCHEDULES)), ("recompute", RECOMPUTE)):
+            if getattr(self, name) not in allowed:
+                shown = "--" + name if flags else name
+                raise ValueError(f"{shown}={getattr(self, name)!r} is not one of {allowed}")
+
+    def check(self, model, world: int, global_batch: int, seq_len: int,
+              world_name: str = "world size ") -> int:
+        """Raise ValueError naming the numbers if this layout cannot run ``model`` (a
+        ``GPTConfig``) on ``world`` ranks with ``global_batch`` sequences of ``seq_len`` tokens
+        per step; returns dp."""
+        from ..pipeline.schedules import check_args
+        self.check_fields()
+        dp = check_sizes(world, self.tp, self.pp, self.dp, world_name)
+        model.check_tp(self.tp)
+        if model.n_layers < self.pp * self.virtual_stages:
+            raise ValueError(f"the model has {model.n_layers} layers, fewer than pp x virtual "
+                             f"stages = {self.pp} x {self.virtual_stages}")
+        if global_batch % (self.micro_batch_size * dp):
+            raise ValueError(f"global batch {global_batch} is not divisible by micro-batch "
+                             f"size x dp = {self.micro_batch_size} x {dp}")
+        if self.sequence_parallel and seq_len % self.tp:
+            raise ValueError(f"--seq-len={seq_len} is not divisible by tp={self.tp} under "
+                             f"sequence parallelism")
+        check_args(self.schedule, self.pp, self.num_microbatches(global_batch, dp),
+                   self.virtual_stages)
+        return dp
+
+
+class Coords(NamedTuple):
+    """Where one rank sits in the layout."""
+
+    dp: int
+    pp: int
+    tp: int
+
+
+def _parse_order(order: str) -> tuple[str, ...]:
+    dims = tuple(d.strip() for d in order.split("-")) if isinstance(order, str) else ()
+    if sorted(dims) != sorted(DIMS):
+        raise ValueError(f"order={order!r} must be a '-'-separated permutation of tp, dp, pp "
+                         f"(innermost first), e.g. 'tp-dp-pp'")
+    return dims
+
+
+@dataclass(frozen=True)
+class Layout:
+    """ranks -> (dp, pp, tp); built by :func:`layout`, which validates the sizes."""
+
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    order: str = "tp-dp-pp"
+
+    def __post_init__(self):
+        require_positive({k: getattr(self, k) for k in ("world_size", "tp", "pp", "dp")})
+        check_sizes(self.world_size, self.tp, self.pp, self.dp)
+        _parse_order(self.order)
+
+    @cached_property
+    def _dims(self) -> tuple[str, ...]:
+        return _parse_order(self.order)
+
+    def size(self, dim: str) -> int:
+        return getattr(self, dim)
+
+    def _stride(self, dim: str) -> int:
+        stride = 1
+        for d in self._dims:
+            if d == dim:
+                return stride
+            stride *= self.size(d)
+        raise ValueError(f"unknown dimension {dim!r}")
+
+    def coords(self, rank: int) -> Coords:
+        """The (dp, pp, tp) coordinates of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} out of range for world_size={self.world_size}")
+        c = {d: (rank // self._stride(d)) % self.size(d) for d in DIMS}
+        return Coords(dp=c["dp"], pp=c["pp"], tp=c["tp"])
+
+    def rank(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
+        """The global rank at the given coordinates (the inverse of :meth:`coords`)."""
+        c = {"dp": dp, "pp": pp, "tp": tp}
+        for d, v in c.items():
+            if not 0 <= v < self.size(d):
+                raise ValueError(f"{d}={v} out of range for {d} size {self.size(d)}")
+        return sum(c[d] * self._stride(d) for d in DIMS)
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """Every group along ``dim``: ranks that share the other two coordinates, sorted."""
+        others = [d for d in DIMS if d != dim]
+        out = []
+        for fixed in product(*(range(self.size(d)) for d in others)):
+            base = dict(zip(others, fixed))
+            out.append(sorted(self.rank(**base, **{dim: i}) for i in range(self.size(dim))))
+        return sorted(out)
+
+    @cached_property
+    def tp_groups(self) -> list[list[int]]:
+        return self.groups("tp")
+
+    @cached_property
+    def pp_groups(self) -> list[list[int]]:
+        return self.groups("pp")
+
+    @cached_property
+    def dp_groups(self) -> list[list[int]]:
+        return self.groups("dp")
+
+    def group_of(self, dim: str, rank: int) -> list[int]:
+        """The ``dim`` group that holds ``rank``."""
+        c = self.coords(rank)._asdict()
+        return [self.rank(**{**c, dim: i}) for i in range(self.size(dim))]
+
+
+def layout(world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
+           order: str = "tp-dp-pp") -> Layout:
+    """Lay ``world_size`` ranks out into tensor-, pipeline- and data-parallel groups.
+
+    ``dp=None`` means ``world_size // (tp * pp)``. Raises ``ValueError`` naming the numbers when
+    the sizes do not multiply to ``world_size``, a size is < 1, or ``order`` is not a permutation.
+    """
+    require_positive({"world_size": world_size, "tp": tp, "pp": pp,
+                      **({} if dp is None else {"dp": dp})})
+    return Layout(world_size=world_size, tp=tp, pp=pp, dp=check_sizes(world_size, tp, pp, dp),
+                  order=order)
