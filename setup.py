@@ -51,10 +51,8 @@ setup(
     version="0.1.0",
     description="3D-parallel Transformer training that hides communication behind computation",
     python_requires=">=3.10",
-    # kernels/ is installed as the subpackage fastpar.kernels: there is no top-level `kernels`.
-    packages=find_packages(include=["fastpar", "fastpar.*"])
-    + ["fastpar." + p for p in find_packages(include=["kernels", "kernels.*"])],
-    package_dir={"fastpar": "fastpar", "fastpar.kernels": "kernels"},
+    # fastpar/kernels is a symlink (in git) to kernels/, followed by find_packages and checkouts.
+    packages=find_packages(include=["fastpar", "fastpar.*"]),
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     # The floor is what CI tests (.ci/run step 2: torch 2.11.0 with its triton 3.6.0). triton

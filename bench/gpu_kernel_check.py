@@ -30,7 +30,9 @@ os.environ["FASTPAR_KERNEL_IMPL"] = "triton"  # never the torch fallback
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _BENCH)                                    # common
+sys.path.append(os.path.join(os.path.dirname(_BENCH), "tests"))  # kernel_testing (randn)
 
 DEVICE = "cuda"
 ROWS, HIDDENS = 4096, (8192, 16384)
@@ -63,7 +65,7 @@ def compare(named: dict) -> tuple[bool, str]:
 
 
 def _norm_inputs(op: str, hidden: int, dtype: torch.dtype):
-    from fastpar.kernels.testing import randn
+    from kernel_testing import randn
     g = torch.Generator(device=DEVICE).manual_seed(hidden)
     with torch.device(DEVICE):
         x = randn(ROWS, hidden, dtype=dtype, scale=2.0, generator=g)

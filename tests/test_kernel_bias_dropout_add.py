@@ -6,7 +6,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fastpar.kernels import bias_dropout_add
 from fastpar.kernels.bias_dropout_add import dropout_keep_mask, philox_uint32
-from fastpar.kernels.testing import assert_close, leaf64, poisoned_outputs, randn, triton_path
+from kernel_testing import assert_close, leaf64, poisoned_outputs, randn, triton_path
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (shape, strided rows, with bias, p); 1030 columns span two column blocks; 300 narrow rows make

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fastpar.kernels import bias_gelu
-from fastpar.kernels.testing import assert_close, leaf64, poisoned_outputs, randn, triton_path
+from kernel_testing import assert_close, leaf64, poisoned_outputs, randn, triton_path
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (shape, strided rows, with bias, approximate); 1030 columns span two column blocks; 300 narrow

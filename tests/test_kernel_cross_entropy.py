@@ -6,7 +6,7 @@ import torch
 from fastpar.kernels import cross_entropy, cross_entropy_shard_grad, cross_entropy_shard_stats
 from fastpar.kernels.cross_entropy import (_shard_stats_reference, cross_entropy_backward,
                                            cross_entropy_combine, cross_entropy_forward)
-from fastpar.kernels.testing import assert_close, leaf64, poisoned_outputs, randn, triton_path
+from kernel_testing import assert_close, leaf64, poisoned_outputs, randn, triton_path
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (rows shape, V, strided rows): one class, odd sizes, two chunks of 4096 with a ragged tail.

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastpar.kernels import launch
-from fastpar.kernels.testing import assert_close, randn, triton_path
+from kernel_testing import assert_close, randn, triton_path
 
 OPS = ("bias_dropout_add", "bias_gelu", "cross_entropy", "layer_norm", "matmul", "rms_norm",
        "rotary", "swiglu")

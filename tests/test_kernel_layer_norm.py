@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from fastpar.kernels import launch, layer_norm
-from fastpar.kernels.testing import assert_close, leaf64, poisoned_outputs, randn, triton_path
+from kernel_testing import assert_close, leaf64, poisoned_outputs, randn, triton_path
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (shape, strided rows, with bias); 300 narrow rows: each backward program folds several row

@@ -9,7 +9,7 @@ import triton.language as tl
 
 from fastpar.kernels import matmul
 from fastpar.kernels.matmul import _tile_coords
-from fastpar.kernels.testing import (DEVICE, assert_close, leaf64, poisoned_outputs, randn,
+from kernel_testing import (DEVICE, assert_close, leaf64, poisoned_outputs, randn,
                                      triton_path)
 
 # bf16 tl.dot is wrong under the interpreter: bf16 matmul is checked on a GPU only.

@@ -4,7 +4,7 @@ import torch
 
 from fastpar.kernels import launch, rms_norm
 from fastpar.kernels.rms_norm import rms_norm_reference
-from fastpar.kernels.testing import assert_close, leaf64, poisoned_outputs, randn, triton_path
+from kernel_testing import assert_close, leaf64, poisoned_outputs, randn, triton_path
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (shape, strided rows): a single element, odd sizes, non-powers of two, 3-D, and 300 narrow

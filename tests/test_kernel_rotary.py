@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fastpar.kernels import rotary
-from fastpar.kernels.testing import assert_close, leaf64, poisoned_outputs, triton_path
+from kernel_testing import assert_close, leaf64, poisoned_outputs, triton_path
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (B, T, Hq, Hk, D, R): single everything, partial rotary, odd heads and a non-power-of-two D.

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from fastpar.kernels import swiglu
-from fastpar.kernels.testing import assert_close, leaf64, poisoned_outputs, randn, triton_path
+from kernel_testing import assert_close, leaf64, poisoned_outputs, randn, triton_path
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(1, 1), (3, 127), (9, 1000), (2, 5, 1030), (4, 75, 24)]

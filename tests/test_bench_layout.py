@@ -1,4 +1,5 @@
-"""pytest-benchmark: the cost of laying out a 4096-GPU job (run with --benchmark-only)."""
+"""pytest-benchmark: the cost of laying out a 4096-GPU job. The test command runs it as a test;
+``pytest tests/test_bench_layout.py --benchmark-only`` times it."""
 import fastpar
 
 

@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from .launch import interpreting
+from fastpar.kernels.launch import interpreting
 
 # Kernel tests run the real Triton path on a CUDA device when the interpreter is off
 # (TRITON_INTERPRET=0 on a GPU machine), else the interpreter on CPU tensors.
