@@ -40,10 +40,13 @@ def _extension():
     archs = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     # Passed as bare tokens (no quotes or ';' to survive the shell); the C++ side stringizes them.
     arch_tokens = ",".join(archs.replace(";", " ").split())
-    macros = ["-DFASTPAR_WITH_CUDA", f"-DFASTPAR_CUDA_ARCHS={arch_tokens}"]
+    # The arch list goes to the C++ compiler only (fastpar.cpp reports it): nvcc splits a -D
+    # value at its commas.
+    macros = ["-DFASTPAR_WITH_CUDA"]
     return CUDAExtension(
         "fastpar._C", sources + sorted(glob.glob("csrc/*.cu")),
-        extra_compile_args={"cxx": cxx + macros, "nvcc": ["-O3"] + macros})
+        extra_compile_args={"cxx": cxx + macros + [f"-DFASTPAR_CUDA_ARCHS={arch_tokens}"],
+                            "nvcc": ["-O3"] + macros})
 
 
 setup(

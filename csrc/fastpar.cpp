@@ -1,11 +1,11 @@
-// The one binding file of fastpar._C: every Python entry point of the extension is declared here.
+// The one binding file of fastpar._C: every Python entry point of the extension is declared here
+// (the multi-tensor ops' kernels are registered per device beside their code).
 #include <torch/extension.h>
 #include <torch/version.h>
 
 #include <string>
 #include <vector>
 
-#include "multi_tensor.h"
 #include "tp_overlap.h"
 #include "trace.h"
 
@@ -69,7 +69,7 @@ int cuda_device_count() {
 
 }  // namespace
 
-// Torch ops (callable as torch.ops.fastpar.*; fake implementations live in fastpar/_ops.py so
+// Torch ops (callable as torch.ops.fastpar.*; fake implementations live in fastpar/ops.py so
 // torch.compile can trace them). Groups are passed by ProcessGroup.group_name.
 TORCH_LIBRARY(fastpar, m) {
   m.def("matmul_allreduce(Tensor x, Tensor w, str group, int chunks) -> Tensor");
@@ -90,9 +90,6 @@ TORCH_LIBRARY_IMPL(fastpar, CompositeExplicitAutograd, m) {
   m.impl("allgather_matmul", &fastpar::allgather_matmul);
   m.impl("matmul_reducescatter", &fastpar::matmul_reducescatter);
   m.impl("column_linear_backward", &fastpar::column_linear_backward);
-  m.impl("multi_tensor_pack", &fastpar::multi_tensor_pack);
-  m.impl("multi_tensor_unpack", &fastpar::multi_tensor_unpack);
-  m.impl("multi_tensor_scale", &fastpar::multi_tensor_scale);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

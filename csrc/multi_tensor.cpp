@@ -1,7 +1,7 @@
 // Multi-tensor pack / unpack / scale (see multi_tensor.h). Each op turns its tensor list into
-// (source, destination, numel) segments, checked once here; the CPU path splits them into chunks
-// run in parallel by ATen's thread pool, the CUDA path (multi_tensor_kernel.cu) runs them all in
-// one kernel launch.
+// (source, destination, numel) segments, checked once here, for the device's implementation:
+// this file's CPU one splits them into chunks run in parallel by ATen's thread pool, the CUDA one
+// (multi_tensor_kernel.cu) runs them all in one kernel launch. Each registers its own kernels.
 #include "multi_tensor.h"
 
 #include <ATen/Dispatch.h>
@@ -70,7 +70,7 @@ void copy_run(const CopySegment& s, acc_t scale) {
 }
 
 void scaled_copy_cpu(const std::vector<CopySegment>& segments, at::ScalarType src_dtype,
-                     at::ScalarType dst_dtype, double scale) {
+                     at::ScalarType dst_dtype, double scale, const at::Device&) {
   const int64_t src_size = c10::elementSize(src_dtype), dst_size = c10::elementSize(dst_dtype);
   std::vector<CopySegment> chunks;
   for (const auto& s : segments) {
@@ -96,19 +96,10 @@ void scaled_copy_cpu(const std::vector<CopySegment>& segments, at::ScalarType sr
 
 void scaled_copy(const char* op, const std::vector<CopySegment>& segments,
                  at::ScalarType src_dtype, at::ScalarType dst_dtype, double scale,
-                 const at::Device& device) {
+                 const at::Device& device, ScaledCopy copy) {
   if (segments.empty()) return;
-  if (device.is_cpu()) {
-    scaled_copy_cpu(segments, src_dtype, dst_dtype, scale);
-    return;
-  }
-#ifdef FASTPAR_WITH_CUDA
-  if (device.is_cuda()) {
-    scaled_copy_cuda(segments, src_dtype, dst_dtype, scale, device);
-    return;
-  }
-#endif
-  TORCH_CHECK(false, op, ": tensors on ", device, " are not supported by this build of fastpar._C");
+  TORCH_CHECK(copy, op, ": tensors on ", device, " are not supported by this build of fastpar._C");
+  copy(segments, src_dtype, dst_dtype, scale, device);
 }
 
 // (tensor i, its slice of `flat`) pairs; `into_flat` picks the direction.
@@ -132,32 +123,41 @@ std::vector<CopySegment> segments_of(at::TensorList list, const at::Tensor& flat
 
 }  // namespace
 
-void multi_tensor_pack(at::TensorList tensors, const at::Tensor& out, double scale) {
-  const char* op = "multi_tensor_pack";
-  check_flat(op, "out", out, total_numel(tensors));
-  const at::ScalarType dtype = check_list(op, "tensors", tensors, out.device());
-  scaled_copy(op, segments_of(tensors, out, /*into_flat=*/true), dtype, out.scalar_type(), scale,
-              out.device());
-}
-
-void multi_tensor_unpack(const at::Tensor& flat, at::TensorList tensors, double scale) {
-  const char* op = "multi_tensor_unpack";
-  check_flat(op, "flat", flat, total_numel(tensors));
-  const at::ScalarType dtype = check_list(op, "tensors", tensors, flat.device());
-  scaled_copy(op, segments_of(tensors, flat, /*into_flat=*/false), flat.scalar_type(), dtype,
-              scale, flat.device());
-}
-
-void multi_tensor_scale(at::TensorList tensors, double scale) {
-  const char* op = "multi_tensor_scale";
-  if (tensors.empty()) return;
-  const at::Device device = tensors[0].device();
-  const at::ScalarType dtype = check_list(op, "tensors", tensors, device);
-  std::vector<CopySegment> segments;
-  for (const auto& t : tensors) {
-    if (t.numel() > 0) segments.push_back({t.data_ptr(), t.data_ptr(), t.numel()});
-  }
-  scaled_copy(op, segments, dtype, dtype, scale, device);
+void impl_multi_tensor_ops(torch::Library& m, ScaledCopy copy) {
+  m.impl("multi_tensor_pack", [copy](at::TensorList tensors, const at::Tensor& out, double scale) {
+    const char* op = "multi_tensor_pack";
+    check_flat(op, "out", out, total_numel(tensors));
+    const at::ScalarType dtype = check_list(op, "tensors", tensors, out.device());
+    scaled_copy(op, segments_of(tensors, out, /*into_flat=*/true), dtype, out.scalar_type(), scale,
+                out.device(), copy);
+  });
+  m.impl("multi_tensor_unpack", [copy](const at::Tensor& flat, at::TensorList tensors,
+                                       double scale) {
+    const char* op = "multi_tensor_unpack";
+    check_flat(op, "flat", flat, total_numel(tensors));
+    const at::ScalarType dtype = check_list(op, "tensors", tensors, flat.device());
+    scaled_copy(op, segments_of(tensors, flat, /*into_flat=*/false), flat.scalar_type(), dtype,
+                scale, flat.device(), copy);
+  });
+  m.impl("multi_tensor_scale", [copy](at::TensorList tensors, double scale) {
+    const char* op = "multi_tensor_scale";
+    if (tensors.empty()) return;
+    const at::Device device = tensors[0].device();
+    const at::ScalarType dtype = check_list(op, "tensors", tensors, device);
+    std::vector<CopySegment> segments;
+    for (const auto& t : tensors) {
+      if (t.numel() > 0) segments.push_back({t.data_ptr(), t.data_ptr(), t.numel()});
+    }
+    scaled_copy(op, segments, dtype, dtype, scale, device, copy);
+  });
 }
 
 }  // namespace fastpar
+
+TORCH_LIBRARY_IMPL(fastpar, CPU, m) { fastpar::impl_multi_tensor_ops(m, fastpar::scaled_copy_cpu); }
+
+// Devices with no kernel of their own, and calls with no tensor at all (multi_tensor_scale of an
+// empty list, which the dispatcher cannot route by device).
+TORCH_LIBRARY_IMPL(fastpar, CompositeExplicitAutograd, m) {
+  fastpar::impl_multi_tensor_ops(m, nullptr);
+}

@@ -7,21 +7,12 @@
 // All tensors must be contiguous; the sources share one dtype, the destinations share one dtype.
 #pragma once
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <cstdint>
 #include <vector>
 
 namespace fastpar {
-
-// out[off_i : off_i + n_i] = tensors[i] * scale, with off_0 = 0 and off_{i+1} = off_i + n_i.
-// out may be longer than the tensors together; its tail is left untouched.
-void multi_tensor_pack(at::TensorList tensors, const at::Tensor& out, double scale);
-
-// tensors[i] = flat[off_i : off_i + n_i] * scale (the inverse of pack).
-void multi_tensor_unpack(const at::Tensor& flat, at::TensorList tensors, double scale);
-
-// tensors[i] *= scale, in place.
-void multi_tensor_scale(at::TensorList tensors, double scale);
 
 // One contiguous run of elements to copy: what the device implementations consume.
 struct CopySegment {
@@ -30,12 +21,17 @@ struct CopySegment {
   int64_t numel;
 };
 
-#ifdef FASTPAR_WITH_CUDA
-// Defined in multi_tensor_kernel.cu (named apart from this file's .cpp, as both compile to an
-// object file named after the source): every segment in one kernel launch on the current
-// stream of `device`.
-void scaled_copy_cuda(const std::vector<CopySegment>& segments, at::ScalarType src_dtype,
-                      at::ScalarType dst_dtype, double scale, const at::Device& device);
-#endif
+// A device's implementation of the ops: every segment converted and scaled, all on `device`.
+using ScaledCopy = void (*)(const std::vector<CopySegment>& segments, at::ScalarType src_dtype,
+                            at::ScalarType dst_dtype, double scale, const at::Device& device);
+
+// Registers the ops' kernels for the dispatch key of `m` (a TORCH_LIBRARY_IMPL block): each op
+// checks its arguments and hands their segments to `copy`, a null `copy` standing for a device
+// with no implementation (an error unless there is nothing to copy).
+//   multi_tensor_pack(tensors, out, scale): out[off_i : off_i + n_i] = tensors[i] * scale, with
+//     off_0 = 0 and off_{i+1} = off_i + n_i; out may be longer, its tail is left untouched.
+//   multi_tensor_unpack(flat, tensors, scale): tensors[i] = flat[off_i : off_i + n_i] * scale.
+//   multi_tensor_scale(tensors, scale): tensors[i] *= scale, in place.
+void impl_multi_tensor_ops(torch::Library& m, ScaledCopy copy);
 
 }  // namespace fastpar

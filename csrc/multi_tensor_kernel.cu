@@ -1,11 +1,13 @@
 // CUDA side of the multi-tensor ops (see multi_tensor.h): the segments are cut into chunks of
 // at most kChunk elements, the chunk table is copied to the device asynchronously through pinned
 // memory, and one block per chunk converts and scales its elements. One launch per call, on the
-// current stream, whatever the number of tensors.
+// current stream, whatever the number of tensors. (Named apart from multi_tensor.cpp, as both
+// compile to an object file named after the source.)
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
@@ -28,8 +30,6 @@ __global__ void scaled_copy_kernel(const CopySegment* __restrict__ chunks, acc_t
     dst[i] = static_cast<dst_t>(static_cast<acc_t>(src[i]) * scale);
   }
 }
-
-}  // namespace
 
 void scaled_copy_cuda(const std::vector<CopySegment>& segments, at::ScalarType src_dtype,
                       at::ScalarType dst_dtype, double scale, const at::Device& device) {
@@ -66,4 +66,9 @@ void scaled_copy_cuda(const std::vector<CopySegment>& segments, at::ScalarType s
   });
 }
 
+}  // namespace
 }  // namespace fastpar
+
+TORCH_LIBRARY_IMPL(fastpar, CUDA, m) {
+  fastpar::impl_multi_tensor_ops(m, fastpar::scaled_copy_cuda);
+}
