@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import json
 import os
+import re
 import sys
+import typing
 from importlib import metadata
 
 from .plan.cli import add_plan, run_plan
@@ -89,29 +93,47 @@ def _add_train(sub) -> None:
     from .train.config import TrainConfig
 
     p = sub.add_parser("train", help="train a GPT with any mix of TP, PP and DP",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Train a GPT. Without torchrun it starts its own ranks "
                                    "(--nproc, default tp*pp*dp) and restarts failed ones.")
-    defaults = TrainConfig()
-    for name, value in vars(defaults).items():
-        flag = "--" + name.replace("_", "-")
+    # One flag per TrainConfig field: its type from the annotation, its help from the comment
+    # after the field in the class body.
+    hints, helps, defaults = typing.get_type_hints(TrainConfig), _field_help(TrainConfig), \
+        TrainConfig()
+    for f in dataclasses.fields(TrainConfig):
+        name, value, flag = f.name, getattr(defaults, f.name), "--" + f.name.replace("_", "-")
+        kind = [t for t in typing.get_args(hints[name]) if t is not type(None)] or [hints[name]]
+        text = helps.get(name, "").replace("%", "%%")
         if name == "resume":
             p.add_argument(flag, nargs="?", const=True, default=False, type=_resume_arg,
-                           metavar="auto", help="continue the run in --out from its latest "
-                           "checkpoint (an error if there is none); 'auto': start fresh then")
-        elif name == "out":
-            p.add_argument(flag, default=None, help="the run's folder (default: a new one "
-                           "under runs/); one folder holds one run")
-        elif isinstance(value, bool):
-            p.add_argument(flag, action="store_true", default=value)
-        elif name in ("dp", "data", "peak_tflops"):
-            p.add_argument(flag, type=float if name == "peak_tflops" else
-                           (int if name == "dp" else str), default=value)
+                           metavar="auto", help=text)
+        elif kind == [bool]:
+            p.add_argument(flag, action="store_true", default=value, help=text)
         else:
-            p.add_argument(flag, type=type(value), default=value)
+            p.add_argument(flag, type=kind[0], default=value, help=text)
     p.add_argument("--nproc", type=int, default=None,
                    help="ranks to start on this machine (default tp*pp*dp, dp=2 if not given)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart failed workers this many times, resuming from the checkpoint")
+
+
+def _field_help(cls) -> dict[str, str]:
+    """Each dataclass field's trailing comment in its class body, with the comment-only lines
+    that continue it, for the classes ``cls`` is built from."""
+    names, out = {f.name for f in dataclasses.fields(cls)}, {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        last = None
+        for line in inspect.getsource(klass).splitlines():
+            field_line = re.match(r"\s+(\w+): [^#]*?(?:#\s*(.*))?$", line)
+            more = re.match(r"\s+#\s*(.*)$", line)
+            if field_line and field_line.group(1) in names:
+                last = field_line.group(1)
+                out[last] = field_line.group(2) or ""
+            elif more and last:
+                out[last] += " " + more.group(1)
+            else:
+                last = None
+    return out
 
 
 def _resume_arg(value: str):

@@ -25,7 +25,7 @@ class TrainConfig(ParallelConfig):
     lr: float = 3e-3                    # peak learning rate
     min_lr: float = 3e-4                # floor of the cosine decay
     warmup_steps: int = 20              # linear warm-up
-    weight_decay: float = 0.1
+    weight_decay: float = 0.1           # AdamW's decoupled decay, on matrices only
     grad_clip: float = 1.0              # clip by the true global norm; 0 disables
     seed: int = 0                       # model init and data order
     data: str | None = None             # text file, folder, or uint16 .bin; None = stdlib corpus

@@ -180,7 +180,6 @@ def train(cfg: TrainConfig) -> list[dict]:
     torch.manual_seed(cfg.seed)
     chunks = build_model(cfg, mesh)
     ddp, opt = _wrap(cfg, chunks, mesh, dp)
-    torch_opt = opt.optimizer if isinstance(opt, DistributedOptimizer) else opt
     zero = isinstance(opt, DistributedOptimizer) and opt.shard
     ckpt_opt = None if zero else opt          # a ZeRO shard is saved per rank, see below
     sampler = BatchSampler(tokens, cfg.seq_len, cfg.global_batch_size, cfg.seed,
@@ -217,7 +216,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         faults.before_step(fault, step, mesh.rank)
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
-        for g in torch_opt.param_groups:
+        for g in opt.param_groups:
             g["lr"] = lr
         x, y = sampler.batch(step)
         x, y = x.to(mesh.device), y.to(mesh.device)
@@ -244,7 +243,7 @@ def train(cfg: TrainConfig) -> list[dict]:
                                 flops, world, skipped=not ok))
         if not cfg.no_save and ((cfg.save_every and step % cfg.save_every == 0)
                                 or step == cfg.steps):
-            shard = _zero_tensors(opt) if zero else None
+            shard = opt.shard_tensors() if zero else None
             with wd.region(step, "saving the checkpoint"):
                 writer.save(step, chunks, ckpt_opt,
                             {"data_step": step, "model_config": mc.to_dict(),
@@ -272,32 +271,13 @@ def _set_deterministic(on: bool) -> None:
 CLEAR_ERRORS = (ValueError, CollectiveTimeoutError, NonFiniteError)
 
 
-def _zero_tensors(opt: DistributedOptimizer) -> dict:
-    """A ZeRO-1 optimizer's shard of the state as flat named tensors (no pickling)."""
-    sd = opt.state_dict()
-    out = {f"master.{b}": m for b, m in enumerate(sd["master"])}
-    for idx, state in sd["optimizer"]["state"].items():
-        for key, t in state.items():
-            out[f"state.{idx}.{key}"] = torch.as_tensor(t).reshape(-1)
-    return out
-
-
 def _load_zero(opt: DistributedOptimizer, path, manifest, mesh, dp) -> None:
     if not manifest.get("zero1"):
         return          # saved without ZeRO: the moments start afresh, the weights are loaded
     if manifest["layout"] != {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": dp}:
         raise ValueError(f"checkpoint {path} holds ZeRO-1 optimizer shards of layout "
                          f"{manifest['layout']}; resume it with that layout")
-    flat = read_rank_tensors(path, mesh.rank)
-    sd = opt.state_dict()
-    state: dict = {}
-    for name, t in flat.items():
-        if name.startswith("state."):
-            _, idx, key = name.split(".", 2)
-            state.setdefault(int(idx), {})[key] = t.reshape(()) if key == "step" else t
-    masters = [flat[f"master.{b}"] for b in range(len(sd["master"]))]
-    sd["optimizer"]["state"] = state
-    opt.load_state_dict({**sd, "master": masters})
+    opt.load_shard_tensors(read_rank_tensors(path, mesh.rank))
 
 
 def _step(chunks, ddp, pipe, x, y, M: int, mesh, overlap: bool = True) -> torch.Tensor:
