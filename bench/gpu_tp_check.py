@@ -52,7 +52,7 @@ def main() -> int:
         return 2
     kind = "cpu" if cpu else "cuda"
     import fastpar
-    from fastpar import ops
+    from fastpar import extension
     from fastpar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from fastpar.tensor_parallel.overlap import ColumnLinearOverlap, RowLinearOverlap
 
@@ -75,12 +75,12 @@ def main() -> int:
         x = torch.randn(R, D, device=dev, dtype=torch.bfloat16)
         w = torch.randn(N, D, device=dev, dtype=torch.bfloat16)
         ref = (x.float() @ w.float().t())
-        errs = [rel(ops.matmul_allreduce(x, w, group, 4), ref),
-                rel(ops.allgather_matmul(x, w, group)[0], ref),
-                rel(ops.matmul_reducescatter(x, w, group), ref)]
+        errs = [rel(extension.matmul_allreduce(x, w, group, 4), ref),
+                rel(extension.allgather_matmul(x, w, group)[0], ref),
+                rel(extension.matmul_reducescatter(x, w, group), ref)]
         g = torch.randn(R, N, device=dev, dtype=torch.bfloat16)
         for sp in (False, True):
-            gi, gw = ops.column_linear_backward(g, x, w, group, sp, True, True, 4)
+            gi, gw = extension.column_linear_backward(g, x, w, group, sp, True, True, 4)
             errs += [rel(gi, g.float() @ w.float()), rel(gw, g.float().t() @ x.float())]
         sync()
         assert max(errs) <= TOL, errs

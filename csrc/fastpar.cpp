@@ -69,7 +69,7 @@ int cuda_device_count() {
 
 }  // namespace
 
-// Torch ops (callable as torch.ops.fastpar.*; fake implementations live in fastpar/ops.py so
+// Torch ops (callable as torch.ops.fastpar.*; fake implementations live in fastpar/extension.py so
 // torch.compile can trace them). Groups are passed by ProcessGroup.group_name.
 TORCH_LIBRARY(fastpar, m) {
   m.def("matmul_allreduce(Tensor x, Tensor w, str group, int chunks) -> Tensor");

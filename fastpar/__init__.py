@@ -2,7 +2,7 @@
 import torch  # noqa: F401  (the extension links against torch: import it first)
 
 from . import _C
-from . import ops  # noqa: F401  (registers the fake implementations of the torch ops)
+from . import extension  # noqa: F401  (registers the fake implementations of the torch ops)
 from .mesh import Coords, Layout, Mesh, init, layout
 
 __version__ = "0.1.0"

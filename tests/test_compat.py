@@ -2,7 +2,7 @@
 
 The GPU machines run torch 2.11 while development uses a newer CPU wheel, so a call that only the
 newer torch has passes every CPU test and fails on the GPU. APIs that torch renamed go through
-the fallbacks in fastpar/dist/groups.py; everything else must use names 2.11 has.
+the fallbacks in fastpar/mesh/groups.py; everything else must use names 2.11 has.
 """
 import pathlib
 import re

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fastpar import ops
+from fastpar import extension
 from fastpar.testing import run_ranks
 from nccl_rules import NCCLRulesError, nccl_rules_group, patch_batch_isend_irecv
 
@@ -84,13 +84,13 @@ def _tp_ring_ops(rank, tp):
     x = torch.randn(m, k)
     full = torch.empty(tp * m, k)
     dist.all_gather_into_tensor(full, x, group=gloo)
-    out, gathered = ops.allgather_matmul(x, w, group)
+    out, gathered = extension.allgather_matmul(x, w, group)
     assert torch.equal(gathered, full)
     _close(out, full @ w.t(), f"allgather_matmul tp={tp}")
     xs = torch.randn(tp * m, k)
     ref = torch.empty(m, n)
     dist.reduce_scatter_tensor(ref, xs @ w.t(), group=gloo)
-    _close(ops.matmul_reducescatter(xs, w, group), ref, f"matmul_reducescatter tp={tp}")
+    _close(extension.matmul_reducescatter(xs, w, group), ref, f"matmul_reducescatter tp={tp}")
     assert not any(grouped is False for _, _, grouped in group.events), group.events
     return True
 

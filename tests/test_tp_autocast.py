@@ -120,7 +120,7 @@ def test_tp_layers_under_bf16_autocast(tp):
 def _split(rank, tp):
     """The zero-bubble split finds a layer's weight under autocast, where the Function sees the
     weight's bf16 copy: B must not run the weight GEMM, W must not run the input GEMM."""
-    from fastpar import ops
+    from fastpar import extension
     group = dist.new_group(list(range(tp)))
     torch.manual_seed(0)
     layer = ColumnParallelLinear(16, 16, bias=False, tp_group=group)
@@ -130,10 +130,10 @@ def _split(rank, tp):
     dy = torch.randn_like(y)
 
     def gemms(fn):
-        ops.trace(True)
+        extension.trace(True)
         fn()
-        n = sum(1 for e, _, _ in ops.trace_events() if e == "gemm_begin")
-        ops.trace(False)
+        n = sum(1 for e, _, _ in extension.trace_events() if e == "gemm_begin")
+        extension.trace(False)
         return n
     plain = gemms(lambda: torch.autograd.grad(y, [x, layer.weight], dy, retain_graph=True))
     with backward_phase("input", [layer.weight]):

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fastpar import ops
+from fastpar import extension
 from fastpar.testing import run_ranks
 
 
@@ -21,21 +21,21 @@ def _results(rank, tp):
         x = torch.randn(rows, 5)
         ref = x @ w.t()
         dist.all_reduce(ref, group=g)
-        _close(ops.matmul_allreduce(x, w, g, chunks), ref, f"matmul_allreduce {rows}/{chunks}")
+        _close(extension.matmul_allreduce(x, w, g, chunks), ref, f"matmul_allreduce {rows}/{chunks}")
     for m in (1, 3):
         x = torch.randn(m, 5)
         full = torch.empty(tp * m, 5)
         dist.all_gather_into_tensor(full, x, group=g)
-        out, gathered = ops.allgather_matmul(x, w, g)
+        out, gathered = extension.allgather_matmul(x, w, g)
         assert torch.equal(gathered, full)
         _close(out, full @ w.t(), f"allgather_matmul m={m}")
         # A transposed (non-contiguous) weight, as the Row backward passes it.
-        out, _ = ops.allgather_matmul(x, w.t().contiguous().t(), g)
+        out, _ = extension.allgather_matmul(x, w.t().contiguous().t(), g)
         _close(out, full @ w.t(), "allgather_matmul strided w")
         xs = torch.randn(tp * m, 5)
         ref = torch.empty(m, 6)
         dist.reduce_scatter_tensor(ref, xs @ w.t(), group=g)
-        _close(ops.matmul_reducescatter(xs, w, g), ref, f"matmul_reducescatter m={m}")
+        _close(extension.matmul_reducescatter(xs, w, g), ref, f"matmul_reducescatter m={m}")
     # Column backward, all four (sequence_parallel, needed grads) combinations.
     for sp in (False, True):
         rows = 4 * tp
@@ -51,7 +51,7 @@ def _results(rank, tp):
         else:
             dist.all_reduce(ref_gi, group=g)
         for need_i, need_w in ((True, True), (True, False), (False, True)):
-            gi, gw = ops.column_linear_backward(go, inp, w, g, sp, need_i, need_w)
+            gi, gw = extension.column_linear_backward(go, inp, w, g, sp, need_i, need_w)
             assert (gi is None) != need_i and (gw is None) != need_w
             if need_i:
                 _close(gi, ref_gi, f"column bwd sp={sp} dgrad")
@@ -60,15 +60,15 @@ def _results(rank, tp):
     # Fake implementations: shapes without running anything (what torch.compile traces).
     with FakeTensorMode():
         fx, fw = torch.empty(4 * tp, 5), torch.empty(6, 5)
-        assert ops.matmul_reducescatter(fx, fw, g).shape == (4, 6)
-        out, gathered = ops.allgather_matmul(fx, fw, g)
+        assert extension.matmul_reducescatter(fx, fw, g).shape == (4, 6)
+        out, gathered = extension.allgather_matmul(fx, fw, g)
         assert out.shape == (4 * tp * tp, 6) and gathered.shape == (4 * tp * tp, 5)
     # Bad input: one clear error naming the argument, before any collective.
     errors = []
-    for bad in (lambda: ops.matmul_allreduce(torch.ones(3, 4), w, g),
-                lambda: ops.matmul_allreduce(torch.ones(3, 5), w, g, 0),
-                lambda: ops.matmul_reducescatter(torch.ones(tp + 1, 5), w, g),
-                lambda: ops.allgather_matmul(torch.ones(3, 5, dtype=torch.float64), w, g)):
+    for bad in (lambda: extension.matmul_allreduce(torch.ones(3, 4), w, g),
+                lambda: extension.matmul_allreduce(torch.ones(3, 5), w, g, 0),
+                lambda: extension.matmul_reducescatter(torch.ones(tp + 1, 5), w, g),
+                lambda: extension.allgather_matmul(torch.ones(3, 5, dtype=torch.float64), w, g)):
         try:
             bad()
         except RuntimeError as e:
@@ -89,10 +89,10 @@ def test_ops_match_plain_collectives(tp):
 
 def _trace(fn):
     """The (event, index, ns) tuples the extension records over one run of ``fn``."""
-    ops.trace(True)
+    extension.trace(True)
     fn()
-    ev = ops.trace_events()
-    ops.trace(False)
+    ev = extension.trace_events()
+    extension.trace(False)
     return ev
 
 
@@ -105,29 +105,29 @@ def _overlap(rank, tp):
     x, w = torch.randn(512, 256), torch.randn(256, 256)
     # Chunked GEMM + all-reduce: chunk i's all-reduce is started before GEMM i+1 begins and is
     # waited for only after GEMM i+1 has ended, i.e. it is in flight while that GEMM runs.
-    ev = _events(lambda: ops.matmul_allreduce(x, w, g, 4))
+    ev = _events(lambda: extension.matmul_allreduce(x, w, g, 4))
     for i in range(3):
         assert ev[("comm_start", i)] < ev[("gemm_begin", i + 1)], f"chunk {i} started late"
         assert ev[("comm_done", i)] > ev[("gemm_end", i + 1)], f"chunk {i} waited early"
     # Ring all-gather + GEMM: step s's transfer is in flight during GEMM s.
-    ev = _events(lambda: ops.allgather_matmul(x[:128], w, g))
+    ev = _events(lambda: extension.allgather_matmul(x[:128], w, g))
     for s in range(tp - 1):
         assert ev[("comm_start", s)] < ev[("gemm_begin", s)] < ev[("gemm_end", s)]
         assert ev[("gemm_end", s)] < ev[("comm_done", s)]
     # GEMM + ring reduce-scatter: the transfer of step s overlaps the GEMM of step s+1.
-    ev = _events(lambda: ops.matmul_reducescatter(x, w, g))
+    ev = _events(lambda: extension.matmul_reducescatter(x, w, g))
     for s in range(tp - 1):
         assert ev[("comm_start", s)] < ev[("gemm_begin", s + 1)]
         assert ev[("gemm_end", s + 1)] < ev[("comm_done", s)]
     # Column backward without SP: each dgrad chunk's all-reduce runs across the next dgrad chunk
     # GEMM, and the last one across the weight-grad GEMM (index 3).
-    ev = _events(lambda: ops.column_linear_backward(x, x, w, g, False, True, True, 3))
+    ev = _events(lambda: extension.column_linear_backward(x, x, w, g, False, True, True, 3))
     for i in range(3):
         assert ev[("comm_start", i)] < ev[("gemm_begin", i + 1)]
         assert ev[("gemm_end", i + 1)] < ev[("comm_done", i)]
     # Under SP the input all-gather (0) runs across the dgrad GEMM (0), and the dgrad
     # reduce-scatter (1) across the weight-grad GEMM (1).
-    ev = _events(lambda: ops.column_linear_backward(x, x[:512 // tp], w, g, True, True, True))
+    ev = _events(lambda: extension.column_linear_backward(x, x[:512 // tp], w, g, True, True, True))
     for i in (0, 1):
         assert ev[("comm_start", i)] < ev[("gemm_begin", i)] < ev[("gemm_end", i)] \
             < ev[("comm_done", i)]
@@ -153,19 +153,19 @@ def _progress(rank, tp):
     x, w = torch.randn(2048, 512), torch.randn(512, 512)
     cases = {
         # chunk 0's all-reduce: only GEMMs 1..3 run between its issue and its wait.
-        "matmul_allreduce": (lambda: ops.matmul_allreduce(x, w, g, 4), range(4), {0}),
+        "matmul_allreduce": (lambda: extension.matmul_allreduce(x, w, g, 4), range(4), {0}),
         # ring step s: only GEMM s runs between the exchange's issue and its wait.
-        "allgather_matmul": (lambda: ops.allgather_matmul(x[:512], w, g), range(tp - 1),
+        "allgather_matmul": (lambda: extension.allgather_matmul(x[:512], w, g), range(tp - 1),
                              set(range(tp - 1))),
         # ring step s: only GEMM s+1 (and the add) runs in between.
-        "matmul_reducescatter": (lambda: ops.matmul_reducescatter(x, w, g), range(tp - 1),
+        "matmul_reducescatter": (lambda: extension.matmul_reducescatter(x, w, g), range(tp - 1),
                                  set(range(tp - 1))),
         # chunk 0's dgrad all-reduce: dgrad GEMMs 1, 2 and the wgrad GEMM run in between.
-        "column_backward": (lambda: ops.column_linear_backward(x, x, w, g, False, True, True, 3),
+        "column_backward": (lambda: extension.column_linear_backward(x, x, w, g, False, True, True, 3),
                             range(3), {0}),
         # SP: the input all-gather (0) across the dgrad GEMM, the dgrad reduce-scatter (1) across
         # the wgrad GEMM.
-        "column_backward_sp": (lambda: ops.column_linear_backward(
+        "column_backward_sp": (lambda: extension.column_linear_backward(
             x, x[:2048 // tp], w, g, True, True, True), (0, 1), {0, 1}),
     }
     out = {}

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fastpar import ops
+from fastpar import extension
 from fastpar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from fastpar.split_backward import backward_phase
 from fastpar.testing import run_ranks
@@ -17,10 +17,10 @@ def _close(a, b, what):
 
 def _collectives(fn, event="comm_start") -> int:
     """How many collectives (or, with event="gemm_begin", GEMMs) the extension ran in fn."""
-    ops.trace(True)
+    extension.trace(True)
     fn()
-    n = sum(1 for name, _, _ in ops.trace_events() if name == event)
-    ops.trace(False)
+    n = sum(1 for name, _, _ in extension.trace_events() if name == event)
+    extension.trace(False)
     return n
 
 

@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastpar import ops
+from fastpar import extension
 
 
 def _nbytes(ts) -> int:
@@ -45,14 +45,14 @@ class WireRecorder(TorchDispatchMode):
         self.records: list[tuple[str, int]] = []
 
     def __enter__(self):
-        ops.trace(True)
+        extension.trace(True)
         return super().__enter__()
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
-        self.records += [(name[5:], n) for name, n, _ in ops.trace_events()
+        self.records += [(name[5:], n) for name, n, _ in extension.trace_events()
                          if name.startswith("coll:")]
-        ops.trace(False)
+        extension.trace(False)
         return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

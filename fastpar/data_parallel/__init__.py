@@ -1,4 +1,4 @@
-"""Floor 3: data parallelism (bucketed gradient reduction overlapped with backward, ZeRO-1)."""
+"""Data parallelism (bucketed gradient reduction overlapped with backward, ZeRO-1)."""
 from .buckets import BucketSpec, assign_buckets
 from .data_parallel import DataParallel
 from .zero import DistributedOptimizer

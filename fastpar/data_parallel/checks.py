@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import ops
+from .. import extension
 from ..mesh.groups import Group, group_rank
 
 _FLOAT = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -115,6 +115,6 @@ def broadcast_state(module: nn.Module, group: Group) -> None:
             t.copy_(c)
     for dtype, ts in by_dtype.items():
         flat = torch.empty(sum(t.numel() for t in ts), dtype=dtype, device=ts[0].device)
-        ops.multi_tensor_pack(ts, flat)
+        extension.multi_tensor_pack(ts, flat)
         dist.broadcast(flat, src=src, group=group)
-        ops.multi_tensor_unpack(flat, ts)
+        extension.multi_tensor_unpack(flat, ts)

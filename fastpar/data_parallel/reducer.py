@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
-from .. import ops
+from .. import extension
 from .buckets import BucketSpec
 from .comm import (CommStream, EventLog, all_reduce_async, needs_scratch,
                    reduce_scatter_async)
@@ -224,7 +224,7 @@ class GradReducer:
                 if self.world > 1:
                     bucket.divide(self.world)        # the sum is then the mean, as in DDP
             else:
-                ops.multi_tensor_pack([p.grad for p in bucket.params], bucket.buffer,
+                extension.multi_tensor_pack([p.grad for p in bucket.params], bucket.buffer,
                                       1.0 / self.world)
             self.events.record("launch", b)
             if self.sharded:
@@ -320,7 +320,7 @@ class GradReducer:
                 if idx[k] not in self.unused:
                     bucket.params[k].grad = bucket.views[k]
             return
-        ops.multi_tensor_unpack(bucket.buffer, [p.grad for p in bucket.params], 1.0)
+        extension.multi_tensor_unpack(bucket.buffer, [p.grad for p in bucket.params], 1.0)
         for k, had_none in bucket.missing:
             if had_none and idx[k] in self.unused:
                 bucket.params[k].grad = None

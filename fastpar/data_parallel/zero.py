@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import ops
+from .. import extension
 from .comm import all_gather_async
 from .data_parallel import DataParallel
 
@@ -170,7 +170,7 @@ class DistributedOptimizer:
                 grads.append(src if src.dtype == dtype else torch.zeros_like(masters[-1]))
                 continue
             master = src.new_zeros(src.numel(), dtype=dtype)
-            ops.multi_tensor_pack([self._flat(pc) for pc in self._pieces if pc.bucket == b],
+            extension.multi_tensor_pack([self._flat(pc) for pc in self._pieces if pc.bucket == b],
                                   master)
             masters.append(master)
             grads.append(src if src.dtype == dtype else torch.zeros_like(master))
@@ -258,7 +258,7 @@ class DistributedOptimizer:
         bucket = self._reducer.buckets[b]
         if not self.shard:          # every rank stepped every parameter: cast the masters back
             if not self._intact(b):
-                ops.multi_tensor_unpack(self._master[b], [p.detach() for p in bucket.params])
+                extension.multi_tensor_unpack(self._master[b], [p.detach() for p in bucket.params])
             return
         with self._reducer.stream.issue():
             shard = self._master[b].to(self._full[b].dtype)
@@ -283,7 +283,7 @@ class DistributedOptimizer:
             self._reducer.stream.join()
             if self._intact(b):
                 continue                     # the gather landed in the parameters themselves
-            ops.multi_tensor_unpack(self._full[b],
+            extension.multi_tensor_unpack(self._full[b],
                                     [p.detach() for p in self._reducer.buckets[b].params])
 
     def _register_gather_hooks(self) -> None:
@@ -331,7 +331,7 @@ class DistributedOptimizer:
         total = local if inf else local.pow(1.0 / norm_type)
         coef = float(max_norm) / (float(total) + 1e-6)
         if coef < 1.0:
-            ops.multi_tensor_scale([g for g in self._grads if g.numel()], coef)
+            extension.multi_tensor_scale([g for g in self._grads if g.numel()], coef)
         return total
 
     # -- introspection ------------------------------------------------------------------------

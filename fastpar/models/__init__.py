@@ -1,4 +1,4 @@
-"""Floor 4: a GPT-style model built from the parallel layers."""
+"""A GPT-style model built from the parallel layers."""
 from .config import PRESETS, GPTConfig, get_config
 from .gpt import GPT, RECOMPUTE
 from .layers import Norm, ParallelAttention, ParallelMLP, ParallelTransformerLayer

@@ -1,4 +1,4 @@
-"""Floor 3: pipeline parallelism. Schedules are data: one executor runs them, a simulator times
+"""Pipeline parallelism. Schedules are data: one executor runs them, a simulator times
 them.
 
     sched = build_schedule("1f1b", mesh.pp_size, num_microbatches=8)
@@ -10,7 +10,7 @@ them.
 from .executor import PipelineExecutor
 from .p2p import PipelineTimeoutError
 from .partition import estimate_layer_costs, partition
-from .schedule import Action, Schedule, ScheduleError
+from .actions import Action, Schedule, ScheduleError
 from .schedules import SCHEDULES, build_schedule, make_schedule
 from .simulate import Event, Simulation, chrome_trace, plot_gantt, simulate
 from .stage import PipelineStage, build_stages

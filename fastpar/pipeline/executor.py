@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from . import p2p
 from .backward import Capture, backward_input, backward_weight, deferrable
-from .schedule import Schedule
+from .actions import Schedule
 from .shapes import batch_error, exchange_shapes
 from .simulate import Event
 

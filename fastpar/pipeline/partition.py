@@ -14,6 +14,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from ..mesh.layout import require_positive
+
 
 def partition(layer_costs: Sequence[float], pp_size: int,
               virtual_stages: int = 1) -> list[range]:
@@ -24,9 +26,7 @@ def partition(layer_costs: Sequence[float], pp_size: int,
     the N blocks. Among splits with the same maximum, the one whose stages sit closest to the
     average is kept. Exact (dynamic programming over the split points).
     """
-    for name, value in (("pp_size", pp_size), ("virtual_stages", virtual_stages)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"partition: {name}={value!r} must be an integer >= 1")
+    require_positive({"pp_size": pp_size, "virtual_stages": virtual_stages}, "partition: ")
     costs = [float(c) for c in layer_costs]
     if any(not c >= 0 for c in costs):                 # also catches NaN
         raise ValueError(f"partition: layer costs must be >= 0, got {costs}")
@@ -124,7 +124,8 @@ def _pieces(model: nn.Module, blocks: str, first: Sequence[str], last: Sequence[
 def _flops_per_token(module: nn.Module) -> float:
     """Forward + backward FLOPs per token from parameter counts: 6 per weight (2 forward, 4
     backward) for matmul-like layers; an embedding is a gather, costed at 6 per output element.
-    Attention's sequence-length term is not counted (profile for that)."""
+    Attention's sequence-length term is not counted (profile for that). For a model given as
+    modules only; fastpar's GPT is costed by ``GPTConfig.piece_flops``, the model's one count."""
     total = 0.0
     for m in module.modules():
         own = [p for p in m.parameters(recurse=False)]

@@ -12,7 +12,8 @@ Parallelism", sec. 3).
 """
 from __future__ import annotations
 
-from .schedule import Action, Schedule, ScheduleError
+from ..mesh.layout import require_positive
+from .actions import Action, Schedule, ScheduleError
 
 
 def gpipe(rank: int, pp: int, m: int, v: int) -> list[Action]:
@@ -89,10 +90,8 @@ def check_args(name: str, pp_size: int, num_microbatches: int, virtual_stages: i
     """Raise ValueError, with the numbers, for a configuration no schedule can run."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    for arg, value in (("pp_size", pp_size), ("num_microbatches", num_microbatches),
-                       ("virtual_stages", virtual_stages)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}: {arg}={value!r} must be an integer >= 1")
+    require_positive({"pp_size": pp_size, "num_microbatches": num_microbatches,
+                      "virtual_stages": virtual_stages}, f"{name}: ")
     if name == "interleaved":
         if num_microbatches < pp_size or num_microbatches % pp_size:
             raise ValueError(f"interleaved: num_microbatches={num_microbatches} must be a "

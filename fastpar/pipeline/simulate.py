@@ -1,6 +1,6 @@
 """Time a schedule's action lists with a cost model: step time, bubble, a Gantt chart, a trace.
 
-The simulator reads the same :class:`~fastpar.pipeline.schedule.Schedule` the executor runs. Each
+The simulator reads the same :class:`~fastpar.pipeline.actions.Schedule` the executor runs. Each
 rank runs its compute actions in order; an F or B that needs a neighbour's activation or gradient
 starts when that message has arrived, ``comm`` after the neighbour's compute that produced it
 ended. Communication runs beside compute (its own stream / gloo's threads), so sends cost the
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from .schedule import Action, Schedule
+from .actions import Action, Schedule
 
 _COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#8172b3"}
 

@@ -1,4 +1,4 @@
-"""The checks every :class:`~fastpar.pipeline.schedule.Schedule` passes when it is built.
+"""The checks every :class:`~fastpar.pipeline.actions.Schedule` passes when it is built.
 
 ``validate`` returns ``(split_backward, peak_activations)`` or raises ``ScheduleError`` naming the
 rank, the action and what is wrong. The deadlock check runs the comm batches under the strictest
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from .schedule import KINDS, Action, ScheduleError
+from .actions import KINDS, Action, ScheduleError
 
 _PRODUCES = {"F": "SEND_F", "B": "SEND_B"}     # what a compute action sends after it
 _NEEDS = {"F": "RECV_F", "B": "RECV_B"}        # what it must have received before it

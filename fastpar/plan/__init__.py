@@ -1,4 +1,4 @@
-"""Floor 5: the cost model and planner behind ``fastpar plan``.
+"""The cost model and planner behind ``fastpar plan``.
 
     from fastpar.plan import Cluster, ParallelConfig, Workload, evaluate, get_hardware, search
     work = Workload(get_config("7b"), seq_len=4096, global_batch=512)

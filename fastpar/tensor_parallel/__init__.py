@@ -1,4 +1,4 @@
-"""Floor 3: tensor parallelism (Megatron-style layers, sequence parallelism, overlapped GEMMs)."""
+"""Tensor parallelism (Megatron-style layers, sequence parallelism, overlapped GEMMs)."""
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
+from .. import extension
 from ..mesh.groups import all_gather_tensor
 from ..split_backward import phase_of
 
@@ -45,7 +45,7 @@ class ColumnLinearOverlap(torch.autograd.Function):
         ctx.save_for_backward(x, w)
         if sequence_parallel:
             # The gathered input is not kept: backward gathers it again while it computes.
-            return ops.allgather_matmul(x, w, group)[0]
+            return extension.allgather_matmul(x, w, group)[0]
         return x @ w.t()
 
     @staticmethod
@@ -53,7 +53,7 @@ class ColumnLinearOverlap(torch.autograd.Function):
         x, w = ctx.saved_tensors
         need_x, need_w = _needs(ctx)
         chunks = row_chunks(ctx.chunks, g.shape[0], x.shape[1], g.element_size())
-        gx, gw = ops.column_linear_backward(g.contiguous(), x, w, ctx.group, ctx.sp,
+        gx, gw = extension.column_linear_backward(g.contiguous(), x, w, ctx.group, ctx.sp,
                                             need_x, need_w, chunks)
         return (gx if need_x else None), (gw if need_w else None), None, None, None, None
 
@@ -67,8 +67,8 @@ class RowLinearOverlap(torch.autograd.Function):
         ctx.group, ctx.sp, ctx.weight_id = group, sequence_parallel, weight_id
         ctx.save_for_backward(x, w)
         if sequence_parallel:
-            return ops.matmul_reducescatter(x, w, group)
-        return ops.matmul_allreduce(x, w, group,
+            return extension.matmul_reducescatter(x, w, group)
+        return extension.matmul_allreduce(x, w, group,
                                     row_chunks(chunks, x.shape[0], w.shape[0], x.element_size()))
 
     @staticmethod
@@ -78,7 +78,7 @@ class RowLinearOverlap(torch.autograd.Function):
         g = g.contiguous()
         gx = None
         if ctx.sp and need_x:
-            gx, g = ops.allgather_matmul(g, w.t(), group=ctx.group)   # g: (rows, N) gathered
+            gx, g = extension.allgather_matmul(g, w.t(), group=ctx.group)   # g: (rows, N) gathered
         elif ctx.sp and need_w:                     # W of a split backward: the gather only
             full = g.new_empty((g.shape[0] * ctx.group.size(),) + tuple(g.shape[1:]))
             all_gather_tensor(full, g, group=ctx.group)

@@ -1,4 +1,4 @@
-"""Floor 5: the trainer, its data, checkpoints and metrics."""
+"""The trainer, its data, checkpoints and metrics."""
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .data import BatchSampler, ByteTokenizer, load_tokens, write_token_file

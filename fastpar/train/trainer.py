@@ -39,7 +39,7 @@ from .data import BatchSampler, check_length, check_vocab, load_tokens
 from .guard import NonFiniteError, NonFiniteGuard
 from .metrics import Metrics
 from .outdir import nothing_to_resume, prepare_out, resolve_out
-from .schedule import lr_at
+from .lr_schedule import lr_at
 
 
 def build_model(cfg: TrainConfig, mesh) -> list[GPT]:

@@ -1,4 +1,4 @@
-"""Python face of the extension's torch ops (``torch.ops.fastpar.*``).
+"""The Python face of the C++/CUDA extension fastpar._C: its torch ops (``torch.ops.fastpar.*``).
 
 Registers fake (meta) implementations so torch.compile can trace through them, and gives each op
 a typed wrapper that takes a ProcessGroup instead of its name.
