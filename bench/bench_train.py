@@ -11,7 +11,7 @@ variant starts from the same weights and sees the same batch; the losses of the 
 (the second one after an optimizer step, so it checks the gradients too) must agree across all
 variants, or the run stops.
 
-  fastpar dp2   ``build_model`` (tp=1) wrapped in DataParallel, the trainer's ``_step`` / ``_clip``
+  fastpar dp2   ``build_model`` (tp=1) and the trainer's ``_wrap`` / ``_step`` / ``_clip``
   torch   dp2   the same GPT in DistributedDataParallel with gradient_as_bucket_view=True (no_sync
                 on all but the last micro-batch;
                 no buffer sync per forward: its only buffers are the constant rotary tables)
@@ -54,7 +54,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -63,14 +62,12 @@ sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import common  # noqa: E402
 
 import fastpar  # noqa: E402
-from fastpar.data_parallel import DataParallel  # noqa: E402
 from fastpar.models import GPT  # noqa: E402
 from fastpar.pipeline import PipelineExecutor, build_schedule  # noqa: E402
-from fastpar.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from fastpar.testing import run_ranks  # noqa: E402
 from fastpar.train import TrainConfig  # noqa: E402
 from wire import WireRecorder  # noqa: E402  (tests/wire.py)
-from fastpar.train.trainer import (_clip, _loss_fn, _param_groups, _step,  # noqa: E402
+from fastpar.train.trainer import (_clip, _loss_fn, _param_groups, _step, _wrap,  # noqa: E402
                                    build_model)
 
 LAYOUTS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "tp2-sp": dict(tp=2, sequence_parallel=True),
@@ -119,8 +116,7 @@ def _finish(loss, group, dp, opt, params, norm_fn, max_norm):
 def fastpar_variant(cfg, mesh):
     chunks = build_model(cfg, mesh)
     dp = mesh.dp_size
-    ddp = DataParallel(nn.ModuleList(chunks), dp_group=mesh.dp_group) if dp > 1 else None
-    opt = _adamw(cfg, chunks)
+    ddp, opt = _wrap(cfg, chunks, mesh, dp)         # as the trainer: DataParallel + its optimizer
     M = cfg.num_microbatches(cfg.global_batch_size, dp)
     pipe = None
     if cfg.pp > 1:

@@ -71,15 +71,7 @@ void copy_run(const CopySegment& s, acc_t scale) {
 
 void scaled_copy_cpu(const std::vector<CopySegment>& segments, at::ScalarType src_dtype,
                      at::ScalarType dst_dtype, double scale, const at::Device&) {
-  const int64_t src_size = c10::elementSize(src_dtype), dst_size = c10::elementSize(dst_dtype);
-  std::vector<CopySegment> chunks;
-  for (const auto& s : segments) {
-    for (int64_t off = 0; off < s.numel; off += kCpuChunk) {
-      chunks.push_back({static_cast<const char*>(s.src) + off * src_size,
-                        static_cast<char*>(s.dst) + off * dst_size,
-                        std::min(kCpuChunk, s.numel - off)});
-    }
-  }
+  const auto chunks = split_segments(segments, src_dtype, dst_dtype, kCpuChunk);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src_dtype, "multi_tensor src", [&] {
     using src_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst_dtype, "multi_tensor dst", [&] {
@@ -122,6 +114,20 @@ std::vector<CopySegment> segments_of(at::TensorList list, const at::Tensor& flat
 }
 
 }  // namespace
+
+std::vector<CopySegment> split_segments(const std::vector<CopySegment>& segments,
+                                        at::ScalarType src_dtype, at::ScalarType dst_dtype,
+                                        int64_t chunk) {
+  const int64_t src_size = c10::elementSize(src_dtype), dst_size = c10::elementSize(dst_dtype);
+  std::vector<CopySegment> out;
+  for (const auto& s : segments) {
+    for (int64_t off = 0; off < s.numel; off += chunk) {
+      out.push_back({static_cast<const char*>(s.src) + off * src_size,
+                     static_cast<char*>(s.dst) + off * dst_size, std::min(chunk, s.numel - off)});
+    }
+  }
+  return out;
+}
 
 void impl_multi_tensor_ops(torch::Library& m, ScaledCopy copy) {
   m.impl("multi_tensor_pack", [copy](at::TensorList tensors, const at::Tensor& out, double scale) {

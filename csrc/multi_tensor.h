@@ -25,6 +25,11 @@ struct CopySegment {
 using ScaledCopy = void (*)(const std::vector<CopySegment>& segments, at::ScalarType src_dtype,
                             at::ScalarType dst_dtype, double scale, const at::Device& device);
 
+// `segments` cut into runs of at most `chunk` elements: the unit a device works on in parallel.
+std::vector<CopySegment> split_segments(const std::vector<CopySegment>& segments,
+                                        at::ScalarType src_dtype, at::ScalarType dst_dtype,
+                                        int64_t chunk);
+
 // Registers the ops' kernels for the dispatch key of `m` (a TORCH_LIBRARY_IMPL block): each op
 // checks its arguments and hands their segments to `copy`, a null `copy` standing for a device
 // with no implementation (an error unless there is nothing to copy).

@@ -34,15 +34,7 @@ __global__ void scaled_copy_kernel(const CopySegment* __restrict__ chunks, acc_t
 void scaled_copy_cuda(const std::vector<CopySegment>& segments, at::ScalarType src_dtype,
                       at::ScalarType dst_dtype, double scale, const at::Device& device) {
   const c10::cuda::CUDAGuard guard(device);
-  const int64_t src_size = c10::elementSize(src_dtype), dst_size = c10::elementSize(dst_dtype);
-  std::vector<CopySegment> chunks;
-  for (const auto& s : segments) {
-    for (int64_t off = 0; off < s.numel; off += kChunk) {
-      chunks.push_back({static_cast<const char*>(s.src) + off * src_size,
-                        static_cast<char*>(s.dst) + off * dst_size,
-                        std::min(kChunk, s.numel - off)});
-    }
-  }
+  const auto chunks = split_segments(segments, src_dtype, dst_dtype, kChunk);
   if (chunks.empty()) return;
   // The table rides to the device on the current stream; the caching allocators keep both
   // copies alive until the stream has used them.

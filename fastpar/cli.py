@@ -143,6 +143,7 @@ def _resume_arg(value: str):
 
 
 def _train(args) -> int:
+    from .mesh.layout import require_positive
     from .train.config import TrainConfig
     from .train.launch import launch
 
@@ -151,8 +152,8 @@ def _train(args) -> int:
     try:
         cfg = TrainConfig(**opts)
         # Default: all ranks of the torchrun job, else tp*pp*dp here (dp=2 when not given).
-        if args.nproc is not None and args.nproc < 1:
-            raise ValueError(f"--nproc={args.nproc} must be >= 1")
+        if args.nproc is not None:
+            require_positive({"nproc": args.nproc}, flags=True)
         nproc = args.nproc or int(os.environ.get("WORLD_SIZE", 0)) or \
             cfg.tp * cfg.pp * (cfg.dp or 2)
         if args.max_restarts < 0:

@@ -21,6 +21,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+from .mesh.layout import require_positive
 from .train.host import worker_env
 
 # After one rank fails, the others usually wait on it inside a collective: give them this long to
@@ -134,8 +135,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     unless ``env`` sets it): they are gloo ranks, and ``fastpar.init`` would otherwise pick NCCL
     on a machine with a GPU per rank.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size} must be >= 1")
+    require_positive({"world_size": world_size})
     ctx = _mp_context()
     queue = ctx.SimpleQueue()  # unbuffered: a put is on the pipe before the child exits
     port = free_port()

@@ -15,6 +15,8 @@ from typing import Sequence
 
 import torch
 
+from ..mesh.layout import require_positive
+
 
 @dataclass(frozen=True)
 class BucketSpec:
@@ -45,8 +47,7 @@ def assign_buckets(params: Sequence[tuple[int, torch.dtype]], cap_bytes: int, pa
     """
     if cap_bytes <= 0:
         raise ValueError(f"cap_bytes={cap_bytes} must be > 0")
-    if pad_to < 1:
-        raise ValueError(f"pad_to={pad_to} must be >= 1")
+    require_positive({"pad_to": pad_to})
     n = len(params)
     open_: dict[torch.dtype, list[int]] = {}
     nbytes: dict[torch.dtype, int] = {}

@@ -16,14 +16,15 @@ from typing import NamedTuple
 DIMS = ("tp", "dp", "pp")
 
 
-def require_positive(values: dict, where: str = "", flags: bool = False) -> None:
-    """Raise ValueError naming the first of ``values`` (name -> value) that is not an integer
+def require_positive(values: dict, where: str = "", flags: bool = False,
+                     error: type[ValueError] = ValueError) -> None:
+    """Raise ``error`` naming the first of ``values`` (name -> value) that is not an integer
     >= 1; ``flags`` names it as a command-line flag (``--micro-batch-size``)."""
     for name, v in values.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             shown = "--" + name.replace("_", "-") if flags else name
             kind = "" if isinstance(v, int) and not isinstance(v, bool) else "an integer "
-            raise ValueError(f"{where}{shown}={v!r} must be {kind}>= 1")
+            raise error(f"{where}{shown}={v!r} must be {kind}>= 1")
 
 
 def check_sizes(world: int, tp: int, pp: int, dp: int | None,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from ..mesh.layout import require_positive
+
 _NORMS = ("rmsnorm", "layernorm")
 _ACTIVATIONS = ("swiglu", "gelu")
 
@@ -28,10 +30,9 @@ class GPTConfig:
     init_seed: int = 0               # every module's weights come from (init_seed, its position)
 
     def __post_init__(self):
-        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "max_seq_len",
-                     "pad_vocab_to"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig: {name}={getattr(self, name)} must be >= 1")
+        require_positive({k: getattr(self, k) for k in ("vocab_size", "n_layers", "d_model",
+                                                        "n_heads", "max_seq_len",
+                                                        "pad_vocab_to")}, "GPTConfig: ")
         if self.d_model % self.n_heads:
             raise ValueError(f"GPTConfig: d_model={self.d_model} is not divisible by "
                              f"n_heads={self.n_heads}")

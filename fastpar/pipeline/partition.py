@@ -151,8 +151,7 @@ def estimate_layer_costs(model: nn.Module, example: torch.Tensor | None = None, 
     pieces = _pieces(model, blocks, first, last)
     if example is None:
         return [_flops_per_token(p) for p in pieces]
-    if steps < 1:
-        raise ValueError(f"estimate_layer_costs: steps={steps} must be >= 1")
+    require_positive({"steps": steps}, "estimate_layer_costs: ")
     params = list(model.parameters())
     saved = [p.grad for p in params]
     device = example.device

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from ..mesh.layout import require_positive
 from .actions import KINDS, Action, ScheduleError
 
 _PRODUCES = {"F": "SEND_F", "B": "SEND_B"}     # what a compute action sends after it
@@ -26,10 +27,8 @@ def validate(s) -> tuple[bool, list[int]]:
 
 
 def _check_shape(s) -> None:
-    for name in ("pp_size", "num_microbatches", "virtual_stages"):
-        value = getattr(s, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ScheduleError(f"{name}={value!r} must be an integer >= 1")
+    require_positive({k: getattr(s, k) for k in ("pp_size", "num_microbatches",
+                                                 "virtual_stages")}, error=ScheduleError)
     if len(s.actions) != s.pp_size:
         raise ScheduleError(f"schedule {s.name!r} has action lists for {len(s.actions)} ranks, "
                             f"pp_size={s.pp_size}")

@@ -7,7 +7,7 @@ import sys
 from ..models import PRESETS, GPTConfig, get_config
 from ..models import RECOMPUTE
 from .hardware import BUILTIN, get_hardware
-from ..mesh.layout import ParallelConfig
+from ..mesh.layout import ParallelConfig, require_positive
 from ..pipeline.schedules import SCHEDULES
 from .planner import Cluster, Workload, evaluate, search
 
@@ -72,8 +72,7 @@ def run_plan(args) -> int:
     try:
         work = Workload(_model(args), args.seq_len, args.global_batch_size)
         cluster = Cluster(args.gpus, args.gpus_per_node, get_hardware(args.hardware))
-        if args.top < 1:
-            raise ValueError(f"--top={args.top} must be >= 1")
+        require_positive({"top": args.top}, flags=True)
         if args.tp is not None and args.pp is not None:
             if args.tp < 1 or args.pp < 1 or args.gpus % (args.tp * args.pp):
                 raise ValueError(f"gpus={args.gpus} is not divisible by tp*pp = "

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..mesh.groups import group_rank, group_size
+from ..mesh.layout import require_positive
 from .mappings import (check_divisible, copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp,
                        reduce_scatter_to_sp, scatter_to_tp, _gather)
 from .overlap import ColumnLinearOverlap, RowLinearOverlap
@@ -38,8 +39,7 @@ class _ParallelLinear(TPSharded):
     def __init__(self, in_features, out_features, bias, tp_group, sequence_parallel, overlap,
                  chunks, dtype, device, parts=None):
         super().__init__()
-        if chunks < 1:
-            raise ValueError(f"{type(self).__name__}: chunks={chunks} must be >= 1")
+        require_positive({"chunks": chunks}, f"{type(self).__name__}: ")
         # At most this many row chunks of the overlapped GEMM + all-reduce, each at least
         # overlap.MIN_CHUNK_BYTES (overlap.row_chunks).
         self.chunks = chunks

@@ -38,8 +38,9 @@ def tp_params(modules: list[nn.Module]) -> list[tuple[nn.Parameter, bool]]:
 
 
 def shard_specs(modules: list[nn.Module], tp_size: int, tp_rank: int) -> dict:
-    """name -> (tensor, global shape, split dim or None, start, stop) for every tensor a
-    checkpoint holds. A column-parallel linear of several parts (q, k, v fused) is saved as one
+    """name -> (tensor, global shape, split dim or None, start, stop, parameter, rows) for every
+    tensor a checkpoint holds; ``rows`` are ``(offset, count)`` of the parameter's first dim
+    when the tensor is one part of it, else None. A column-parallel linear of several parts (q, k, v fused) is saved as one
     tensor per part, named after the part (``attn.q.weight``), ``tensor`` being this rank's rows
     of it: the files do not depend on the fusion, and separate q / k / v weights load into it."""
     out = {}
@@ -48,34 +49,33 @@ def shard_specs(modules: list[nn.Module], tp_size: int, tp_rank: int) -> dict:
             dims = getattr(module, "tp_shard_dims", {})      # see tp_params
             named = bool(dims) and getattr(module, "parts", (("", 0),))[0][0] != ""
             for pname, p in module.named_parameters(recurse=False):
-                pieces = [(f"{mname}.{pname}" if mname else pname, p)]
+                pieces = [(f"{mname}.{pname}" if mname else pname, p, None)]
                 if named:   # one tensor per part, each split as the whole parameter is
                     parent = mname.rsplit(".", 1)[0] + "." if "." in mname else ""
-                    pieces = [(f"{parent}{part}.{pname}", p.narrow(0, offset, rows))
-                              for part, offset, rows in module.local_parts()]
-                for name, t in pieces:
+                    pieces = [(f"{parent}{part}.{pname}", p.narrow(0, offset, rows),
+                               (offset, rows)) for part, offset, rows in module.local_parts()]
+                for name, t, part_rows in pieces:
                     dim = dims.get(pname) if tp_size > 1 else None
                     shape, start, stop = list(t.shape), 0, 0
                     if dim is not None:
                         start, stop = t.shape[dim] * tp_rank, t.shape[dim] * (tp_rank + 1)
                         shape[dim] *= tp_size
-                    out[name] = (t, shape, dim, start, stop)
+                    out[name] = (t, shape, dim, start, stop, p, part_rows)
     return out
 
 
-def _state_of(optimizer, t: torch.Tensor):
-    """The parameter ``t`` is (or is a view of), its optimizer state, ``t``'s rows in it as
-    ``(offset, rows)`` (None for the whole parameter), and ``t``'s fp32 master weight (None
-    unless the optimizer keeps one per parameter: mixed precision). The checkpoint stores the
-    master in place of the low-precision parameter."""
-    base = t._base if t._base is not None else t
-    state = optimizer.state.get(base, {}) if optimizer is not None else {}
-    master = optimizer.master_of(base) if hasattr(optimizer, "master_of") else None
-    if t._base is None:
-        return base, state, None, master
-    offset = (t.storage_offset() - base.storage_offset()) // max(1, base.stride(0))
-    rows = (offset, t.shape[0])
-    return base, state, rows, None if master is None else master.narrow(0, *rows)
+def _per_param(optimizer):
+    """The optimizer whose state is saved per parameter (loadable into any layout), or None:
+    a sharded (ZeRO-1) optimizer saves its shard per rank instead."""
+    return None if optimizer is None or getattr(optimizer, "shard", False) else optimizer
+
+
+def _state_of(optimizer, p: torch.Tensor, rows):
+    """``p``'s optimizer state and master weight (the fp32 copy the checkpoint stores in place
+    of a low-precision parameter; ``rows`` of it for one part of a fused parameter)."""
+    state = optimizer.state.get(p, {}) if optimizer is not None else {}
+    master = optimizer.master_of(p) if hasattr(optimizer, "master_of") else None
+    return state, master if master is None or rows is None else master.narrow(0, *rows)
 
 
 class CheckpointError(ValueError):
@@ -93,13 +93,16 @@ def snapshot(modules, optimizer, mesh, rank_tensors: dict | None = None,
 
     rank = mesh.rank if mesh is not None else 0
     tp, pp, dp = (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank) if mesh else (0, 0, 0)
+    if optimizer is not None and _per_param(optimizer) is None:
+        rank_tensors = {**(rank_tensors or {}), **optimizer.shard_tensors()}
+    optimizer = _per_param(optimizer)
     files: dict[str, dict | str] = {}
     if dp == 0:     # the first data-parallel replica writes the (tp, pp) shards
         tensors, index = {}, {}
-        for name, (p, shape, dim, start, stop) in shard_specs(
+        for name, (t, shape, dim, start, stop, p, rows) in shard_specs(
                 modules, mesh.tp_size if mesh else 1, tp).items():
-            _, state, rows, master = _state_of(optimizer, p)
-            tensors[name] = cpu(p if master is None else master)
+            state, master = _state_of(optimizer, p, rows)
+            tensors[name] = cpu(t if master is None else master)
             index[name] = {"shape": shape, "dim": dim, "start": start, "stop": stop}
             for key in _OPTIM_KEYS:
                 if key in state:
@@ -297,11 +300,12 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
             raise CheckpointError(f"checkpoint {path}: {f.name} is not valid JSON ({e})") \
                 from None
     specs = shard_specs(modules, mesh.tp_size if mesh else 1, mesh.tp_rank if mesh else 0)
+    sharded, optimizer = optimizer, _per_param(optimizer)
     with torch.no_grad():
-        for name, (p, shape, dim, start, stop) in specs.items():
+        for name, (t, shape, dim, start, stop, base, rows) in specs.items():
             weight = _read_slice(path, index, name, shape, dim, start, stop, verify)
-            p.copy_(weight)
-            base, _, rows, master = _state_of(optimizer, p)
+            t.copy_(weight)
+            _, master = _state_of(optimizer, base, rows)
             if master is not None:
                 master.copy_(weight)
             if optimizer is None or not any(f"optim.step.{name}" in i for i in index.values()):
@@ -309,7 +313,7 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
             state = optimizer.state[base]
             for key in _OPTIM_KEYS:
                 got = _read_slice(path, index, f"optim.{key}.{name}", shape, dim, start, stop,
-                                  verify).to(p.device, p.dtype if master is None else master.dtype)
+                                  verify).to(t.device, t.dtype if master is None else master.dtype)
                 if rows is None:
                     state[key] = got
                 else:                      # one part of a fused parameter's state
@@ -318,8 +322,21 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
             step = _read_slice(path, index, f"optim.step.{name}", [1], None, 0, 0, verify)
             state["step"] = step.reshape(()).clone()
     rank = mesh.rank if mesh is not None else 0
+    if sharded is not None and optimizer is None:
+        _load_shard(path, manifest, sharded, mesh)
     rng = f"rng_rank{rank}.safetensors"
     if (path / rng).exists():
         with _open(path, rng, verify) as st:
             torch.set_rng_state(st.get_tensor("cpu"))
     return manifest
+
+
+def _load_shard(path, manifest: dict, opt, mesh) -> None:
+    """A ZeRO-1 optimizer's shard, from the file its rank saved (same layout only)."""
+    if not manifest.get("zero1"):
+        return          # saved without ZeRO: the moments start afresh, the weights are loaded
+    layout = {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size}
+    if manifest["layout"] != layout:
+        raise ValueError(f"checkpoint {path} holds ZeRO-1 optimizer shards of layout "
+                         f"{manifest['layout']}; resume it with that layout")
+    opt.load_shard_tensors(read_rank_tensors(path, mesh.rank))

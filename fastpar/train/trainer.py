@@ -32,7 +32,7 @@ from ..pipeline import PipelineExecutor, build_schedule, build_stages
 from ..tensor_parallel import vocab_parallel_cross_entropy
 from . import faults
 from .checkpoint import Verifier, latest_checkpoint, load_checkpoint, pointer_note, \
-    read_manifest, read_rank_tensors, tp_params
+    read_manifest, tp_params
 from .checkpoint_writer import CheckpointWriter
 from .config import TrainConfig
 from .data import BatchSampler, check_length, check_vocab, load_tokens
@@ -53,12 +53,13 @@ def build_model(cfg: TrainConfig, mesh) -> list[GPT]:
 
 
 def _wrap(cfg: TrainConfig, chunks, mesh, dp: int):
-    """The DataParallel wrapper (None when there is nothing to wrap) and the optimizer.
+    """The DataParallel wrapper and its DistributedOptimizer (AdamW), at every layout.
 
     ``--precision bf16`` (Megatron's mixed precision): the parameters become bf16 (buffers such
-    as rotary tables stay fp32), DataParallel keeps fp32 main gradients even at dp=1, and a
-    DistributedOptimizer steps fp32 master weights (sharded with ZeRO-1). Otherwise the
-    parameters stay fp32 and AdamW steps them, or a DistributedOptimizer under ZeRO-1."""
+    as rotary tables stay fp32), DataParallel keeps fp32 main gradients and the optimizer steps
+    fp32 master weights. ``--zero1`` (dp > 1) shards the optimizer state over the DP group. At
+    dp = 1 nothing is reduced: the wrapper only gives every layout the same optimizer, which
+    clips over the layout's groups and saves its own state."""
     mixed = cfg.bf16_params(mesh.device.type)
     if mixed:
         for m in chunks:
@@ -67,14 +68,10 @@ def _wrap(cfg: TrainConfig, chunks, mesh, dp: int):
     reduce_dtype = torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else \
         (torch.float32 if mixed else None)
     ddp = DataParallel(nn.ModuleList(chunks), dp_group=mesh.dp_group, main_grads=mixed,
-                       reduce_dtype=reduce_dtype) if dp > 1 or mixed else None
-    groups = _param_groups(chunks, cfg.weight_decay)
-    adam = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-    shard = cfg.zero1 and dp > 1
-    if mixed or shard:
-        return ddp, DistributedOptimizer(ddp, torch.optim.AdamW, groups, shard=shard,
-                                         foreach=True, **adam)
-    return ddp, torch.optim.AdamW(groups, foreach=True, **adam)
+                       reduce_dtype=reduce_dtype)
+    return ddp, DistributedOptimizer(ddp, torch.optim.AdamW, _param_groups(chunks, cfg.weight_decay),
+                                     shard=cfg.zero1 and dp > 1, foreach=True, lr=cfg.lr,
+                                     betas=(0.9, 0.95), eps=1e-8)
 
 
 def _param_groups(chunks, weight_decay):
@@ -84,35 +81,13 @@ def _param_groups(chunks, weight_decay):
             {"params": rest, "weight_decay": 0.0}]
 
 
-def _global_grad_norm(chunks, mesh) -> torch.Tensor:
-    """sqrt of the sum of squares of the whole model's gradient: TP shards summed, parameters
-    replicated over TP counted once, pipeline stages summed."""
-    sharded, replicated = [], []
-    for p, split in tp_params(chunks):
-        if p.grad is not None:
-            (sharded if split else replicated).append(p.grad)
-    sq = torch.zeros((), device=mesh.device)
-    if sharded:
-        sq = sq + torch.stack(torch._foreach_norm(sharded)).square().sum()
-    if replicated and mesh.tp_rank == 0:
-        sq = sq + torch.stack(torch._foreach_norm(replicated)).square().sum()
-    dist.all_reduce(sq, group=mesh.tp_group)
-    dist.all_reduce(sq, group=mesh.pp_group)
-    return sq.sqrt()
-
-
-def _clip(chunks, mesh, max_norm: float, opt) -> float:
-    if isinstance(opt, DistributedOptimizer):      # the reduced gradients live in its shards
-        sharded = {id(p) for p, split in tp_params(chunks) if split}
-        return float(opt.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"),
-                                         groups=[mesh.tp_group, mesh.pp_group],
-                                         counted=lambda p: id(p) in sharded or mesh.tp_rank == 0))
-    norm = _global_grad_norm(chunks, mesh)
-    if max_norm > 0:
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        grads = [p.grad for m in chunks for p in m.parameters() if p.grad is not None]
-        torch._foreach_mul_(grads, coef)
-    return norm.item()
+def _clip(chunks, mesh, max_norm: float, opt: DistributedOptimizer) -> float:
+    """Clip by the global norm of the whole model's gradient (TP shards summed, parameters
+    replicated over TP counted once, pipeline stages summed); returns it."""
+    sharded = {id(p) for p, split in tp_params(chunks) if split}
+    return float(opt.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"),
+                                     groups=[mesh.tp_group, mesh.pp_group],
+                                     counted=lambda p: id(p) in sharded or mesh.tp_rank == 0))
 
 
 def _loss_fn(tp_group):
@@ -180,8 +155,6 @@ def train(cfg: TrainConfig) -> list[dict]:
     torch.manual_seed(cfg.seed)
     chunks = build_model(cfg, mesh)
     ddp, opt = _wrap(cfg, chunks, mesh, dp)
-    zero = isinstance(opt, DistributedOptimizer) and opt.shard
-    ckpt_opt = None if zero else opt          # a ZeRO shard is saved per rank, see below
     sampler = BatchSampler(tokens, cfg.seq_len, cfg.global_batch_size, cfg.seed,
                            mesh.dp_rank, dp)
     M = cfg.num_microbatches(cfg.global_batch_size, dp)
@@ -191,10 +164,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         pipe = PipelineExecutor(chunks, sched, mesh.pp_group, loss_fn=_loss_fn(mesh.tp_group))
     start = 0
     if resume_from is not None:
-        manifest = load_checkpoint(resume_from, chunks, ckpt_opt, mesh)
-        start = manifest["data_step"]
-        if zero:
-            _load_zero(opt, resume_from, manifest, mesh, dp)
+        start = load_checkpoint(resume_from, chunks, opt, mesh)["data_step"]
     out = Path(cfg.out)
     if mesh.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -203,14 +173,13 @@ def train(cfg: TrainConfig) -> list[dict]:
              "dp": dp}, indent=2))
     mc = cfg.model_config
     step_tokens = cfg.global_batch_size * cfg.seq_len
-    flops = mc.train_flops(cfg.seq_len, step_tokens, cfg.recompute)
+    flops = mc.train_flops(cfg.seq_len, step_tokens)      # model FLOPs, as MFU counts them
     metrics = Metrics(cfg.out, mesh.rank == 0, cfg.steps, start, cfg.log_every,
                       cfg.peak_tflops * 1e12 if cfg.peak_tflops else None, resume=start > 0)
     wd = Watchdog(mesh, cfg.timeout)
     guard = NonFiniteGuard(cfg.max_skipped_steps, mesh.device, verbose=mesh.rank == 0)
     writer = CheckpointWriter(out / "checkpoints", mesh, cfg.keep_last, cfg.async_save,
                               cfg.timeout, lambda s: faults.during_save(fault, s, mesh.rank))
-    norm_dims = ("tp", "pp", "dp") if isinstance(opt, DistributedOptimizer) else ("tp", "pp")
     rows = []
     for step in range(start + 1, cfg.steps + 1):
         faults.before_step(fault, step, mesh.rank)
@@ -229,7 +198,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         with wd.region(step, "the loss all-reduce", ("dp",)):
             dist.all_reduce(loss, group=mesh.dp_group)
         loss = loss.item() / dp
-        with wd.region(step, "the gradient-norm all-reduce", norm_dims):
+        with wd.region(step, "the gradient-norm all-reduce", ("tp", "pp", "dp")):
             norm = _clip(chunks, mesh, cfg.grad_clip, opt)
         with wd.region(step, "the non-finite check", ("world",)):
             ok = guard.check(step, loss, norm)
@@ -243,12 +212,9 @@ def train(cfg: TrainConfig) -> list[dict]:
                                 flops, world, skipped=not ok))
         if not cfg.no_save and ((cfg.save_every and step % cfg.save_every == 0)
                                 or step == cfg.steps):
-            shard = opt.shard_tensors() if zero else None
             with wd.region(step, "saving the checkpoint"):
-                writer.save(step, chunks, ckpt_opt,
-                            {"data_step": step, "model_config": mc.to_dict(),
-                             "layout": {"tp": cfg.tp, "pp": cfg.pp, "dp": dp},
-                             "zero1": zero}, rank_tensors=shard)
+                writer.save(step, chunks, opt, {"data_step": step, "model_config": mc.to_dict(),
+                                                "layout": {"tp": cfg.tp, "pp": cfg.pp, "dp": dp}})
         faults.after_step(fault, step, mesh.rank)
     with wd.region(cfg.steps, "writing the last checkpoint"):
         writer.wait()
@@ -269,15 +235,6 @@ def _set_deterministic(on: bool) -> None:
 
 # Errors a worker reports as one line (no traceback): the job failed for a reason it names.
 CLEAR_ERRORS = (ValueError, CollectiveTimeoutError, NonFiniteError)
-
-
-def _load_zero(opt: DistributedOptimizer, path, manifest, mesh, dp) -> None:
-    if not manifest.get("zero1"):
-        return          # saved without ZeRO: the moments start afresh, the weights are loaded
-    if manifest["layout"] != {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": dp}:
-        raise ValueError(f"checkpoint {path} holds ZeRO-1 optimizer shards of layout "
-                         f"{manifest['layout']}; resume it with that layout")
-    opt.load_shard_tensors(read_rank_tensors(path, mesh.rank))
 
 
 def _step(chunks, ddp, pipe, x, y, M: int, mesh, overlap: bool = True) -> torch.Tensor:
