@@ -74,7 +74,7 @@ LAYOUTS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "tp2-sp": dict(tp=2, sequence_p
            "pp2": dict(pp=2)}
 
 
-@dataclass
+@dataclass(frozen=True)
 class BenchConfig(TrainConfig):
     """TrainConfig with an optional layer count, for a reduced shape of a preset."""
 
