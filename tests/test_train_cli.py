@@ -159,3 +159,20 @@ def test_ctrl_c_stops_every_rank_and_resume_is_exact(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from cut/checkpoints/step_" in resumed.stdout
     assert _losses(tmp_path / "cut") == _losses(tmp_path / "whole")     # bit for bit
+
+
+def test_every_train_flag_has_the_help_of_its_config_field():
+    import dataclasses
+    import re
+
+    from fastpar.cli import _field_help
+    from fastpar.train import TrainConfig
+
+    helps = _field_help(TrainConfig)
+    out = subprocess.run([sys.executable, "-m", "fastpar", "train", "--help"], env=_env(),
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    flat = re.sub(r"\s+", " ", out)
+    for f in dataclasses.fields(TrainConfig):
+        assert helps.get(f.name), f"TrainConfig.{f.name} has no comment to serve as its help"
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in flat and re.sub(r"\s+", " ", helps[f.name]) in flat, flag
