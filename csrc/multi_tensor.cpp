@@ -72,16 +72,13 @@ void copy_run(const CopySegment& s, acc_t scale) {
 void scaled_copy_cpu(const std::vector<CopySegment>& segments, at::ScalarType src_dtype,
                      at::ScalarType dst_dtype, double scale, const at::Device&) {
   const auto chunks = split_segments(segments, src_dtype, dst_dtype, kCpuChunk);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src_dtype, "multi_tensor src", [&] {
-    using src_t = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst_dtype, "multi_tensor dst", [&] {
-      using dst_t = scalar_t;
-      using acc_t = std::conditional_t<
-          std::is_same_v<src_t, double> || std::is_same_v<dst_t, double>, double, float>;
-      const acc_t s = static_cast<acc_t>(scale);
-      at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
-        for (int64_t i = lo; i < hi; ++i) copy_run<src_t, dst_t, acc_t>(chunks[i], s);
-      });
+  dispatch_copy_types(src_dtype, dst_dtype, [&](auto src_v, auto dst_v, auto acc_v) {
+    using src_t = decltype(src_v);
+    using dst_t = decltype(dst_v);
+    using acc_t = decltype(acc_v);
+    const acc_t s = static_cast<acc_t>(scale);
+    at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) copy_run<src_t, dst_t, acc_t>(chunks[i], s);
     });
   });
 }

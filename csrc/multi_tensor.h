@@ -7,9 +7,11 @@
 // All tensors must be contiguous; the sources share one dtype, the destinations share one dtype.
 #pragma once
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <torch/library.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace fastpar {
@@ -29,6 +31,21 @@ using ScaledCopy = void (*)(const std::vector<CopySegment>& segments, at::Scalar
 std::vector<CopySegment> split_segments(const std::vector<CopySegment>& segments,
                                         at::ScalarType src_dtype, at::ScalarType dst_dtype,
                                         int64_t chunk);
+
+// Calls body(src_t{}, dst_t{}, acc_t{}) with the element types of the two dtypes and the type the
+// arithmetic runs in (double if either side is double, else float): every device's dispatch.
+template <typename Body>
+void dispatch_copy_types(at::ScalarType src_dtype, at::ScalarType dst_dtype, Body&& body) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src_dtype, "multi_tensor src", [&] {
+    using src_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst_dtype, "multi_tensor dst", [&] {
+      using dst_t = scalar_t;
+      using acc_t = std::conditional_t<
+          std::is_same_v<src_t, double> || std::is_same_v<dst_t, double>, double, float>;
+      body(src_t{}, dst_t{}, acc_t{});
+    });
+  });
+}
 
 // Registers the ops' kernels for the dispatch key of `m` (a TORCH_LIBRARY_IMPL block): each op
 // checks its arguments and hands their segments to `copy`, a null `copy` standing for a device

@@ -45,16 +45,13 @@ void scaled_copy_cuda(const std::vector<CopySegment>& segments, at::ScalarType s
   const auto* table_ptr = static_cast<const CopySegment*>(table.data_ptr());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   const auto blocks = static_cast<unsigned int>(chunks.size());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src_dtype, "multi_tensor src", [&] {
-    using src_t = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst_dtype, "multi_tensor dst", [&] {
-      using dst_t = scalar_t;
-      using acc_t = std::conditional_t<
-          std::is_same_v<src_t, double> || std::is_same_v<dst_t, double>, double, float>;
-      scaled_copy_kernel<src_t, dst_t, acc_t>
-          <<<blocks, kThreads, 0, stream>>>(table_ptr, static_cast<acc_t>(scale));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
+  dispatch_copy_types(src_dtype, dst_dtype, [&](auto src_v, auto dst_v, auto acc_v) {
+    using src_t = decltype(src_v);
+    using dst_t = decltype(dst_v);
+    using acc_t = decltype(acc_v);
+    scaled_copy_kernel<src_t, dst_t, acc_t>
+        <<<blocks, kThreads, 0, stream>>>(table_ptr, static_cast<acc_t>(scale));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
