@@ -7,7 +7,7 @@ import sys
 from ..models import PRESETS, GPTConfig, get_config
 from ..models import RECOMPUTE
 from .hardware import BUILTIN, get_hardware
-from ..mesh.layout import ParallelConfig, require_positive
+from ..mesh.layout import ParallelConfig, check_sizes, require_positive
 from ..pipeline.schedules import SCHEDULES
 from .planner import Cluster, Workload, evaluate, search
 
@@ -74,13 +74,12 @@ def run_plan(args) -> int:
         cluster = Cluster(args.gpus, args.gpus_per_node, get_hardware(args.hardware))
         require_positive({"top": args.top}, flags=True)
         if args.tp is not None and args.pp is not None:
-            if args.tp < 1 or args.pp < 1 or args.gpus % (args.tp * args.pp):
-                raise ValueError(f"gpus={args.gpus} is not divisible by tp*pp = "
-                                 f"{args.tp}*{args.pp}")
+            require_positive({"tp": args.tp, "pp": args.pp}, flags=True)
+            dp = check_sizes(args.gpus, args.tp, args.pp, None, "--gpus=")
             opts = {k: getattr(args, k) for k in _FIXED if getattr(args, k) is not None}
             if "schedule" not in opts and opts.get("virtual_stages", 1) > 1:
                 opts["schedule"] = "interleaved"
-            cfg = ParallelConfig(args.tp, args.pp, args.gpus // (args.tp * args.pp),
+            cfg = ParallelConfig(args.tp, args.pp, dp,
                                  sequence_parallel=args.sequence_parallel, zero1=args.zero1,
                                  **opts)
             est = evaluate(work, cluster, cfg)
