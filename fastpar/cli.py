@@ -71,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--json", action="store_true", help="print the information as JSON")
     _add_train(sub)
     add_plan(sub)
+    export = sub.add_parser("export", help="write a fastpar checkpoint in another format",
+                            description="Write a fastpar checkpoint (of any layout) as a Hugging "
+                                        "Face directory: config.json and model.safetensors.")
+    export.add_argument("--format", choices=("hf",), default="hf")
+    export.add_argument("checkpoint", help="a checkpoint folder (runs/.../checkpoints/step_N)")
+    export.add_argument("out", help="the folder to write")
     args = parser.parse_args(argv)
     if args.version:
         import fastpar
@@ -85,6 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args)
     if args.command == "plan":
         return run_plan(args)
+    if args.command == "export":
+        from .models.hf import export_checkpoint
+
+        try:
+            print(f"fastpar export: wrote {export_checkpoint(args.checkpoint, args.out)}")
+        except ValueError as e:
+            print(f"fastpar export: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     parser.print_help()
     return 2
 

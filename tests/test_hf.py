@@ -136,3 +136,47 @@ def test_missing_or_truncated_shard_is_one_clear_error(tmp_path):
     shards[0].unlink()
     with pytest.raises(ValueError, match=f"shard {shards[0].name} named by the index is missing"):
         _fastpar(tmp_path)
+
+
+def _train(rank, world_size, kwargs):
+    from fastpar.train import TrainConfig, train
+
+    return [r["loss"] for r in train(TrainConfig(**kwargs))]
+
+
+FINE_TUNE = dict(seq_len=32, global_batch_size=4, micro_batch_size=2, steps=2, warmup_steps=1,
+                 log_every=100)
+
+
+@pytest.mark.parametrize("world, layout", [(1, {}), (2, {"tp": 2})])
+def test_init_from_a_hugging_face_directory_starts_at_its_loss(tmp_path, world, layout):
+    import torch.nn.functional as F
+
+    from fastpar.train.data import BatchSampler, load_tokens
+
+    ref = _save("llama", tmp_path / "hf")
+    losses = run_ranks(_train, world, dict(FINE_TUNE, init_from=str(tmp_path / "hf"),
+                                           out=str(tmp_path / "run"), no_save=True, **layout),
+                       init_pg=False, timeout=180)[0]
+    x, y = BatchSampler(load_tokens(None), 32, 4).batch(1)
+    with torch.no_grad():
+        want = F.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten()).item()
+    assert losses[0] == pytest.approx(want, abs=1e-5)
+
+
+def test_export_of_a_tp2_checkpoint_loads_in_transformers(tmp_path):
+    from fastpar.cli import main
+    from fastpar.models import get_config
+    from fastpar.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    run_ranks(_train, 2, dict(FINE_TUNE, model="tiny", tp=2, out=str(tmp_path / "run")),
+              init_pg=False, timeout=180)
+    ckpt = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert main(["export", "--format", "hf", str(ckpt), str(tmp_path / "hf")]) == 0
+    model = GPT(get_config("tiny")).eval()
+    load_checkpoint(ckpt, [model], None, None)
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, model(x), atol=1e-5, rtol=0)
+    assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2

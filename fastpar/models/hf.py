@@ -240,3 +240,33 @@ def save_hf(model, out) -> Path:
     tmp.replace(out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def is_hf_dir(path) -> bool:
+    """Whether ``path`` is a Hugging Face directory (a config.json with a model_type), not a
+    fastpar checkpoint (a manifest.json)."""
+    config = Path(path) / "config.json"
+    return config.exists() and "model_type" in json.loads(config.read_text())
+
+
+def source_config(path) -> GPTConfig:
+    """The model config of a Hugging Face directory or of a fastpar checkpoint."""
+    path = Path(path)
+    if is_hf_dir(path):
+        return config_from_hf(json.loads((path / "config.json").read_text()))
+    from ..train.checkpoint import read_manifest
+
+    if not (path / "manifest.json").exists():
+        raise ValueError(f"{path} is neither a Hugging Face directory (config.json) nor a "
+                         f"fastpar checkpoint (manifest.json)")
+    return GPTConfig(**read_manifest(path)["model_config"])
+
+
+def export_checkpoint(ckpt, out) -> Path:
+    """A fastpar checkpoint of any layout as a Hugging Face directory (``fastpar export``)."""
+    from ..train.checkpoint import load_checkpoint
+    from .gpt import GPT
+
+    model = GPT(source_config(ckpt))
+    load_checkpoint(ckpt, [model], None, None)
+    return save_hf(model, out)

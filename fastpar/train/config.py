@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass
 
 from ..mesh.layout import ParallelConfig, require_positive
 from ..models import GPTConfig, get_config
+from ..models.hf import source_config
 
 PRECISIONS = ("auto", "bf16", "amp", "fp32")
 REDUCE_DTYPES = ("fp32", "bf16")
@@ -28,6 +29,9 @@ class TrainConfig(ParallelConfig):
     weight_decay: float = 0.1           # AdamW's decoupled decay, on matrices only
     grad_clip: float = 1.0              # clip by the true global norm; 0 disables
     seed: int = 0                       # model init and data order
+    init_from: str | None = None        # start from these weights (fine-tuning): a Hugging Face
+                                        # directory (Llama or GPT-2) or a fastpar checkpoint; the
+                                        # model's shape is theirs (--model is not used)
     data: str | None = None             # text file, folder, or uint16 .bin; None = stdlib corpus
     out: str | None = None              # metrics, plot, config, checkpoints; None = a fresh
                                         # folder under runs/ (fastpar.train.outdir)
@@ -50,7 +54,10 @@ class TrainConfig(ParallelConfig):
     peak_tflops: float | None = None    # per device, for MFU; None = not reported
 
     def __post_init__(self):
-        get_config(self.model)          # an unknown model raises here
+        mc = self.model_config          # an unknown model or a bad --init-from raises here
+        if self.seq_len > mc.max_seq_len:
+            raise ValueError(f"--seq-len={self.seq_len} is longer than the model's learned "
+                             f"positions ({mc.max_seq_len})")
         self.check_fields(flags=True)
         require_positive({k: getattr(self, k) for k in ("global_batch_size", "seq_len",
                                                         "log_every", "max_skipped_steps")},
@@ -86,8 +93,10 @@ class TrainConfig(ParallelConfig):
 
     @property
     def model_config(self) -> GPTConfig:
-        return get_config(self.model, max_seq_len=max(self.seq_len, get_config(self.model)
-                                                      .max_seq_len), init_seed=self.seed)
+        base = source_config(self.init_from) if self.init_from else get_config(self.model)
+        if not base.rotary:                 # learned positions: the table has its own length
+            return base.replace(init_seed=self.seed)
+        return base.replace(max_seq_len=max(self.seq_len, base.max_seq_len), init_seed=self.seed)
 
     def check_layout(self, world_size: int) -> int:
         """Check the config against the world; returns dp. Raises ValueError naming the numbers."""

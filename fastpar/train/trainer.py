@@ -28,6 +28,7 @@ import fastpar
 from ..data_parallel import DataParallel, DistributedOptimizer
 from ..mesh.watchdog import CollectiveTimeoutError, Watchdog
 from ..models import GPT
+from ..models.hf import is_hf_dir, load_hf
 from ..pipeline import PipelineExecutor, build_schedule, build_stages
 from ..tensor_parallel import vocab_parallel_cross_entropy
 from . import faults
@@ -88,6 +89,15 @@ def _clip(chunks, mesh, max_norm: float, opt: DistributedOptimizer) -> float:
     return float(opt.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"),
                                      groups=[mesh.tp_group, mesh.pp_group],
                                      counted=lambda p: id(p) in sharded or mesh.tp_rank == 0))
+
+
+def _init_from(path, chunks, mesh, say) -> None:
+    if is_hf_dir(path):
+        load_hf(path, chunks, mesh.tp_size, mesh.tp_rank)
+    else:
+        load_checkpoint(path, chunks, None, mesh)
+    if say:
+        say(f"fastpar train: starting from the weights in {path}")
 
 
 def _loss_fn(tp_group):
@@ -154,6 +164,8 @@ def train(cfg: TrainConfig) -> list[dict]:
                         nccl_trace=str(trace / "rank_"))
     torch.manual_seed(cfg.seed)
     chunks = build_model(cfg, mesh)
+    if cfg.init_from and resume_from is None:   # fine-tuning: the weights, not the optimizer
+        _init_from(cfg.init_from, chunks, mesh, say)
     ddp, opt = _wrap(cfg, chunks, mesh, dp)
     sampler = BatchSampler(tokens, cfg.seq_len, cfg.global_batch_size, cfg.seed,
                            mesh.dp_rank, dp)
