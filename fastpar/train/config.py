@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 from ..mesh.layout import ParallelConfig, require_positive
 from ..models import GPTConfig, get_config
@@ -91,8 +92,9 @@ class TrainConfig(ParallelConfig):
             raise ValueError(f"--virtual-stages={self.virtual_stages} needs "
                              f"--schedule interleaved, not {self.schedule!r}")
 
-    @property
+    @cached_property
     def model_config(self) -> GPTConfig:
+        """The model's shape: the preset, or what ``init_from`` holds (read once)."""
         base = source_config(self.init_from) if self.init_from else get_config(self.model)
         if not base.rotary:                 # learned positions: the table has its own length
             return base.replace(init_seed=self.seed)
