@@ -38,7 +38,8 @@ from fastpar.data_parallel import DataParallel  # noqa: E402
 from fastpar.pipeline import PipelineExecutor, build_schedule  # noqa: E402
 from fastpar.testing import run_ranks  # noqa: E402
 from fastpar.train import TrainConfig  # noqa: E402
-from fastpar.train.trainer import _loss_fn, _step, build_model  # noqa: E402
+from fastpar.train.step import forward_backward, loss_fn  # noqa: E402
+from fastpar.train.trainer import build_model  # noqa: E402
 
 VARIANTS = ["on", "off", "off-again", "compute-only"]
 
@@ -57,11 +58,11 @@ class _Variant:
         self.opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
         v = cfg.virtual_stages
         self.pipe = PipelineExecutor(self.chunks, build_schedule(cfg.schedule, cfg.pp, self.M, v),
-                                     mesh.pp_group, loss_fn=_loss_fn(mesh.tp_group))
+                                     mesh.pp_group, loss_fn=loss_fn(mesh.tp_group))
 
     def step(self, x, y) -> None:
-        _step(self.chunks, self.ddp, self.pipe, x, y, self.M, self.mesh,
-              overlap=self.kind == "on")
+        forward_backward(self.chunks, self.ddp, self.pipe, x, y, self.M, self.mesh,
+                         overlap=self.kind == "on")
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 

@@ -11,7 +11,7 @@ variant starts from the same weights and sees the same batch; the losses of the 
 (the second one after an optimizer step, so it checks the gradients too) must agree across all
 variants, or the run stops.
 
-  fastpar dp2   ``build_model`` (tp=1) and the trainer's ``_wrap`` / ``_step`` / ``_clip``
+  fastpar dp2   ``build_model`` (tp=1) and the trainer's ``_wrap`` / ``forward_backward`` / ``_clip``
   torch   dp2   the same GPT in DistributedDataParallel with gradient_as_bucket_view=True (no_sync
                 on all but the last micro-batch;
                 no buffer sync per forward: its only buffers are the constant rotary tables)
@@ -67,8 +67,8 @@ from fastpar.pipeline import PipelineExecutor, build_schedule  # noqa: E402
 from fastpar.testing import run_ranks  # noqa: E402
 from fastpar.train import TrainConfig  # noqa: E402
 from wire import WireRecorder  # noqa: E402  (tests/wire.py)
-from fastpar.train.trainer import (_clip, _loss_fn, _param_groups, _step, _wrap,  # noqa: E402
-                                   build_model)
+from fastpar.train.step import forward_backward, loss_fn  # noqa: E402
+from fastpar.train.trainer import _clip, _param_groups, _wrap, build_model  # noqa: E402
 
 LAYOUTS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "tp2-sp": dict(tp=2, sequence_parallel=True),
            "pp2": dict(pp=2)}
@@ -121,10 +121,10 @@ def fastpar_variant(cfg, mesh):
     pipe = None
     if cfg.pp > 1:
         pipe = PipelineExecutor(chunks, build_schedule(cfg.schedule, cfg.pp, M), mesh.pp_group,
-                                loss_fn=_loss_fn(mesh.tp_group))
+                                loss_fn=loss_fn(mesh.tp_group))
 
     def step(x, y):
-        loss = _step(chunks, ddp, pipe, x, y, M, mesh)
+        loss = forward_backward(chunks, ddp, pipe, x, y, M, mesh)
         dist.all_reduce(loss, group=mesh.dp_group)
         _clip(chunks, mesh, cfg.grad_clip, opt)
         opt.step()
@@ -191,7 +191,7 @@ def torch_pp(cfg, mesh):
     stage = pipelining.PipelineStage(chunks[0], mesh.pp_rank,
                                      cfg.pp, mesh.device, group=mesh.pp_group)
     M = cfg.num_microbatches(cfg.global_batch_size, mesh.dp_size)
-    sched = pipelining.Schedule1F1B(stage, n_microbatches=M, loss_fn=_loss_fn(mesh.tp_group))
+    sched = pipelining.Schedule1F1B(stage, n_microbatches=M, loss_fn=loss_fn(mesh.tp_group))
     opt, params = _adamw(cfg, chunks), [p for c in chunks for p in c.parameters()]
     first, last = mesh.pp_rank == 0, mesh.pp_rank == cfg.pp - 1
 

@@ -12,6 +12,8 @@ import typing
 from importlib import metadata
 
 from .plan.cli import add_plan, run_plan
+from .train.prepare import add_prepare, run_prepare
+from .train.sample import add_generate, run_generate
 
 
 def _version(package: str) -> str | None:
@@ -77,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--format", choices=("hf",), default="hf")
     export.add_argument("checkpoint", help="a checkpoint folder (runs/.../checkpoints/step_N)")
     export.add_argument("out", help="the folder to write")
+    add_prepare(sub)
+    add_generate(sub)
     args = parser.parse_args(argv)
     if args.version:
         import fastpar
@@ -91,8 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args)
     if args.command == "plan":
         return run_plan(args)
+    if args.command == "prepare-data":
+        return run_prepare(args)
+    if args.command == "generate":
+        return run_generate(args)
     if args.command == "export":
-        from .models.hf import export_checkpoint
+        from .train.hf import export_checkpoint
 
         try:
             print(f"fastpar export: wrote {export_checkpoint(args.checkpoint, args.out)}")

@@ -2,22 +2,64 @@
 import numpy as np
 import pytest
 
-from fastpar.train.data import BatchSampler, ByteTokenizer, load_tokens, write_token_file
+from fastpar.train import ByteTokenizer as ExportedByteTokenizer
+from fastpar.train.data import (VAL_FRACTION, BatchSampler, ByteTokenizer, check_data, data_vocab,
+                                 load_tokens, write_token_file)
+from fastpar.train.tokenizer import ByteTokenizer as TheByteTokenizer
 
 
 def test_sources(tmp_path):
+    assert ByteTokenizer is ExportedByteTokenizer is TheByteTokenizer
     tok = ByteTokenizer()
-    assert tok.decode(tok.encode("héllo")) == "héllo"
-    stdlib = load_tokens(max_bytes=100_000)
-    assert len(stdlib) == 100_000 and stdlib.dtype == np.uint8
+    assert tok.decode(tok.encode("héllo")) == "héllo" and tok.encode("é") == [0xc3, 0xa9]
+    stdlib = load_tokens(max_bytes=100_000)              # the first 95%: the last 5% is val
+    assert len(stdlib) == 95_000 and stdlib.dtype == np.uint8
     (tmp_path / "a.txt").write_text("abc" * 50)
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b.txt").write_text("xyz" * 50)
-    assert len(load_tokens(str(tmp_path))) == 300
-    assert len(load_tokens(str(tmp_path / "a.txt"))) == 150
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / ".hidden" / "c.txt").write_text("skipped")
+    assert len(load_tokens(str(tmp_path))) == 285 and data_vocab(str(tmp_path)) == 256
+    assert len(load_tokens(str(tmp_path / "a.txt"))) == 143
     write_token_file(tmp_path / "t.bin", np.arange(1000) * 7)
-    t = load_tokens(str(tmp_path / "t.bin"))
-    assert t.dtype == np.uint16 and list(t[:3]) == [0, 7, 14]
+    t = load_tokens(str(tmp_path / "t.bin"))             # a token file: all of it is train
+    assert t.dtype == np.uint16 and list(t[:3]) == [0, 7, 14] and len(t) == 1000
+    assert data_vocab(str(tmp_path / "t.bin")) == 6994
+    (np.arange(1000, dtype=np.uint16) * 7).tofile(tmp_path / "legacy.bin")
+    legacy = load_tokens(str(tmp_path / "legacy.bin"))
+    assert legacy.dtype == np.uint16 and len(legacy) == 950 and legacy[-1] == 949 * 7
+    assert data_vocab(str(tmp_path / "legacy.bin")) is None and data_vocab(None) == 256
+
+
+@pytest.mark.parametrize("source", [None, "folder", "a.txt", "legacy.bin"])
+def test_raw_sources_split_into_disjoint_train_and_val(tmp_path, source):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "a.txt").write_text("".join(chr(65 + i % 26) for i in range(999)))
+    (tmp_path / "a.txt").write_text("héllo wörld " * 70)
+    (np.arange(2001, dtype=np.uint16) * 3).tofile(tmp_path / "legacy.bin")
+    path = None if source is None else str(tmp_path / source)
+    whole = np.concatenate([load_tokens(path, 200_000, split=s) for s in ("train", "val")])
+    n = len(whole)
+    train, val = load_tokens(path, 200_000), load_tokens(path, 200_000, split="val")
+    assert len(val) == int(n * VAL_FRACTION) > 0 and len(train) == n - len(val)
+    if source == "legacy.bin":                            # ids are their positions x 3
+        assert list(train[-1:]) == [(n - len(val) - 1) * 3] and val[0] == (n - len(val)) * 3
+    check_data(path, 10, 8000, "m", split="val")
+
+
+def test_raw_split_errors(tmp_path):
+    (tmp_path / "short.txt").write_text("nineteen bytes here")
+    with pytest.raises(ValueError, match="has 19 tokens, too few to hold out the last 5%"):
+        load_tokens(str(tmp_path / "short.txt"), split="val")
+    with pytest.raises(ValueError, match="split='test' is not one of train, val"):
+        load_tokens(None, split="test")
+    (tmp_path / "long.txt").write_text("x" * 100)         # 95 train tokens, 5 val tokens
+    check_data(str(tmp_path / "long.txt"), 93)
+    with pytest.raises(ValueError, match="has 95 tokens in its train split, fewer than "
+                                         r"--seq-len \+ 2 = 96"):
+        check_data(str(tmp_path / "long.txt"), 94)
+    with pytest.raises(ValueError, match="has 100 tokens, fewer than"):
+        check_data(str(tmp_path / "long.txt"), 99)
 
 
 def test_global_batch_is_the_same_for_every_dp_size():

@@ -17,7 +17,8 @@ def _one_step(mesh, name, v, zero1, overlap):
     """One trainer step (fastpar.train's own pieces) on the tiny GPT; what the rank saw."""
     from fastpar.data_parallel import DataParallel, DistributedOptimizer
     from fastpar.pipeline import PipelineExecutor, build_schedule
-    from fastpar.train.trainer import _loss_fn, _step, build_model
+    from fastpar.train.step import forward_backward, loss_fn
+    from fastpar.train.trainer import build_model
 
     cfg = TrainConfig(model="tiny", pp=2, schedule=name, virtual_stages=v, seq_len=32,
                       global_batch_size=16, micro_batch_size=2, zero1=zero1)
@@ -30,7 +31,7 @@ def _one_step(mesh, name, v, zero1, overlap):
            else torch.optim.AdamW(params, lr=1e-2))
     stages = chunks
     pipe = PipelineExecutor(stages, build_schedule(name, 2, M, v), mesh.pp_group,
-                            loss_fn=_loss_fn(mesh.tp_group), record=True)
+                            loss_fn=loss_fn(mesh.tp_group), record=True)
     accumulated = []                # when any gradient was accumulated (hooks, this thread)
     for p in params:
         p.register_post_accumulate_grad_hook(lambda _p: accumulated.append(time.perf_counter_ns()))
@@ -38,7 +39,7 @@ def _one_step(mesh, name, v, zero1, overlap):
     x = torch.randint(0, 256, (16 // mesh.dp_size, 32), generator=g)
     y = torch.randint(0, 256, (16 // mesh.dp_size, 32), generator=g)
     ddp.events.enable()
-    _step(chunks, ddp, pipe, x, y, M, mesh, overlap=overlap)
+    forward_backward(chunks, ddp, pipe, x, y, M, mesh, overlap=overlap)
     events = ddp.events.take()
     backward_end = max(e.end for e in pipe.events if e.action.kind in ("B", "W"))
     backward_end_ns = int((pipe.step_start + backward_end) * 1e9)

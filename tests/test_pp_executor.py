@@ -44,8 +44,15 @@ def _one_schedule(mesh, name, v, m):
     opt, ref_opt = torch.optim.SGD(params, lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     for step in range(3):
         tokens, targets = batch(step, size=2 * m)
+        evaluated = pipe.evaluate(tokens, targets)      # forward only: no gradient, no graph
+        assert all(p.grad is None for p in params), f"{name}: evaluate left gradients"
         loss = pipe.step(tokens, targets)
         ref_loss = loss_fn(ref(tokens), targets)
+        if rank == pp - 1:
+            _close(evaluated, ref_loss.detach(), f"{name} step {step} evaluated loss")
+            assert not evaluated.requires_grad
+        else:
+            assert evaluated is None
         ref_loss.backward()
         if rank == pp - 1:
             _close(loss, ref_loss.detach(), f"{name} step {step} loss")

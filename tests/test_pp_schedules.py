@@ -166,3 +166,18 @@ def test_bad_arguments():
     for fn, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
             fn()
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_forward_schedule_keeps_the_forward_order(name, v):
+    from fastpar.pipeline import forward_schedule
+
+    for pp, m in ((2, 4), (4, 8), (3, 6)):
+        s = build_schedule(name, pp, m, v)
+        f = forward_schedule(s)
+        assert not f.split_backward
+        for rank in range(pp):
+            assert f.compute(rank) == [a for a in s.compute(rank) if a.kind == "F"]
+            assert {a.kind for a in f.actions[rank]} <= {"F", "SEND_F", "RECV_F"}
+    with pytest.raises(ScheduleError, match="expected"):    # a B on one rank only is no schedule
+        Schedule("half", 1, 2, 1, [[Action("F", 0), Action("B", 0), Action("F", 1)]])

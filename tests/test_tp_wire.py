@@ -75,7 +75,8 @@ def _pipeline_bytes(rank, world, pp, bf16):
     import fastpar
     from fastpar.pipeline import PipelineExecutor, build_schedule
     from fastpar.train import TrainConfig
-    from fastpar.train.trainer import _loss_fn, build_model
+    from fastpar.train.step import loss_fn
+    from fastpar.train.trainer import build_model
     cfg = TrainConfig(model="tiny", pp=pp, seq_len=16, global_batch_size=4, micro_batch_size=1,
                       precision="amp" if bf16 else "fp32", out="unused")
     mesh = fastpar.init(pp=pp)
@@ -83,7 +84,7 @@ def _pipeline_bytes(rank, world, pp, bf16):
     stages = chunks
     M = cfg.num_microbatches(cfg.global_batch_size, 1)
     pipe = PipelineExecutor(stages, build_schedule("1f1b", pp, M), mesh.pp_group,
-                            loss_fn=_loss_fn(mesh.tp_group))
+                            loss_fn=loss_fn(mesh.tp_group))
     x = torch.randint(0, 256, (4, 16))
     with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
         pipe.step(x, x)                         # the first step: shapes are exchanged

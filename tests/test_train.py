@@ -1,4 +1,5 @@
-"""The trainer: every layout's loss curve equals the single-process one; resume; the CLI."""
+"""The trainer: every layout's loss curve and validation loss equal the single-process ones;
+resume; the CLI."""
 import json
 import os
 import shutil
@@ -13,22 +14,32 @@ from fastpar.train import TrainConfig
 
 BASE = dict(model="tiny", seq_len=32, global_batch_size=8, micro_batch_size=2, steps=20,
             warmup_steps=3, log_every=100)
+EVAL = dict(eval_every=10, eval_batches=2)      # validation after steps 10 and 20
 
 
 def _train(rank, world_size, kwargs):
     from fastpar.train import train
 
-    return [r["loss"] for r in train(TrainConfig(**kwargs))]
+    return [{k: r[k] for k in ("loss", "val_loss") if k in r} for r in train(TrainConfig(**kwargs))]
 
 
-def _losses(world, out, **kwargs):
+def _rows(world, out, **kwargs):
     cfg = dict(BASE, out=str(out), **kwargs)
     return run_ranks(_train, world, cfg, init_pg=False, timeout=240)[0]
 
 
+def _losses(world, out, **kwargs):
+    return [r["loss"] for r in _rows(world, out, **kwargs)]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return _losses(1, tmp_path_factory.mktemp("ref"))
+def reference_rows(tmp_path_factory):
+    return _rows(1, tmp_path_factory.mktemp("ref"), **EVAL)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_rows):
+    return [r["loss"] for r in reference_rows]
 
 
 LAYOUTS = {
@@ -43,13 +54,17 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_loss_curve_equals_single_process(name, reference, tmp_path):
+def test_layout_loss_curve_equals_single_process(name, reference_rows, tmp_path):
     world, kwargs = LAYOUTS[name]
-    losses = _losses(world, tmp_path, **kwargs)
-    assert len(losses) == len(reference)
-    for step, (a, b) in enumerate(zip(losses, reference), 1):
-        assert abs(a - b) <= 1e-5 * abs(b), f"{name} step {step}: {a} vs {b}"
-    assert reference[-1] < reference[0]
+    rows = _rows(world, tmp_path, **EVAL, **kwargs)
+    assert len(rows) == len(reference_rows)
+    for step, (a, b) in enumerate(zip(rows, reference_rows), 1):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], f"{name} step {step}: {a} vs {b}"
+        assert a.keys() == b.keys() == ({"loss", "val_loss"} if step % 10 == 0 else {"loss"})
+        if "val_loss" in b:     # the held-out loss, forward only (the pipeline's too)
+            assert abs(a["val_loss"] - b["val_loss"]) <= 1e-5 * b["val_loss"], (name, step, a, b)
+    assert reference_rows[-1]["loss"] < reference_rows[0]["loss"]
+    assert reference_rows[-1]["val_loss"] < reference_rows[9]["val_loss"]
 
 
 def _params(ckpt):
@@ -95,6 +110,10 @@ def test_cli_trains_and_its_loss_falls(tmp_path):
     assert (run / "loss.png").stat().st_size > 1000
     assert json.loads((run / "config.json").read_text())["dp"] == 2
     assert (run / "checkpoints" / "step_25" / "manifest.json").exists()
+    # What the model writes after training: 48 tokens after a held-out prompt.
+    head, sample = out.stdout.split("fastpar train: sample (48 tokens after a held-out prompt, "
+                                    "after the '|'):\n")
+    assert 16 < len(sample.rstrip("\n")) <= 16 + 1 + 48, sample     # a byte is at most a char
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -39,6 +39,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from .. import extension
+from ..mesh.profiling import span
 from .buckets import BucketSpec
 from .comm import (CommStream, EventLog, all_reduce_async, needs_scratch,
                    reduce_scatter_async)
@@ -217,7 +218,8 @@ class GradReducer:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
-        with self.stream.issue():
+        with self.stream.issue(), span("dp start", "reduce-scatter" if self.sharded else
+                                       "all-reduce", "of bucket", b):
             if bucket.main is not None and bucket.buffer is not bucket.main:
                 torch.mul(bucket.main, 1.0 / self.world, out=bucket.buffer)   # bf16 on the wire
             elif bucket.in_buffer:
@@ -281,7 +283,8 @@ class GradReducer:
         delivered = set()
         for b, bucket in enumerate(self.buckets):
             if bucket.work is not None:
-                bucket.work.wait()
+                with span("dp wait for bucket", b):
+                    bucket.work.wait()
             self.events.record("done", b)
             if early is not None and not bucket.missing:
                 self.stream.join()

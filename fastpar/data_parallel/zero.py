@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import extension
+from ..mesh.profiling import span
 from .comm import all_gather_async
 from .data_parallel import DataParallel
 
@@ -260,7 +261,7 @@ class DistributedOptimizer:
             if not self._intact(b):
                 extension.multi_tensor_unpack(self._master[b], [p.detach() for p in bucket.params])
             return
-        with self._reducer.stream.issue():
+        with self._reducer.stream.issue(), span("zero-1 start all-gather of bucket", b):
             shard = self._master[b].to(self._full[b].dtype)
             work = all_gather_async(self._full[b], shard, self.model.dp_group)
         self._gathers[b] = (work, shard)         # the shard must live until the gather ends
@@ -279,7 +280,8 @@ class DistributedOptimizer:
             if item is None:
                 continue
             if item[0] is not None:
-                item[0].wait()
+                with span("zero-1 wait for the all-gather of bucket", b):
+                    item[0].wait()
             self._reducer.stream.join()
             if self._intact(b):
                 continue                     # the gather landed in the parameters themselves

@@ -1,5 +1,5 @@
-"""The rank layout and parallel configuration, the mesh of process groups, the collective watchdog."""
-from .layout import Coords, Layout, ParallelConfig, layout
+"""The rank layout, the mesh of process groups, the collective watchdog, profiler ranges."""
+from .layout import Coords, Layout, layout
 from .mesh import Mesh, init
 
-__all__ = ["Coords", "Layout", "Mesh", "ParallelConfig", "init", "layout"]
+__all__ = ["Coords", "Layout", "Mesh", "init", "layout"]

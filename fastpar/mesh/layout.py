@@ -1,5 +1,5 @@
 """Rank layout: how global ranks map to (dp, pp, tp) coordinates and process groups, and the
-parallel configuration (:class:`ParallelConfig`) that training and the planner both check.
+size checks every layout goes through (``require_positive``, ``check_sizes``).
 
 Pure arithmetic, no processes. The ``order`` string names the dimensions from the innermost
 (consecutive ranks) to the outermost, as Megatron writes it. With the default ``"tp-dp-pp"``
@@ -38,64 +38,6 @@ def check_sizes(world: int, tp: int, pp: int, dp: int | None,
     if tp * pp * dp != world:
         raise ValueError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} != {world_name}{world}")
     return dp
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """How one training step is laid out and run: the sizes of the three dimensions, the
-    pipeline schedule, micro-batching, recomputation, sequence parallelism and ZeRO-1.
-
-    ``fastpar.train.TrainConfig`` is one (plus the run's other settings); the planner searches
-    them. :meth:`check` is the one place their combination with a model and a world is checked.
-    """
-
-    tp: int = 1                         # tensor-parallel size
-    pp: int = 1                         # pipeline-parallel size
-    dp: int | None = None               # data-parallel size; None = world / (tp * pp)
-    virtual_stages: int = 1             # model chunks per pipeline rank (interleaved)
-    micro_batch_size: int = 1           # sequences per micro-batch
-    schedule: str = "1f1b"              # pipeline schedule when pp > 1
-    recompute: str = "none"             # activation recomputation: none | selective | full
-    sequence_parallel: bool = False     # sequence parallelism inside TP
-    zero1: bool = False                 # shard optimizer state over the DP group
-
-    def num_microbatches(self, global_batch: int, dp: int | None = None) -> int:
-        return global_batch // (self.micro_batch_size * (dp or self.dp))
-
-    def check_fields(self, flags: bool = False) -> None:
-        """The checks that need no model or world: sizes >= 1, known schedule and recompute."""
-        from ..models import RECOMPUTE
-        from ..pipeline.schedules import SCHEDULES
-        require_positive({k: getattr(self, k) for k in ("tp", "pp", "virtual_stages",
-                                                        "micro_batch_size")}, flags=flags)
-        if self.dp is not None:
-            require_positive({"dp": self.dp}, flags=flags)
-        for name, allowed in (("schedule", tuple(SCHEDULES)), ("recompute", RECOMPUTE)):
-            if getattr(self, name) not in allowed:
-                shown = "--" + name if flags else name
-                raise ValueError(f"{shown}={getattr(self, name)!r} is not one of {allowed}")
-
-    def check(self, model, world: int, global_batch: int, seq_len: int,
-              world_name: str = "world size ") -> int:
-        """Raise ValueError naming the numbers if this layout cannot run ``model`` (a
-        ``GPTConfig``) on ``world`` ranks with ``global_batch`` sequences of ``seq_len`` tokens
-        per step; returns dp."""
-        from ..pipeline.schedules import check_args
-        self.check_fields()
-        dp = check_sizes(world, self.tp, self.pp, self.dp, world_name)
-        model.check_tp(self.tp)
-        if model.n_layers < self.pp * self.virtual_stages:
-            raise ValueError(f"the model has {model.n_layers} layers, fewer than pp x virtual "
-                             f"stages = {self.pp} x {self.virtual_stages}")
-        if global_batch % (self.micro_batch_size * dp):
-            raise ValueError(f"global batch {global_batch} is not divisible by micro-batch "
-                             f"size x dp = {self.micro_batch_size} x {dp}")
-        if self.sequence_parallel and seq_len % self.tp:
-            raise ValueError(f"--seq-len={seq_len} is not divisible by tp={self.tp} under "
-                             f"sequence parallelism")
-        check_args(self.schedule, self.pp, self.num_microbatches(global_batch, dp),
-                   self.virtual_stages)
-        return dp
 
 
 class Coords(NamedTuple):

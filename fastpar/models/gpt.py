@@ -93,12 +93,13 @@ class GPT(nn.Module):
             for proj in (layer.attn.o, layer.mlp.down):
                 proj.weight.mul_((2 * self.config.n_layers) ** -0.5)
 
-    def embed_tokens(self, tokens):
-        """(B, S) ids -> (S, B, D) hidden, or (S/tp, B, D) under sequence parallelism."""
+    def embed_tokens(self, tokens, start: int = 0):
+        """(B, S) ids at positions ``start`` .. start + S - 1 -> (S, B, D) hidden, or
+        (S/tp, B, D) under sequence parallelism."""
         x = self.embed(tokens.t().contiguous())
         if not self.config.rotary:
             S = tokens.shape[1]
-            pos = self.pos_embed.weight[:S]
+            pos = self.pos_embed.weight[start:start + S]
             if self.sp:
                 tp, r = group_size(self.tp_group), group_rank(self.tp_group)
                 pos = copy_to_tp(pos, self.tp_group).chunk(tp, 0)[r]
@@ -125,10 +126,16 @@ class GPT(nn.Module):
             z = z.masked_fill(ids >= cfg.vocab_size, float("-inf"))  # never predicted
         return z.transpose(0, 1)
 
-    def forward(self, x, targets=None):
+    def forward(self, x, targets=None, cache=None):
         """Tokens (B, S) on the first stage, hidden (S[/tp], B, D) on the others. Returns the mean
         loss over non-ignored targets if ``targets`` (B, S) is given on the last stage, else the
-        logits (B, S, V/tp) on the last stage, else the hidden state for the next stage."""
+        logits (B, S, V/tp) on the last stage, else the hidden state for the next stage.
+
+        ``cache`` (a :class:`~fastpar.models.generate.KVCache`, inference): the tokens are the
+        ``cache.length``-th onwards; each layer appends its keys and values to the cache and
+        attends to all it holds, and the cache grows by S."""
+        if cache is not None:
+            return self._forward_cached(x, cache)
         if self.pre_process:
             if x.dim() != 2 or x.shape[1] > self.config.max_seq_len:
                 raise ValueError(f"GPT: tokens must be (B, S) with S <= max_seq_len="
@@ -148,3 +155,17 @@ class GPT(nn.Module):
         loss = vocab_parallel_cross_entropy(z, targets, tp_group=self.tp_group)   # (B, S)
         valid = (targets != -100).sum().clamp(min=1)
         return loss.sum() / valid
+
+    def _forward_cached(self, x, cache):
+        """forward with a KV cache: positions from ``cache.length``, no recompute, no loss."""
+        start = cache.length
+        S = x.shape[1] if self.pre_process else x.shape[0]
+        cache.check(self, S)
+        if self.pre_process:
+            x = self.embed_tokens(x, start)
+        rope = (self.rope_cos[start:start + S], self.rope_sin[start:start + S]) \
+            if self.config.rotary else None
+        for name, layer in self.layers.items():
+            x = layer(x, rope, kv=cache.layers[name])
+        cache.advance(S)
+        return self.logits(x) if self.post_process else x

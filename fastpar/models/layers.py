@@ -69,14 +69,20 @@ class ParallelAttention(nn.Module):
                                    tp_group=tp_group, sequence_parallel=sequence_parallel,
                                    overlap=overlap, skip_bias_add=True)
 
-    def core(self, q, k, v):
-        """softmax(q k^T / sqrt(hd)) v, causal; (B, h, S, hd). The part selective recompute redoes."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+    def core(self, q, k, v, start=0):
+        """softmax(q k^T / sqrt(hd)) v, causal; q (B, h, S, hd), k and v (B, h_kv, start + S, hd).
+        The part selective recompute redoes. ``start``: keys before the queries (a KV cache)."""
+        S, mask = q.shape[2], None
+        if start and S > 1:     # a chunk after a prefix: query i sees keys 0 .. start + i
+            mask = torch.ones(S, start + S, dtype=torch.bool, device=q.device).tril(start)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=start == 0,
                                               enable_gqa=self.kv_heads != self.heads)
 
-    def forward(self, x, rope=None, recompute_core=False):
+    def forward(self, x, rope=None, recompute_core=False, kv=None):
         """(output, bias): the output projection's bias is left for the caller's fused
-        bias + dropout + residual add."""
+        bias + dropout + residual add. ``kv`` (inference): this layer's ``LayerCache`` (see
+        fastpar.models.generate); k and v are appended to it and q attends to all it holds,
+        ``rope`` then being the tables' rows of these positions."""
         hd = self.config.head_dim
         q, k, v = self.qkv.split(self.qkv(x))                   # (S, B, heads/tp * hd) views
         S, B = q.shape[:2]
@@ -86,7 +92,11 @@ class ParallelAttention(nn.Module):
             q, k = kernels.rotary(q, k, *rope)
         q, k = q.transpose(1, 2), k.transpose(1, 2)             # (B, h, S, hd)
         v = v.view(S, B, self.kv_heads, hd).permute(1, 2, 0, 3)
-        if recompute_core:
+        if kv is not None:
+            start = kv.length
+            k, v = kv.append(k, v)                              # (B, h_kv, start + S, hd)
+            y = self.core(q, k, v, start)
+        elif recompute_core:
             y = torch.utils.checkpoint.checkpoint(self.core, q, k, v, use_reentrant=False)
         else:
             y = self.core(q, k, v)
@@ -146,6 +156,6 @@ class ParallelTransformerLayer(nn.Module):
         return kernels.bias_dropout_add(branch, bias, residual.to(branch.dtype), self.dropout,
                                         self.training, None, self.shard * branch.numel())
 
-    def forward(self, x, rope=None, recompute_core=False):
-        x = self._add(*self.attn(self.norm1(x), rope, recompute_core), x)
+    def forward(self, x, rope=None, recompute_core=False, kv=None):
+        x = self._add(*self.attn(self.norm1(x), rope, recompute_core, kv), x)
         return self._add(*self.mlp(self.norm2(x)), x)

@@ -11,11 +11,11 @@ from .executor import PipelineExecutor
 from .p2p import PipelineTimeoutError
 from .partition import estimate_layer_costs, partition
 from .actions import Action, Schedule, ScheduleError
-from .schedules import SCHEDULES, build_schedule, make_schedule
+from .schedules import SCHEDULES, build_schedule, forward_schedule, make_schedule
 from .simulate import Event, Simulation, chrome_trace, plot_gantt, simulate
 from .stage import PipelineStage, build_stages
 
 __all__ = ["Action", "Event", "PipelineExecutor", "PipelineStage", "PipelineTimeoutError",
            "SCHEDULES", "Schedule", "ScheduleError", "Simulation", "build_schedule",
-           "build_stages", "chrome_trace", "estimate_layer_costs", "make_schedule", "partition",
-           "plot_gantt", "simulate"]
+           "build_stages", "chrome_trace", "estimate_layer_costs", "forward_schedule",
+           "make_schedule", "partition", "plot_gantt", "simulate"]

@@ -28,7 +28,9 @@ import torch.nn as nn
 
 from . import p2p
 from .backward import Capture, backward_input, backward_weight, deferrable
+from ..mesh.profiling import span
 from .actions import Schedule
+from .schedules import forward_schedule
 from .shapes import batch_error, exchange_shapes
 from .simulate import Event
 
@@ -53,6 +55,7 @@ class _Step:
     peak: int = 0
     events: list = field(default_factory=list)
     arrived: float | None = None                     # when the current action's input arrived
+    keep: bool = True                                # keep activations for backward
 
 
 class PipelineExecutor:
@@ -125,6 +128,7 @@ class PipelineExecutor:
         # The chunk's last B (and last W): the actions after which its gradients are final.
         self._final = {max(i for i, a in enumerate(acts) if a.kind == kind and a.chunk == c)
                        for kind in {"B", done} for c in range(schedule.virtual_stages)}
+        self._forward_schedule: Schedule | None = None
         self.peak_activations = 0
         self.events: list[Event] = []
         self.step_start = 0.0
@@ -135,7 +139,20 @@ class PipelineExecutor:
         """Run one step on a batch; returns the mean micro-batch loss on the rank holding the
         last stage, None elsewhere. Gradients accumulate into ``.grad`` (zero them between
         steps). ``inputs`` is needed where stage 0 lives, ``targets`` where the last stage does."""
-        s = self.schedule
+        return self._run(self.schedule, inputs, targets)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor | None = None,
+                 targets: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The mean micro-batch loss of a batch, forward only (Megatron's ``forward_only``): the
+        schedule's forwards in the same order, no graph kept, each activation dropped once sent.
+        Returns it on the rank holding the last stage, None elsewhere."""
+        if self._forward_schedule is None:
+            self._forward_schedule = forward_schedule(self.schedule)
+        return self._run(self._forward_schedule, inputs, targets)
+
+    def _run(self, s: Schedule, inputs, targets) -> torch.Tensor | None:
+        training = s is self.schedule
         has_first = any(s.stage_index(self.rank, c) == 0 for c in range(s.virtual_stages))
         has_last = self.rank == (s.num_stages - 1) % s.pp_size
         xs, x_err = self._split_batch(inputs, has_first, 1)
@@ -149,7 +166,7 @@ class PipelineExecutor:
             raise ValueError(f"pipeline step: micro-batch shape {tuple(xs[0].shape)} differs "
                              f"from the first step's {tuple(self._meta[('in', 0)][0])}; the "
                              f"shapes are fixed at the first step, build a new PipelineExecutor")
-        st = _Step(xs, ts)
+        st = _Step(xs, ts, keep=training)
         start = time.perf_counter()
         acts, i = s.actions[self.rank], 0
         while i < len(acts):
@@ -157,24 +174,27 @@ class PipelineExecutor:
                 j = i
                 while j < len(acts) and not acts[j].is_compute:
                     j += 1
-                self._post(st, acts[i:j])
+                with span("pipeline", *acts[i:j]):
+                    self._post(st, acts[i:j])
                 i = j
                 continue
             a = acts[i]
             if a.kind != "F" and self.before_backward is not None:
                 self.before_backward(a.chunk, i in self._final)
             st.arrived, t0 = None, time.perf_counter()
-            {"F": self._forward, "B": self._backward, "W": self._weight}[a.kind](st, a)
-            if self.record:                         # compute time only, not the wait for input
+            with span("pipeline", a):
+                {"F": self._forward, "B": self._backward, "W": self._weight}[a.kind](st, a)
+            if self.record and training:            # compute time only, not the input's wait
                 t0 = st.arrived or t0
                 st.events.append(Event(self.rank, a, t0 - start, time.perf_counter() - start))
-            if i in self._chunk_done and self.grads_ready is not None:
+            if training and i in self._chunk_done and self.grads_ready is not None:
                 self.grads_ready(a.chunk, self.stages[a.chunk])
             st.sends = [x for x in st.sends if not all(w.is_completed() for w in x[0])]
             i += 1
         for works, _, msg in st.sends:
             p2p.wait(works, self._where(msg, "sending"))
-        self.peak_activations, self.events, self.step_start = st.peak, st.events, start
+        if training:
+            self.peak_activations, self.events, self.step_start = st.peak, st.events, start
         return torch.stack(st.losses).mean() if has_last else None
 
     def _split_batch(self, t, needed: bool, code: int):
@@ -241,7 +261,9 @@ class PipelineExecutor:
             peer = self._peers[s.peer(self.rank, a)]
             tag = p2p.message_tag(*msg, s.num_stages)
             if a.kind == "SEND_F":
-                t = st.live[(a.microbatch, a.chunk)].out.detach().contiguous()
+                live = st.live[(a.microbatch, a.chunk)] if st.keep else \
+                    st.live.pop((a.microbatch, a.chunk))        # forward only: done with it
+                t = live.out.detach().contiguous()
             elif a.kind == "SEND_B":
                 t = st.grads.pop((a.microbatch, a.chunk)).contiguous()
             else:

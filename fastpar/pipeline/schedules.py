@@ -118,6 +118,14 @@ def build_schedule(name: str, pp_size: int, num_microbatches: int,
     return make_schedule(name, compute, pp_size, num_microbatches, virtual_stages)
 
 
+def forward_schedule(schedule: Schedule) -> Schedule:
+    """The forward-only schedule of ``schedule`` (evaluation): each rank's forwards in the same
+    order, with their sends and receives, no backward."""
+    compute = [[a for a in schedule.compute(r) if a.kind == "F"] for r in range(schedule.pp_size)]
+    return make_schedule(schedule.name + "-forward", compute, schedule.pp_size,
+                         schedule.num_microbatches, schedule.virtual_stages)
+
+
 def make_schedule(name: str, compute: list[list[Action]], pp_size: int, num_microbatches: int,
                   virtual_stages: int = 1) -> Schedule:
     """A :class:`Schedule` from each rank's compute order (F / B / W), communication added.

@@ -44,10 +44,11 @@ def _check_shape(s) -> None:
 
 
 def _check_compute(s) -> bool:
-    """Each (micro-batch, chunk) runs F, B (and W) exactly once each, in that order."""
-    has_w = {rank: any(a.kind == "W" for a in acts) for rank, acts in enumerate(s.actions)}
-    split = any(has_w.values())
-    expected = ("F", "B", "W") if split else ("F", "B")
+    """Each (micro-batch, chunk) runs F, B (and W) exactly once each, in that order; or only F
+    on every rank (a forward-only schedule, for evaluation)."""
+    kinds = {a.kind for acts in s.actions for a in acts if a.is_compute}
+    split = "W" in kinds
+    expected = ("F", "B", "W") if split else ("F", "B") if "B" in kinds else ("F",)
     for rank, acts in enumerate(s.actions):
         seen = defaultdict(list)
         for a in acts:

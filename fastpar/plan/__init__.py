@@ -8,7 +8,7 @@
 """
 from .cost import FASTPAR, Features
 from .hardware import BUILTIN, Hardware, get_hardware, load_hardware, save_hardware
-from ..mesh.layout import ParallelConfig
+from ..models.parallel_config import ParallelConfig
 from .planner import Cluster, Estimate, Workload, candidates, evaluate, search
 
 __all__ = ["BUILTIN", "Cluster", "Estimate", "FASTPAR", "Features", "Hardware",

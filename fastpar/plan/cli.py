@@ -7,7 +7,8 @@ import sys
 from ..models import PRESETS, GPTConfig, get_config
 from ..models import RECOMPUTE
 from .hardware import BUILTIN, get_hardware
-from ..mesh.layout import ParallelConfig, check_sizes, require_positive
+from ..mesh.layout import check_sizes, require_positive
+from ..models.parallel_config import ParallelConfig
 from ..pipeline.schedules import SCHEDULES
 from .planner import Cluster, Workload, evaluate, search
 

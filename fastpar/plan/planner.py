@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..kernels.cross_entropy import REFERENCE_CHUNK
-from ..mesh.layout import ParallelConfig, require_positive
+from ..mesh.layout import require_positive
+from ..models.parallel_config import ParallelConfig
 from ..models import RECOMPUTE, GPTConfig
 from ..pipeline import build_schedule, partition, simulate
 from . import cost

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ..mesh.groups import Group, group_rank, group_size
 from ..mesh.groups import all_gather_tensor as _all_gather_tensor
 from ..mesh.groups import reduce_scatter_tensor as _reduce_scatter_tensor
+from ..mesh.profiling import span
 
 
 def check_divisible(size: int, tp: int, what: str) -> None:
@@ -21,7 +22,8 @@ def check_divisible(size: int, tp: int, what: str) -> None:
 
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
+    with span("tp all-reduce"):
+        dist.all_reduce(x, group=group)
     return x
 
 
@@ -30,7 +32,8 @@ def _gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     tp, dim = group_size(group), dim % x.dim()
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((tp * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
-    _all_gather_tensor(out, x, group=group)
+    with span("tp all-gather"):
+        _all_gather_tensor(out, x, group=group)
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
@@ -46,7 +49,8 @@ def _reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
     check_divisible(x.shape[0], tp, "sequence length (dim 0) for reduce-scatter")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // tp,) + x.shape[1:], dtype=x.dtype, device=x.device)
-    _reduce_scatter_tensor(out, x, group=group)
+    with span("tp reduce-scatter"):
+        _reduce_scatter_tensor(out, x, group=group)
     return out
 
 

@@ -12,6 +12,7 @@ import torch
 
 from .. import extension
 from ..mesh.groups import all_gather_tensor
+from ..mesh.profiling import span
 from ..split_backward import phase_of
 
 # A chunked GEMM + all-reduce cuts its (rows, cols) result into at most the layer's ``chunks``
@@ -45,7 +46,8 @@ class ColumnLinearOverlap(torch.autograd.Function):
         ctx.save_for_backward(x, w)
         if sequence_parallel:
             # The gathered input is not kept: backward gathers it again while it computes.
-            return extension.allgather_matmul(x, w, group)[0]
+            with span("tp all-gather + GEMM (column forward)"):
+                return extension.allgather_matmul(x, w, group)[0]
         return x @ w.t()
 
     @staticmethod
@@ -53,8 +55,10 @@ class ColumnLinearOverlap(torch.autograd.Function):
         x, w = ctx.saved_tensors
         need_x, need_w = _needs(ctx)
         chunks = row_chunks(ctx.chunks, g.shape[0], x.shape[1], g.element_size())
-        gx, gw = extension.column_linear_backward(g.contiguous(), x, w, ctx.group, ctx.sp,
-                                            need_x, need_w, chunks)
+        with span("tp column backward:", "reduce-scatter" if ctx.sp else "all-reduce",
+                  "of the input grad under the weight-grad GEMM"):
+            gx, gw = extension.column_linear_backward(g.contiguous(), x, w, ctx.group, ctx.sp,
+                                                      need_x, need_w, chunks)
         return (gx if need_x else None), (gw if need_w else None), None, None, None, None
 
 
@@ -67,9 +71,11 @@ class RowLinearOverlap(torch.autograd.Function):
         ctx.group, ctx.sp, ctx.weight_id = group, sequence_parallel, weight_id
         ctx.save_for_backward(x, w)
         if sequence_parallel:
-            return extension.matmul_reducescatter(x, w, group)
-        return extension.matmul_allreduce(x, w, group,
-                                    row_chunks(chunks, x.shape[0], w.shape[0], x.element_size()))
+            with span("tp GEMM + reduce-scatter (row forward)"):
+                return extension.matmul_reducescatter(x, w, group)
+        with span("tp GEMM + all-reduce (row forward)"):
+            return extension.matmul_allreduce(
+                x, w, group, row_chunks(chunks, x.shape[0], w.shape[0], x.element_size()))
 
     @staticmethod
     def backward(ctx, g):
@@ -78,10 +84,12 @@ class RowLinearOverlap(torch.autograd.Function):
         g = g.contiguous()
         gx = None
         if ctx.sp and need_x:
-            gx, g = extension.allgather_matmul(g, w.t(), group=ctx.group)   # g: (rows, N) gathered
+            with span("tp all-gather + GEMM (row backward)"):
+                gx, g = extension.allgather_matmul(g, w.t(), group=ctx.group)   # g: gathered
         elif ctx.sp and need_w:                     # W of a split backward: the gather only
             full = g.new_empty((g.shape[0] * ctx.group.size(),) + tuple(g.shape[1:]))
-            all_gather_tensor(full, g, group=ctx.group)
+            with span("tp all-gather (row backward, weight grad)"):
+                all_gather_tensor(full, g, group=ctx.group)
             g = full
         elif need_x:
             gx = g @ w

@@ -1,8 +1,10 @@
 """The trainer, its data, checkpoints and metrics."""
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .data import BatchSampler, ByteTokenizer, load_tokens, write_token_file
+from .data import BatchSampler, check_data, data_vocab, load_tokens, write_token_file
+from .tokenizer import ByteTokenizer, load_tokenizer, tokenizer_for_data
 from .trainer import train
 
-__all__ = ["BatchSampler", "ByteTokenizer", "TrainConfig", "latest_checkpoint",
-           "load_checkpoint", "load_tokens", "save_checkpoint", "train", "write_token_file"]
+__all__ = ["BatchSampler", "ByteTokenizer", "TrainConfig", "check_data", "data_vocab",
+           "latest_checkpoint", "load_checkpoint", "load_tokenizer", "load_tokens",
+           "save_checkpoint", "tokenizer_for_data", "train", "write_token_file"]

@@ -1,12 +1,15 @@
 """TrainConfig: everything a training run needs, validated before any process group exists."""
 from __future__ import annotations
 
+import importlib.util
+import re
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
-from ..mesh.layout import ParallelConfig, require_positive
+from ..mesh.layout import require_positive
+from ..models.parallel_config import ParallelConfig
 from ..models import GPTConfig, get_config
-from ..models.hf import source_config
+from .hf import source_config
 
 PRECISIONS = ("auto", "bf16", "amp", "fp32")
 REDUCE_DTYPES = ("fp32", "bf16")
@@ -20,6 +23,8 @@ class TrainConfig(ParallelConfig):
     the comment after it is the flag's help."""
 
     model: str = "tiny"                 # a preset of fastpar.models.PRESETS
+    vocab_size: int | None = None       # the model's vocabulary, instead of the preset's (e.g.
+                                        # the one a prepared data folder was tokenized with)
     micro_batch_size: int = 4           # sequences per micro-batch
     global_batch_size: int = 16         # sequences per optimizer step, over all DP ranks
     seq_len: int = 128                  # tokens per sequence
@@ -33,7 +38,8 @@ class TrainConfig(ParallelConfig):
     init_from: str | None = None        # start from these weights (fine-tuning): a Hugging Face
                                         # directory (Llama or GPT-2) or a fastpar checkpoint; the
                                         # model's shape is theirs (--model is not used)
-    data: str | None = None             # text file, folder, or uint16 .bin; None = stdlib corpus
+    data: str | None = None             # a folder fastpar prepare-data wrote, a token file, a text
+                                        # file or folder (bytes); None = stdlib corpus
     out: str | None = None              # metrics, plot, config, checkpoints; None = a fresh
                                         # folder under runs/ (fastpar.train.outdir)
     save_every: int = 0                 # steps between checkpoints; 0 = only at the end
@@ -52,6 +58,16 @@ class TrainConfig(ParallelConfig):
                                         # auto: bf16 on GPU, fp32 on CPU (bf16 runs on CPU too)
     grad_reduce_dtype: str = "fp32"     # dtype of the data-parallel gradient reduction
     log_every: int = 10                 # steps between log lines
+    eval_every: int = 0                 # steps between validation-loss evaluations on the data's
+                                        # held-out split (and one at the last step); 0 = none
+    eval_batches: int = 4               # held-out global batches per evaluation (the same ones
+                                        # every time)
+    profile_steps: str | None = None    # A:B: a torch.profiler trace per rank of steps A to B,
+                                        # in OUT/profile (open in Perfetto or chrome://tracing)
+    tensorboard: bool = False           # also log the metrics to OUT/tensorboard (needs the
+                                        # tensorboard package)
+    sample_tokens: int = 48             # after training, print this many tokens the model writes
+                                        # after a held-out prompt; 0 = none
     peak_tflops: float | None = None    # per device, for MFU; None = not reported
 
     def __post_init__(self):
@@ -61,8 +77,13 @@ class TrainConfig(ParallelConfig):
                              f"positions ({mc.max_seq_len})")
         self.check_fields(flags=True)
         require_positive({k: getattr(self, k) for k in ("global_batch_size", "seq_len",
-                                                        "log_every", "max_skipped_steps")},
+                                                        "log_every", "max_skipped_steps",
+                                                        "eval_batches")},
                          flags=True)
+        self.profile_window                     # a bad --profile-steps raises here
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("--tensorboard needs the tensorboard package (pip install "
+                             "tensorboard); the metrics are in OUT/metrics.jsonl either way")
         if self.steps < 1:
             raise ValueError(f"--steps={self.steps} must be >= 1: a run trains at least one "
                              "step (to evaluate or convert a checkpoint, load it with "
@@ -72,7 +93,7 @@ class TrainConfig(ParallelConfig):
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other: continue the run "
                              "in --out, or move it aside and start anew")
-        for name in ("save_every", "keep_last", "warmup_steps", "weight_decay",
+        for name in ("save_every", "keep_last", "warmup_steps", "eval_every", "sample_tokens", "weight_decay",
                      "grad_clip", "min_lr"):
             if not getattr(self, name) >= 0:        # also refuses NaN
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 0")
@@ -95,7 +116,13 @@ class TrainConfig(ParallelConfig):
     @cached_property
     def model_config(self) -> GPTConfig:
         """The model's shape: the preset, or what ``init_from`` holds (read once)."""
+        if self.init_from and self.vocab_size is not None:
+            raise ValueError(f"--vocab-size={self.vocab_size} contradicts --init-from: the "
+                             "model's vocabulary is that of the weights it starts from")
         base = source_config(self.init_from) if self.init_from else get_config(self.model)
+        if self.vocab_size is not None:
+            require_positive({"vocab_size": self.vocab_size}, flags=True)
+            base = base.replace(vocab_size=self.vocab_size)
         if not base.rotary:                 # learned positions: the table has its own length
             return base.replace(init_seed=self.seed)
         return base.replace(max_seq_len=max(self.seq_len, base.max_seq_len), init_seed=self.seed)
@@ -103,6 +130,17 @@ class TrainConfig(ParallelConfig):
     def check_layout(self, world_size: int) -> int:
         """Check the config against the world; returns dp. Raises ValueError naming the numbers."""
         return self.check(self.model_config, world_size, self.global_batch_size, self.seq_len)
+
+    @property
+    def profile_window(self) -> tuple[int, int] | None:
+        """``--profile-steps A:B`` as (A, B), the steps traced (both included)."""
+        if self.profile_steps is None:
+            return None
+        m = re.fullmatch(r"(\d+):(\d+)", self.profile_steps)
+        if not m or not 1 <= int(m[1]) <= int(m[2]) <= self.steps:
+            raise ValueError(f"--profile-steps={self.profile_steps!r} must be A:B with "
+                             f"1 <= A <= B <= --steps={self.steps}, e.g. 3:5")
+        return int(m[1]), int(m[2])
 
     @property
     def warmup(self) -> int:

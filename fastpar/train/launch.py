@@ -134,7 +134,8 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0) -> None:
     from .trainer import check_resume
 
     cfg.check_layout(nproc)
-    check_data(cfg.data, cfg.seq_len, cfg.model_config.vocab_size, cfg.model)
+    for split in ("train", "val") if cfg.eval_every else ("train",):
+        check_data(cfg.data, cfg.seq_len, cfg.model_config.vocab_size, cfg.model, split)
     spawn = "RANK" not in os.environ and nproc > 1
     if not spawn:                       # one process, or a torchrun rank: train() does the rest
         cfg = resolve_out(cfg, int(os.environ.get("WORLD_SIZE", "1")))

@@ -1,7 +1,10 @@
-"""Per-step metrics: ``OUT/metrics.jsonl``, a progress bar and log lines, ``OUT/loss.png``."""
+"""Per-step metrics: ``OUT/metrics.jsonl``, a progress bar and log lines, ``OUT/loss.png``
+(training and validation curves), and with ``tensorboard`` the same scalars in
+``OUT/tensorboard``."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -12,10 +15,11 @@ class Metrics:
     """Writes one JSON object per step; on the first rank only (``enabled``)."""
 
     def __init__(self, out: str, enabled: bool, total_steps: int, start_step: int = 0,
-                 log_every: int = 10, peak_flops: float | None = None, resume: bool = False):
+                 log_every: int = 10, peak_flops: float | None = None, resume: bool = False,
+                 tensorboard: bool = False):
         self.enabled, self.log_every, self.peak_flops = enabled, log_every, peak_flops
         self.path = Path(out) / "metrics.jsonl"
-        self.bar = None
+        self.bar = self.board = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -29,6 +33,10 @@ class Metrics:
         # A bar only on a terminal: in a log file it would be a line per update.
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                         leave=True, disable=not sys.stderr.isatty())
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.board = SummaryWriter(str(Path(out) / "tensorboard"), purge_step=start_step + 1)
 
     def _read(self) -> list[dict]:
         if not self.path.exists():
@@ -36,11 +44,15 @@ class Metrics:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
     def log(self, step: int, loss: float, lr: float, tokens: int, step_time: float,
-            flops_per_step: float, world_size: int, skipped: bool = False) -> dict:
+            flops_per_step: float, world_size: int, skipped: bool = False,
+            val_loss: float | None = None) -> dict:
         row = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens / step_time,
                "step_time_s": step_time}
         if skipped:         # a non-finite step: the optimizer did not step
             row["skipped"] = True
+        if val_loss is not None:    # the mean loss on the held-out split, after this step
+            row["val_loss"] = val_loss
+            row["val_ppl"] = math.exp(min(val_loss, 700.0))
         if self.peak_flops:
             row["mfu"] = flops_per_step / step_time / (self.peak_flops * world_size)
         if torch.cuda.is_available():
@@ -49,10 +61,16 @@ class Metrics:
             return row
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        if self.board is not None:
+            for key, value in row.items():
+                if key != "step" and not isinstance(value, bool):
+                    self.board.add_scalar(key, value, step)
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{loss:.4f}")
-        if step % self.log_every == 0 or step == 1:
+        if step % self.log_every == 0 or step == 1 or val_loss is not None:
             extra = f" mfu {row['mfu']:.1%}" if "mfu" in row else ""
+            if val_loss is not None:
+                extra += f" | val loss {val_loss:.4f} ppl {row['val_ppl']:.2f}"
             mem = f" mem {row['max_memory_gb']:.1f}GB" if "max_memory_gb" in row else ""
             line = (f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
                     f"{row['tokens_per_s']:.0f} tok/s | {step_time * 1e3:.0f} ms{extra}{mem}")
@@ -67,6 +85,8 @@ class Metrics:
         if not self.enabled:
             return None
         self.bar.close()
+        if self.board is not None:
+            self.board.close()
         rows = self._read()
         if not rows:
             return None
@@ -76,7 +96,12 @@ class Metrics:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
+        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train")
+        val = [r for r in rows if "val_loss" in r]
+        if val:
+            ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-",
+                    label="validation")
+            ax.legend()
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)

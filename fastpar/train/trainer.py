@@ -26,11 +26,11 @@ import torch.nn as nn
 
 import fastpar
 from ..data_parallel import DataParallel, DistributedOptimizer
+from ..mesh.profiling import span
 from ..mesh.watchdog import CollectiveTimeoutError, Watchdog
 from ..models import GPT
-from ..models.hf import is_hf_dir, load_hf
+from .hf import is_hf_dir, load_hf
 from ..pipeline import PipelineExecutor, build_schedule, build_stages
-from ..tensor_parallel import vocab_parallel_cross_entropy
 from . import faults
 from .checkpoint import Verifier, latest_checkpoint, load_checkpoint, pointer_note, \
     read_manifest, tp_params
@@ -41,6 +41,9 @@ from .guard import NonFiniteError, NonFiniteGuard
 from .metrics import Metrics
 from .outdir import nothing_to_resume, prepare_out, resolve_out
 from .lr_schedule import lr_at
+from .step import evaluate, forward_backward, loss_fn
+from .sample import print_sample
+from .trace import StepProfiler
 
 
 def build_model(cfg: TrainConfig, mesh) -> list[GPT]:
@@ -100,12 +103,6 @@ def _init_from(path, chunks, mesh, say) -> None:
         say(f"fastpar train: starting from the weights in {path}")
 
 
-def _loss_fn(tp_group):
-    def loss_fn(logits, targets):
-        return vocab_parallel_cross_entropy(logits, targets, tp_group=tp_group).mean()
-    return loss_fn
-
-
 def check_resume(cfg: TrainConfig, full: bool = False, say=None) -> Path | None:
     """The checkpoint to resume from (None: start fresh); a checkpoint of another model shape,
     or one whose files do not match its manifest (sizes; with ``full`` also the sha256), is
@@ -151,6 +148,10 @@ def train(cfg: TrainConfig) -> list[dict]:
     tokens = load_tokens(cfg.data)
     check_length(len(tokens), cfg.seq_len, cfg.data)
     check_vocab(tokens, cfg.model_config.vocab_size, cfg.model, cfg.data)
+    val = load_tokens(cfg.data, split="val") if cfg.eval_every else None
+    if val is not None:
+        check_length(len(val), cfg.seq_len, f"{cfg.data or 'stdlib corpus'} (validation split)")
+        check_vocab(val, cfg.model_config.vocab_size, cfg.model, cfg.data)
     resume_from = check_resume(cfg, say=say)
     if say and cfg.warmup < cfg.warmup_steps:
         say(f"fastpar train: --warmup-steps {cfg.warmup_steps} is more than half of "
@@ -169,11 +170,15 @@ def train(cfg: TrainConfig) -> list[dict]:
     ddp, opt = _wrap(cfg, chunks, mesh, dp)
     sampler = BatchSampler(tokens, cfg.seq_len, cfg.global_batch_size, cfg.seed,
                            mesh.dp_rank, dp)
+    held_out = None         # the same held-out batches at every evaluation
+    if val is not None:
+        vs = BatchSampler(val, cfg.seq_len, cfg.global_batch_size, cfg.seed, mesh.dp_rank, dp)
+        held_out = [vs.batch(k) for k in range(cfg.eval_batches)]
     M = cfg.num_microbatches(cfg.global_batch_size, dp)
     pipe = None
     if cfg.pp > 1:
         sched = build_schedule(cfg.schedule, cfg.pp, M, cfg.virtual_stages)
-        pipe = PipelineExecutor(chunks, sched, mesh.pp_group, loss_fn=_loss_fn(mesh.tp_group))
+        pipe = PipelineExecutor(chunks, sched, mesh.pp_group, loss_fn=loss_fn(mesh.tp_group))
     start = 0
     if resume_from is not None:
         start = load_checkpoint(resume_from, chunks, opt, mesh)["data_step"]
@@ -187,7 +192,9 @@ def train(cfg: TrainConfig) -> list[dict]:
     step_tokens = cfg.global_batch_size * cfg.seq_len
     flops = mc.train_flops(cfg.seq_len, step_tokens)      # model FLOPs, as MFU counts them
     metrics = Metrics(cfg.out, mesh.rank == 0, cfg.steps, start, cfg.log_every,
-                      cfg.peak_tflops * 1e12 if cfg.peak_tflops else None, resume=start > 0)
+                      cfg.peak_tflops * 1e12 if cfg.peak_tflops else None, resume=start > 0,
+                      tensorboard=cfg.tensorboard)
+    prof = StepProfiler(cfg.profile_window, cfg.out, mesh.rank)
     wd = Watchdog(mesh, cfg.timeout)
     guard = NonFiniteGuard(cfg.max_skipped_steps, mesh.device, verbose=mesh.rank == 0)
     writer = CheckpointWriter(out / "checkpoints", mesh, cfg.keep_last, cfg.async_save,
@@ -195,6 +202,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     rows = []
     for step in range(start + 1, cfg.steps + 1):
         faults.before_step(fault, step, mesh.rank)
+        prof.before(step, first=step == start + 1)
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
         for g in opt.param_groups:
@@ -204,33 +212,49 @@ def train(cfg: TrainConfig) -> list[dict]:
         # bf16 parameters or autocast over fp32 ones (by default on GPU; on CPU if asked).
         with wd.region(step, "forward and backward", ("tp", "pp", "dp")), \
                 torch.autocast(mesh.device.type, torch.bfloat16,
-                               enabled=cfg.autocast(mesh.device.type)):
-            loss = _step(chunks, ddp, pipe, x, y, M, mesh)
+                               enabled=cfg.autocast(mesh.device.type)), span("step", step):
+            loss = forward_backward(chunks, ddp, pipe, x, y, M, mesh)
         faults.poison(fault, step, mesh.rank, loss, chunks)
         with wd.region(step, "the loss all-reduce", ("dp",)):
             dist.all_reduce(loss, group=mesh.dp_group)
         loss = loss.item() / dp
-        with wd.region(step, "the gradient-norm all-reduce", ("tp", "pp", "dp")):
+        with wd.region(step, "the gradient-norm all-reduce", ("tp", "pp", "dp")), \
+                span("gradient clipping"):
             norm = _clip(chunks, mesh, cfg.grad_clip, opt)
         with wd.region(step, "the non-finite check", ("world",)):
             ok = guard.check(step, loss, norm)
         if ok:
-            with wd.region(step, "the optimizer step", ("dp",)):
+            with wd.region(step, "the optimizer step", ("dp",)), span("optimizer step"):
                 opt.step()          # ZeRO-1 all-gathers the updated shards here
         opt.zero_grad(set_to_none=True)
         if guard.exhausted:
             raise guard.error(writer.wait() or resume_from)
-        rows.append(metrics.log(step, loss, lr, step_tokens, time.perf_counter() - t0,
-                                flops, world, skipped=not ok))
+        step_time = time.perf_counter() - t0    # the evaluation is not part of the step
+        val_loss = None
+        if held_out and (step % cfg.eval_every == 0 or step == cfg.steps):
+            with wd.region(step, "the evaluation", ("tp", "pp", "dp")), \
+                    torch.autocast(mesh.device.type, torch.bfloat16,
+                                   enabled=cfg.autocast(mesh.device.type)), span("evaluation"):
+                val_loss = evaluate(chunks, pipe, held_out, M, mesh)
+        rows.append(metrics.log(step, loss, lr, step_tokens, step_time, flops, world,
+                                skipped=not ok, val_loss=val_loss))
         if not cfg.no_save and ((cfg.save_every and step % cfg.save_every == 0)
                                 or step == cfg.steps):
             with wd.region(step, "saving the checkpoint"):
                 writer.save(step, chunks, opt, {"data_step": step, "model_config": mc.to_dict(),
                                                 "layout": {"tp": cfg.tp, "pp": cfg.pp, "dp": dp}})
+        traced = prof.after(step)
+        if traced is not None and say:
+            say(f"fastpar train: profiled steps {cfg.profile_steps}: {traced.parent}/rank*.json "
+                "(open in https://ui.perfetto.dev)")
         faults.after_step(fault, step, mesh.rank)
     with wd.region(cfg.steps, "writing the last checkpoint"):
         writer.wait()
     metrics.close()
+    if cfg.sample_tokens and start < cfg.steps:
+        with wd.region(cfg.steps, "the sample after training", ("tp",)):
+            print_sample(cfg, chunks, mesh, load_tokens(cfg.data, split="val") if val is None
+                         else val, say)
     return rows
 
 
@@ -247,47 +271,3 @@ def _set_deterministic(on: bool) -> None:
 
 # Errors a worker reports as one line (no traceback): the job failed for a reason it names.
 CLEAR_ERRORS = (ValueError, CollectiveTimeoutError, NonFiniteError)
-
-
-def _step(chunks, ddp, pipe, x, y, M: int, mesh, overlap: bool = True) -> torch.Tensor:
-    """Forward and backward of one global batch share; returns this DP rank's mean loss.
-
-    Under a pipeline with ``overlap``, each chunk's last backward (its last B, and its last W
-    with a split backward) runs with gradient sync on: a DP bucket starts reducing from inside
-    that backward as soon as it is complete, while the rest of the cool-down still computes.
-    Every bucket is waited for at the end of the step. ``overlap=False``: the whole step
-    accumulates, then every bucket is reduced (same numbers)."""
-    if pipe is None:
-        return _accumulate(chunks[0], ddp, x, y, M, mesh)
-    if ddp is not None:
-        ddp.set_requires_gradient_sync(False, wait_in_backward=False)
-        pipe.before_backward = _sync_final_backward(ddp) if overlap else None
-        pipe.grads_set = (lambda _chunk, params: ddp.grads_accumulated(params)) if overlap \
-            else None
-    local = pipe.step(x, y)
-    loss = local.detach().float() if local is not None else torch.zeros((), device=mesh.device)
-    if ddp is not None:     # start the buckets no hook started (e.g. .grad set by hand in B)
-        ddp.reduce_gradients(wait=False)
-    dist.all_reduce(loss, group=mesh.pp_group)   # only the last stage holds it
-    if ddp is not None:
-        ddp.finish_gradient_sync()
-    return loss
-
-
-def _sync_final_backward(ddp: DataParallel):
-    """The executor's ``before_backward``: sync on only for a chunk's final backward actions."""
-    def before_backward(chunk: int, final: bool) -> None:
-        ddp.set_requires_gradient_sync(final, wait_in_backward=False)
-    return before_backward
-
-
-def _accumulate(model: GPT, ddp, x, y, M: int, mesh) -> torch.Tensor:
-    """Forward and backward of M micro-batches; gradients reduced over DP on the last one."""
-    total = torch.zeros((), device=mesh.device)
-    for i, (xm, ym) in enumerate(zip(x.chunk(M), y.chunk(M))):
-        if ddp is not None:
-            ddp.set_requires_gradient_sync(i == M - 1)
-        loss = model(xm, ym) / M
-        loss.backward()
-        total += loss.detach()
-    return total

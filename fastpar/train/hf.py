@@ -14,11 +14,12 @@ v live in one ``c_attn``: they are transposed and cut on the way in and joined o
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 
-from .config import GPTConfig
+from ..models.config import GPTConfig
 
 _LLAMA_LAYER = {"self_attn.q_proj": "attn.q", "self_attn.k_proj": "attn.k",
                 "self_attn.v_proj": "attn.v", "self_attn.o_proj": "attn.o",
@@ -161,7 +162,7 @@ def load_hf(path, modules, tp_size: int = 1, tp_rank: int = 0) -> GPTConfig:
     """Load the Hugging Face directory ``path`` into ``modules`` (this rank's GPT chunks, built
     with ``config_from_hf``'s config); returns that config. Each tensor is read as the slice
     this rank holds; a shape that does not match the config raises naming the tensor."""
-    from ..train.checkpoint import shard_specs
+    from .checkpoint import shard_specs
 
     path = Path(path)
     hf = json.loads((path / "config.json").read_text())
@@ -204,7 +205,7 @@ def load_hf(path, modules, tp_size: int = 1, tp_rank: int = 0) -> GPTConfig:
 @torch.no_grad()
 def hf_state_dict(model, kind: str | None = None) -> dict[str, torch.Tensor]:
     """The Hugging Face tensors of a whole fastpar GPT (one process, tp=1), padding dropped."""
-    from ..train.checkpoint import shard_specs
+    from .checkpoint import shard_specs
 
     c = model.config
     kind = kind or config_to_hf(c)["model_type"]
@@ -254,7 +255,7 @@ def source_config(path) -> GPTConfig:
     path = Path(path)
     if is_hf_dir(path):
         return config_from_hf(json.loads((path / "config.json").read_text()))
-    from ..train.checkpoint import read_manifest
+    from .checkpoint import read_manifest
 
     if not (path / "manifest.json").exists():
         raise ValueError(f"{path} is neither a Hugging Face directory (config.json) nor a "
@@ -264,9 +265,14 @@ def source_config(path) -> GPTConfig:
 
 def export_checkpoint(ckpt, out) -> Path:
     """A fastpar checkpoint of any layout as a Hugging Face directory (``fastpar export``)."""
-    from ..train.checkpoint import load_checkpoint
-    from .gpt import GPT
+    from ..models.gpt import GPT
+    from .checkpoint import load_checkpoint
+    from .tokenizer import run_tokenizer_file
 
     model = GPT(source_config(ckpt))
     load_checkpoint(ckpt, [model], None, None)
-    return save_hf(model, out)
+    out = save_hf(model, out)
+    tok = run_tokenizer_file(ckpt)          # the tokenizer the run's data was prepared with
+    if tok is not None:
+        shutil.copyfile(tok, Path(out) / "tokenizer.json")
+    return out

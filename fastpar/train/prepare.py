@@ -1,0 +1,236 @@
+"""``fastpar prepare-data``: text files -> a data folder of token files.
+
+Each input file is one document. The last documents (about ``--val-fraction`` of the input's
+bytes, at least one) go to ``val.bin``, the rest to ``train.bin``; a single document is cut at
+its last ``--val-fraction`` of tokens instead. With a tokenizer that has an end-of-text token,
+that token separates the documents of a split. The folder is written under a temporary name and
+renamed into place, so an error leaves nothing behind (and an earlier folder as it was).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .data import VAL_FRACTION, prepared_folder, text_files
+from .token_file import TokenFileWriter, TokenHeader
+from .tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_file
+
+DEFAULT_VOCAB = 8192                     # of the byte-level BPE that --tokenizer gpt2 trains
+EOS = "<|endoftext|>"                    # GPT-2's end-of-text token, the BPE's only special
+MIN_BPE_VOCAB = 256 + 1                  # every byte, and EOS
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What :func:`prepare_data` wrote."""
+
+    out: Path
+    tokenizer: str                       # "bytes", "gpt2" or the tokenizer.json used
+    train: TokenHeader
+    val: TokenHeader
+
+
+def add_prepare(sub) -> None:
+    p = sub.add_parser("prepare-data", help="tokenize text files into fastpar token files",
+                       description="Tokenize text files into a data folder for fastpar train "
+                       "--data: DATA/train.bin, DATA/val.bin (the held-out split) and, unless "
+                       "the tokenizer is bytes, DATA/tokenizer.json.")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="text files and folders of text files (recursively, hidden files "
+                        "skipped); each file is one document")
+    p.add_argument("--tokenizer", required=True, metavar="{bytes,gpt2,PATH}",
+                   help="bytes: UTF-8 bytes (vocabulary 256); gpt2: GPT-2's scheme, a "
+                        "byte-level BPE with <|endoftext|>, trained here on the input (GPT-2's "
+                        "own merges need a download, which fastpar never does); PATH: a "
+                        "tokenizer.json, or a folder holding one (a Hugging Face model "
+                        "directory), used as is")
+    p.add_argument("--out", required=True, metavar="DATA", help="the data folder to write")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                   help=f"vocabulary of the BPE that --tokenizer gpt2 trains (default "
+                        f"{DEFAULT_VOCAB}, at least {MIN_BPE_VOCAB})")
+    p.add_argument("--val-fraction", type=float, default=VAL_FRACTION, metavar="F",
+                   help=f"share held out for validation, in (0, 1) (default {VAL_FRACTION})")
+    p.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="shuffle the documents with this seed before splitting (default: "
+                        "keep their order)")
+
+
+def run_prepare(args) -> int:
+    try:
+        done = prepare_data(args.inputs, args.tokenizer, args.out, args.vocab_size,
+                            args.val_fraction, args.seed)
+    except ValueError as e:
+        print(f"fastpar prepare-data: error: {e}", file=sys.stderr)
+        return 2
+    t, v = done.train, done.val
+    print(f"fastpar prepare-data: wrote {done.out}: train.bin {t.n_tokens:,} tokens in "
+          f"{t.n_docs} document(s), val.bin {v.n_tokens:,} tokens in {v.n_docs}; vocabulary "
+          f"{t.vocab_size} ({done.tokenizer})")
+    return 0
+
+
+def prepare_data(inputs, tokenizer: str, out, vocab_size: int | None = None,
+                 val_fraction: float = VAL_FRACTION, seed: int | None = None) -> Prepared:
+    """Tokenize ``inputs`` into ``out``/{train,val}.bin (see the module docstring)."""
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"--val-fraction={val_fraction} must be in (0, 1)")
+    out = Path(out)
+    files = input_files(inputs, exclude=out)
+    _check_tokenizer(tokenizer, vocab_size)
+    _check_out(out)
+    if seed is not None:
+        files = [files[i] for i in np.random.default_rng(seed).permutation(len(files))]
+    created = [d for d in [out.parent, *out.parent.parents] if not d.exists()]
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    try:
+        tmp.mkdir(parents=True)
+        tok = _make_tokenizer(tokenizer, files, vocab_size or DEFAULT_VOCAB)
+        if not isinstance(tok, ByteTokenizer):
+            tok.save(tmp / TOKENIZER_FILE)
+        train, val = _write_splits(files, tok, tmp, val_fraction)
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for d in created:                                # the parents made for it, if empty
+            if d.exists() and not any(d.iterdir()):
+                d.rmdir()
+        raise
+    return Prepared(out, tokenizer if tokenizer in ("bytes", "gpt2") else tok.name, train, val)
+
+
+def input_files(inputs, exclude: Path | None = None) -> list[Path]:
+    """The documents: each input file, and each folder's files (see data.text_files), except
+    those in ``exclude`` (the output folder, which may lie inside an input folder)."""
+    files, skip = [], exclude.resolve() if exclude is not None else None
+    for name in inputs:
+        p = Path(name)
+        if not p.exists():
+            raise ValueError(f"input {str(name)!r} does not exist")
+        if p.is_file() and p.stat().st_size == 0:       # named by the user: a mistake
+            raise ValueError(f"input file {str(name)!r} is empty")
+        # In a folder an empty file (a package's __init__.py, say) is no document: skipped.
+        files += [f for f in (text_files(p) if p.is_dir() else [p])
+                  if (skip is None or skip not in f.resolve().parents) and f.stat().st_size]
+    if not files:
+        raise ValueError(f"no input files with any text in "
+                         f"{', '.join(map(repr, map(str, inputs)))}")
+    return files
+
+
+def _check_tokenizer(spec: str, vocab_size: int | None) -> None:
+    if spec not in ("bytes", "gpt2") and tokenizer_file(spec) is None:
+        raise ValueError(f"--tokenizer {spec!r} is neither bytes, gpt2, nor a {TOKENIZER_FILE} "
+                         "file or a folder holding one")
+    if vocab_size is not None and spec != "gpt2":
+        raise ValueError(f"--vocab-size={vocab_size} is for --tokenizer gpt2 only (the "
+                         f"vocabulary of {spec!r} is its own)")
+    if spec == "gpt2" and vocab_size is not None and vocab_size < MIN_BPE_VOCAB:
+        raise ValueError(f"--vocab-size={vocab_size} is too small for a byte-level BPE: it "
+                         f"needs at least {MIN_BPE_VOCAB} (256 bytes + {EOS})")
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()) and prepared_folder(out) is None:
+        raise ValueError(f"--out {str(out)!r} is a folder that prepare-data did not write and "
+                         "is not empty: pick another")
+
+
+def _progress(files, desc: str):
+    """A progress bar over the input's bytes, on a terminal only (after a second)."""
+    from tqdm import tqdm
+
+    return tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
+                desc=desc, delay=1.0, disable=not sys.stderr.isatty(), file=sys.stderr)
+
+
+def _read(f: Path, as_bytes: bool) -> str | bytes:
+    """One document: bytes for the byte tokenizer, else UTF-8 text."""
+    data = f.read_bytes()
+    if as_bytes:
+        return data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"input file {str(f)!r} is not UTF-8 text (byte {e.start}): use "
+                         "--tokenizer bytes") from None
+
+
+def _make_tokenizer(spec: str, files: list[Path], vocab_size: int):
+    if spec != "gpt2":
+        return load_tokenizer(spec)
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    with _progress(files, "training BPE") as bar:
+        def texts():
+            for f in files:
+                yield _read(f, as_bytes=False)
+                bar.update(f.stat().st_size)
+        bpe.train_from_iterator(texts(), trainer, length=len(files))
+    return HFTokenizer(bpe, "gpt2", EOS)
+
+
+def _n_val_docs(files: list[Path], val_fraction: float) -> int:
+    """How many documents at the end make the val split: the count whose bytes are closest to
+    ``val_fraction`` of all, at least one, leaving at least one for training."""
+    sizes = np.array([f.stat().st_size for f in files])
+    tail = np.cumsum(sizes[::-1])[:len(files) - 1]       # bytes of the last 1, 2, ... documents
+    return int(np.argmin(np.abs(tail - val_fraction * sizes.sum()))) + 1
+
+
+def _write_splits(files, tok, folder: Path, val_fraction: float):
+    """Encode every document into folder/train.bin and folder/val.bin; their headers."""
+    n_val = _n_val_docs(files, val_fraction) if len(files) > 1 else 1
+    n_train = len(files) - n_val if len(files) > 1 else 1
+    train = TokenFileWriter(folder / "train.bin", tok.vocab_size, n_train, tok.eos_id)
+    val = TokenFileWriter(folder / "val.bin", tok.vocab_size, n_val, tok.eos_id)
+    try:
+        with _progress(files, "tokenizing") as bar:
+            for i, f in enumerate(files):
+                ids = tok.encode_document(_read(f, isinstance(tok, ByteTokenizer)))
+                if len(files) == 1:              # one document: its last tokens are val
+                    cut = len(ids) - int(len(ids) * val_fraction)
+                    train.add(ids[:cut])
+                    val.add(ids[cut:])
+                else:
+                    (train if i < n_train else val).add(ids)
+                bar.update(f.stat().st_size)
+        for split, w in (("train", train), ("val", val)):
+            if w.n_tokens == 0:
+                total = train.n_tokens + val.n_tokens
+                raise ValueError(f"the {split} split would be empty: {total} tokens in "
+                                 f"{len(files)} document(s) with --val-fraction {val_fraction}; "
+                                 "give more text or change --val-fraction")
+        return train.close(), val.close()
+    except BaseException:
+        train.abort()
+        val.abort()
+        raise
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished folder to ``out``; an earlier ``out`` is replaced only then."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old)

@@ -1,0 +1,98 @@
+"""One training step's forward and backward, and evaluation, on any (tp, pp, dp) layout.
+
+:func:`forward_backward` runs one global batch share (micro-batches accumulated, or the pipeline
+schedule) with the data-parallel reduction overlapped; :func:`evaluate` computes the mean loss of
+held-out batches forward only (the pipeline's forward-only schedule under PP). Both return the
+loss averaged exactly as the single-process model averages it: every micro-batch has the same
+number of tokens, so the mean of micro-batch means over micro-batches and DP ranks is the mean
+over the global batch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..data_parallel import DataParallel
+from ..mesh.profiling import span
+from ..tensor_parallel import vocab_parallel_cross_entropy
+
+
+def loss_fn(tp_group):
+    """The pipeline's loss: mean cross-entropy over a micro-batch's (vocabulary-sharded) logits."""
+    def loss(logits, targets):
+        return vocab_parallel_cross_entropy(logits, targets, tp_group=tp_group).mean()
+    return loss
+
+
+def forward_backward(chunks, ddp, pipe, x, y, M: int, mesh, overlap: bool = True) -> torch.Tensor:
+    """Forward and backward of one global batch share; returns this DP rank's mean loss.
+
+    Under a pipeline with ``overlap``, each chunk's last backward (its last B, and its last W
+    with a split backward) runs with gradient sync on: a DP bucket starts reducing from inside
+    that backward as soon as it is complete, while the rest of the cool-down still computes.
+    Every bucket is waited for at the end of the step. ``overlap=False``: the whole step
+    accumulates, then every bucket is reduced (same numbers)."""
+    if pipe is None:
+        return _accumulate(chunks[0], ddp, x, y, M, mesh)
+    if ddp is not None:
+        ddp.set_requires_gradient_sync(False, wait_in_backward=False)
+        pipe.before_backward = _sync_final_backward(ddp) if overlap else None
+        pipe.grads_set = (lambda _chunk, params: ddp.grads_accumulated(params)) if overlap \
+            else None
+    local = pipe.step(x, y)
+    loss = local.detach().float() if local is not None else torch.zeros((), device=mesh.device)
+    if ddp is not None:     # start the buckets no hook started (e.g. .grad set by hand in B)
+        ddp.reduce_gradients(wait=False)
+    dist.all_reduce(loss, group=mesh.pp_group)   # only the last stage holds it
+    if ddp is not None:
+        with span("dp wait for every bucket"):
+            ddp.finish_gradient_sync()
+    return loss
+
+
+def _sync_final_backward(ddp: DataParallel):
+    """The executor's ``before_backward``: sync on only for a chunk's final backward actions."""
+    def before_backward(chunk: int, final: bool) -> None:
+        ddp.set_requires_gradient_sync(final, wait_in_backward=False)
+    return before_backward
+
+
+def _accumulate(model, ddp, x, y, M: int, mesh) -> torch.Tensor:
+    """Forward and backward of M micro-batches; gradients reduced over DP on the last one."""
+    total = torch.zeros((), device=mesh.device)
+    for i, (xm, ym) in enumerate(zip(x.chunk(M), y.chunk(M))):
+        if ddp is not None:
+            ddp.set_requires_gradient_sync(i == M - 1)
+        with span("forward of micro-batch", i):
+            loss = model(xm, ym) / M
+        with span("backward of micro-batch", i):
+            loss.backward()
+        total += loss.detach()
+    return total
+
+
+@torch.no_grad()
+def evaluate(chunks, pipe, batches, M: int, mesh) -> float:
+    """The mean loss over ``batches`` (this DP rank's (inputs, targets) shares of each held-out
+    global batch), averaged over the DP group; the same number on every rank. Dropout is off
+    while it runs."""
+    modes = [m.training for m in chunks]
+    for m in chunks:
+        m.eval()
+    total = torch.zeros((), device=mesh.device)
+    try:
+        for x, y in batches:
+            x, y = x.to(mesh.device), y.to(mesh.device)
+            if pipe is None:
+                total += sum(chunks[0](xm, ym) for xm, ym in zip(x.chunk(M), y.chunk(M))) / M
+            else:
+                local = pipe.evaluate(x, y)
+                if local is not None:
+                    total += local.float()
+    finally:
+        for m, mode in zip(chunks, modes):
+            m.train(mode)
+    if pipe is not None:
+        dist.all_reduce(total, group=mesh.pp_group)      # only the last stage holds it
+    dist.all_reduce(total, group=mesh.dp_group)
+    return total.item() / (len(batches) * dist.get_world_size(mesh.dp_group))

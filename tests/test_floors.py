@@ -1,0 +1,61 @@
+"""The house's floors (DESIGN.md): each part of the package imports only from the floors below
+it, and the three parallelisms (floor 3) not from each other, so each is usable alone. Every
+import counts, also one inside a function."""
+import ast
+from pathlib import Path
+
+import fastpar
+
+ROOT = Path(fastpar.__file__).resolve().parent
+FLOORS = {"kernels": 1, "extension": 1, "_C": 1, "mesh": 2, "split_backward": 2,
+          "tensor_parallel": 3, "data_parallel": 3, "pipeline": 3, "models": 4,
+          "train": 5, "plan": 5, "cli": 5, "__main__": 5}
+PARALLELISMS = {"tensor_parallel", "data_parallel", "pipeline"}
+
+
+def _part(module: str) -> str | None:
+    """The top-level part of fastpar a dotted module name lies in."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "fastpar" and len(parts) > 1 else None
+
+
+def _files():
+    """(path inside fastpar/, file) for every module; fastpar/kernels is a link to kernels/."""
+    yield from ((p.relative_to(ROOT), p) for p in sorted(ROOT.rglob("*.py")))
+    yield from ((Path("kernels") / p.name, p) for p in sorted((ROOT / "kernels").glob("*.py")))
+
+
+def _imports(rel: Path, path: Path):
+    """(line, fastpar module imported) for every import in a file."""
+    here = ["fastpar", *rel.with_suffix("").parts]
+    if here[-1] == "__init__":
+        here = here[:-1] + ["__init__"]
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name
+        elif isinstance(node, ast.ImportFrom):
+            base = here[:-node.level] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            if node.module is None or not node.level and not node.module.startswith("fastpar"):
+                names = [f"{mod}.{a.name}" for a in node.names] if node.level else [mod]
+            else:
+                names = [mod]
+            yield from ((node.lineno, n) for n in names)
+
+
+def test_every_import_goes_down_a_floor():
+    wrong = []
+    for rel, path in _files():
+        mine = rel.parts[0].removesuffix(".py")
+        if mine not in FLOORS:              # fastpar/__init__.py, testing.py: above every floor
+            continue
+        for line, module in _imports(rel, path):
+            other = _part(module)
+            if other is None or other == mine or other not in FLOORS:
+                continue
+            if FLOORS[other] > FLOORS[mine] or (mine in PARALLELISMS and other in PARALLELISMS):
+                wrong.append(f"fastpar/{rel}:{line} ({mine}, floor {FLOORS[mine]}) imports "
+                             f"{module} ({other}, floor {FLOORS[other]})")
+    assert not wrong, "\n".join(wrong)
