@@ -118,7 +118,7 @@ def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a GPT with any mix of TP, PP and DP",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Train a GPT. Without torchrun it starts its own ranks "
-                                   "(--nproc, default tp*pp*dp) and restarts failed ones.")
+                                   "(--nproc, default tp*cp*pp*dp) and restarts failed ones.")
     # One flag per TrainConfig field: its type from the annotation, its help from the comment
     # after the field in the class body.
     hints, helps, defaults = typing.get_type_hints(TrainConfig), _field_help(TrainConfig), \
@@ -135,7 +135,8 @@ def _add_train(sub) -> None:
         else:
             p.add_argument(flag, type=kind[0], default=value, help=text)
     p.add_argument("--nproc", type=int, default=None,
-                   help="ranks to start on this machine (default tp*pp*dp, dp=2 if not given)")
+                   help="ranks to start on this machine (default tp*cp*pp*dp, dp=2 if not "
+                        "given)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart failed workers this many times, resuming from the checkpoint")
 
@@ -174,11 +175,11 @@ def _train(args) -> int:
             if k not in ("command", "version", "nproc", "max_restarts")}
     try:
         cfg = TrainConfig(**opts)
-        # Default: all ranks of the torchrun job, else tp*pp*dp here (dp=2 when not given).
+        # Default: all ranks of the torchrun job, else tp*cp*pp*dp here (dp=2 when not given).
         if args.nproc is not None:
             require_positive({"nproc": args.nproc}, flags=True)
         nproc = args.nproc or int(os.environ.get("WORLD_SIZE", 0)) or \
-            cfg.tp * cfg.pp * (cfg.dp or 2)
+            cfg.tp * cfg.cp * cfg.pp * (cfg.dp or 2)
         if args.max_restarts < 0:
             raise ValueError(f"--max-restarts={args.max_restarts} must be >= 0")
         launch(cfg, nproc, args.max_restarts)

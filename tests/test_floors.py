@@ -1,5 +1,5 @@
 """The house's floors (DESIGN.md): each part of the package imports only from the floors below
-it, and the three parallelisms (floor 3) not from each other, so each is usable alone. Every
+it, and the parallelisms (floor 3) not from each other, so each is usable alone. Every
 import counts, also one inside a function."""
 import ast
 from pathlib import Path
@@ -8,9 +8,10 @@ import fastpar
 
 ROOT = Path(fastpar.__file__).resolve().parent
 FLOORS = {"kernels": 1, "extension": 1, "_C": 1, "mesh": 2, "split_backward": 2,
-          "tensor_parallel": 3, "data_parallel": 3, "pipeline": 3, "models": 4,
+          "tensor_parallel": 3, "data_parallel": 3, "pipeline": 3, "context_parallel": 3,
+          "models": 4,
           "train": 5, "plan": 5, "cli": 5, "__main__": 5}
-PARALLELISMS = {"tensor_parallel", "data_parallel", "pipeline"}
+PARALLELISMS = {"tensor_parallel", "data_parallel", "pipeline", "context_parallel"}
 
 
 def _part(module: str) -> str | None:

@@ -15,14 +15,16 @@ def _init_and_reduce(rank, world_size, kwargs):
     mesh = fastpar.init(**kwargs)
     lay = mesh.layout
     assert mesh.rank == rank and mesh.world_size == world_size
-    assert (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank) == tuple(lay.coords(rank))
-    assert (mesh.tp_size, mesh.pp_size, mesh.dp_size) == (lay.tp, lay.pp, lay.dp)
+    assert (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank, mesh.cp_rank) == tuple(lay.coords(rank))
+    assert (mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.cp_size) == \
+        (lay.tp, lay.pp, lay.dp, lay.cp)
     assert mesh.device == torch.device("cpu")
-    for dim in ("tp", "pp", "dp"):
-        group = getattr(mesh, f"{dim}_group")
+    for dim in ("tp", "pp", "dp") + (("cp", "dp-cp") if lay.cp > 1 else ()):
+        group = getattr(mesh, f"{dim.replace('-', '_')}_group")
         members = mesh.group_ranks(dim)
         assert dist.get_world_size(group) == len(members)
-        assert dist.get_rank(group) == getattr(mesh, f"{dim}_rank")
+        if dim != "dp-cp":
+            assert dist.get_rank(group) == getattr(mesh, f"{dim}_rank")
         # all_reduce: the sum of member ranks; all_gather: members in group-rank order.
         t = torch.tensor([float(rank)])
         dist.all_reduce(t, group=group)
@@ -37,6 +39,7 @@ def _init_and_reduce(rank, world_size, kwargs):
     (2, dict(tp=2), True),                                   # joins an existing process group
     (4, dict(tp=2, pp=2, order="tp-pp-dp"), False),
     (8, dict(tp=2, pp=2, dp=2, order="dp-tp-pp"), False),
+    (8, dict(tp=2, cp=2, dp=2), False),                      # context parallelism
 ])
 def test_init_builds_groups_and_collectives_work(world_size, kwargs, init_pg):
     coords = run_ranks(_init_and_reduce, world_size, kwargs, init_pg=init_pg, timeout=90)

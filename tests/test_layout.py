@@ -52,7 +52,7 @@ def test_32_gpu_example_textbook_order():
 
 def test_default_order_is_megatron_tp_dp_pp():
     lay = fastpar.layout(16, tp=2, pp=2)
-    assert lay.dp == 4 and lay.order == "tp-dp-pp"
+    assert lay.dp == 4 and lay.order == "tp-cp-dp-pp"
     assert lay.tp_groups[0] == [0, 1]
     assert lay.dp_groups[0] == [0, 2, 4, 6]      # dp is the middle dimension
     assert lay.pp_groups[0] == [0, 8]            # pp is the outermost
@@ -83,3 +83,22 @@ def test_rank_and_coords_out_of_range():
         lay.coords(4)
     with pytest.raises(ValueError, match="tp=2"):
         lay.rank(tp=2)
+
+
+def test_context_parallel_is_the_fourth_dimension():
+    lay = fastpar.layout(16, tp=2, cp=2, pp=2)
+    assert (lay.dp, lay.cp) == (2, 2)
+    assert lay.tp_groups[0] == [0, 1] and lay.cp_groups[0] == [0, 2]   # cp right after tp
+    assert lay.dp_groups[0] == [0, 4] and lay.pp_groups[0] == [0, 8]
+    assert lay.coords(7) == Coords(dp=1, pp=0, tp=1, cp=1)
+    # The gradient reduction spans dp x cp: the ranks that share tp and pp coordinates.
+    assert lay.groups("dp-cp")[0] == [0, 2, 4, 6] and lay.group_of("dp-cp", 3) == [1, 3, 5, 7]
+    assert fastpar.layout(16, tp=2, cp=2, pp=2, order="tp-dp-pp").cp_groups == lay.cp_groups
+    outer = fastpar.layout(16, tp=2, cp=2, pp=2, order="tp-dp-pp-cp")
+    assert outer.cp_groups[0] == [0, 8]
+    for r in range(16):
+        assert lay.rank(**lay.coords(r)._asdict()) == r
+    with pytest.raises(ValueError, match=r"tp\*cp\*pp = 2\*3\*1 = 6"):
+        fastpar.layout(16, tp=2, cp=3)
+    with pytest.raises(ValueError, match="cp=0 must be >= 1"):
+        fastpar.layout(4, cp=0)

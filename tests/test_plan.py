@@ -1,4 +1,5 @@
 """The cost model's formulas on hand-checked cases, the planner's rules, bad input."""
+import dataclasses
 import json
 
 import pytest
@@ -475,3 +476,38 @@ def test_sensitivity_varies_only_efficiency_and_links():
     assert grid[(0.6, 1.0)] > grid[(0.8, 1.0)] and grid[(0.8, 0.5)] > grid[(0.8, 1.0)]
     with pytest.raises(ValueError, match="matmul_curve"):
         vary(Hardware(**{**ROUND.to_dict(), "matmul_curve": [(1e6, 0.5)]}), 0.7, 1.0)
+
+
+def test_context_parallelism_in_the_cost_model():
+    """CP: a GPU holds seq/cp tokens (activations / cp), 1/cp of the causal attention, and the
+    ring's k/v hops are exposed only beyond the block attention they overlap (all of them on
+    a CPU, whose gloo threads share the cores)."""
+    s, b = 2048, 2
+    one, two = Shape(GPT, s, b), Shape(GPT, s, b, cp=2)
+    assert two.tokens == one.tokens // 2
+    assert cost.activation_bytes(two, "selective") == pytest.approx(
+        cost.activation_bytes(one, "selective") / 2)
+    flash = Features(flash_attention=True)
+    assert cost._core_time(two, ROUND, flash) < cost._core_time(one, ROUND, flash)
+    # One forward hop moves this rank's k and v: 2 * (b s/2) * h * 2 bytes over the link.
+    kv = 2 * b * s // 2 * GPT.d_model * 2
+    slow = cost.cp_ring_exposed(two, ROUND, 0.1, core_f=1e-4, core_b=2e-4)
+    assert slow[0] == pytest.approx(kv / 0.1e9 - 1e-4 / 2)
+    assert cost.cp_ring_exposed(two, ROUND, 1000.0, core_f=1.0, core_b=2.0)[0] == 0.0
+    assert cost.cp_ring_exposed(one, ROUND, 0.1, 1e-4, 2e-4) == (0.0, 0.0)
+    cpu = dataclasses.replace(ROUND, kind="cpu")
+    assert cost.cp_ring_exposed(two, cpu, 1000.0, 1.0, 2.0)[0] == pytest.approx(kv / 1000e9)
+    # The planner: half the activation memory, dp x cp in the gradient reduction, a bad
+    # sequence length refused naming both numbers; search explores cp only when it is pinned.
+    work = Workload(GPT, 2048, 16)
+    cluster = Cluster(8, 8, ROUND)
+    e1 = evaluate(work, cluster, ParallelConfig(tp=2, pp=1, dp=4, micro_batch_size=1))
+    e2 = evaluate(work, cluster, ParallelConfig(tp=2, pp=1, dp=2, micro_batch_size=1, cp=2))
+    assert e2.memory["activations"] < 0.6 * e1.memory["activations"]
+    assert e2.cp_exposed_s >= 0.0 and e1.cp_exposed_s == 0.0
+    with pytest.raises(ValueError, match="sequence length 2050 is not divisible by 2 x cp = 4"):
+        evaluate(Workload(GPT.replace(max_seq_len=4096), 2050, 16), cluster,
+                 ParallelConfig(tp=2, pp=1, dp=2, micro_batch_size=1, cp=2))
+    found = list(planner.candidates(work, cluster, {"cp": 2, "tp": 2, "recompute": "none"}))
+    assert found and all(c.cp == 2 and c.tp * c.pp * c.dp * c.cp == 8 for c in found)
+    assert all(c.cp == 1 for c in planner.candidates(work, cluster, {"tp": 2}))

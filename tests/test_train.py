@@ -50,6 +50,12 @@ LAYOUTS = {
     "tp2-pp2": (4, dict(tp=2, pp=2)),
     "dp2-tp2-sp": (4, dict(tp=2, dp=2, sequence_parallel=True)),
     "dp2-tp2-pp2": (8, dict(tp=2, pp=2, dp=2)),
+    # Context parallelism: each sequence split over cp ranks, attention by the key/value ring.
+    "cp2": (2, dict(cp=2)),
+    "cp4": (4, dict(cp=4)),
+    "cp2-tp2-sp": (4, dict(cp=2, tp=2, sequence_parallel=True)),
+    "cp2-pp2": (4, dict(cp=2, pp=2)),
+    "cp2-dp2": (4, dict(cp=2, dp=2)),
 }
 
 
@@ -124,6 +130,8 @@ def test_cli_trains_and_its_loss_falls(tmp_path):
     (["--schedule", "pipedream"], "--schedule='pipedream'"),
     (["--data", "/nonexistent/corpus.txt"], "does not exist"),
     (["--model", "gpt5"], "unknown model 'gpt5'"),
+    (["--cp", "2", "--seq-len", "30"], "sequence length 30 is not divisible by 2 x cp = 4"),
+    (["--cp", "2", "--zero1"], "--zero1 with --cp=2 is not supported yet"),
 ])
 def test_cli_bad_input_is_one_clear_error(tmp_path, capsys, args, needle):
     from fastpar.cli import main
@@ -140,6 +148,20 @@ def test_zero1_equals_single_process_and_resumes_exactly(reference, tmp_path):
         assert abs(a - b) <= 1e-5 * abs(b)
     shutil.rmtree(tmp_path / "checkpoints" / "step_20")
     resumed = _losses(2, tmp_path, dp=2, zero1=True, resume=True)
+    for a, b in zip(resumed, reference[10:], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def test_cp_checkpoint_resumes_without_cp(reference, tmp_path):
+    """CP ranks hold the same weights: a cp=2 checkpoint (written by cp rank 0) resumes at
+    cp=1 on the same curve."""
+    first = _losses(2, tmp_path, cp=2, save_every=10)
+    for a, b in zip(first, reference, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    manifest = json.loads((tmp_path / "checkpoints" / "step_10" / "manifest.json").read_text())
+    assert manifest["layout"]["cp"] == 2
+    shutil.rmtree(tmp_path / "checkpoints" / "step_20")
+    resumed = _losses(1, tmp_path, resume=True)
     for a, b in zip(resumed, reference[10:], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
 

@@ -1,10 +1,11 @@
-"""Rank layout: how global ranks map to (dp, pp, tp) coordinates and process groups, and the
+"""Rank layout: how global ranks map to (tp, cp, dp, pp) coordinates and process groups, and the
 size checks every layout goes through (``require_positive``, ``check_sizes``).
 
 Pure arithmetic, no processes. The ``order`` string names the dimensions from the innermost
-(consecutive ranks) to the outermost, as Megatron writes it. With the default ``"tp-dp-pp"``
-a rank is ``tp + tp_size * (dp + dp_size * pp)``: tensor-parallel groups are consecutive ranks
-(inside a node, on NVLink), pipeline stages are the outermost cut.
+(consecutive ranks) to the outermost, as Megatron writes it. With the default ``"tp-cp-dp-pp"``
+a rank is ``tp + tp_size * (cp + cp_size * (dp + dp_size * pp))``: tensor-parallel groups are
+consecutive ranks (inside a node, on NVLink), context parallelism next, pipeline stages are the
+outermost cut. An order of the three others alone (``"tp-dp-pp"``) puts cp right after tp.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from functools import cached_property
 from itertools import product
 from typing import NamedTuple
 
-DIMS = ("tp", "dp", "pp")
+DIMS = ("tp", "cp", "dp", "pp")
 
 
 def require_positive(values: dict, where: str = "", flags: bool = False,
@@ -28,15 +29,19 @@ def require_positive(values: dict, where: str = "", flags: bool = False,
 
 
 def check_sizes(world: int, tp: int, pp: int, dp: int | None,
-                world_name: str = "world_size=") -> int:
-    """dp (``None``: ``world // (tp * pp)``) once tp * pp * dp is checked to be ``world``."""
+                world_name: str = "world_size=", cp: int = 1) -> int:
+    """dp (``None``: ``world // (tp * cp * pp)``) once tp * cp * pp * dp is checked to be
+    ``world``."""
+    names = "tp*pp" if cp == 1 else "tp*cp*pp"
+    sizes = f"{tp}*{pp}" if cp == 1 else f"{tp}*{cp}*{pp}"
     if dp is None:
-        if world % (tp * pp):
-            raise ValueError(f"{world_name}{world} is not divisible by tp*pp = {tp}*{pp} = "
-                             f"{tp * pp}")
-        dp = world // (tp * pp)
-    if tp * pp * dp != world:
-        raise ValueError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} != {world_name}{world}")
+        if world % (tp * cp * pp):
+            raise ValueError(f"{world_name}{world} is not divisible by {names} = {sizes} = "
+                             f"{tp * cp * pp}")
+        dp = world // (tp * cp * pp)
+    if tp * cp * pp * dp != world:
+        raise ValueError(f"{names}*dp = {sizes}*{dp} = {tp * cp * pp * dp} != "
+                         f"{world_name}{world}")
     return dp
 
 
@@ -46,29 +51,33 @@ class Coords(NamedTuple):
     dp: int
     pp: int
     tp: int
+    cp: int = 0
 
 
 def _parse_order(order: str) -> tuple[str, ...]:
     dims = tuple(d.strip() for d in order.split("-")) if isinstance(order, str) else ()
+    if sorted(dims) == sorted(d for d in DIMS if d != "cp"):      # cp right after tp
+        dims = tuple(x for d in dims for x in ((d, "cp") if d == "tp" else (d,)))
     if sorted(dims) != sorted(DIMS):
-        raise ValueError(f"order={order!r} must be a '-'-separated permutation of tp, dp, pp "
-                         f"(innermost first), e.g. 'tp-dp-pp'")
+        raise ValueError(f"order={order!r} must be a '-'-separated permutation of tp, cp, dp, "
+                         f"pp (innermost first; cp may be left out), e.g. 'tp-cp-dp-pp'")
     return dims
 
 
 @dataclass(frozen=True)
 class Layout:
-    """ranks -> (dp, pp, tp); built by :func:`layout`, which validates the sizes."""
+    """ranks -> (dp, pp, tp, cp); built by :func:`layout`, which validates the sizes."""
 
     world_size: int
     tp: int
     pp: int
     dp: int
-    order: str = "tp-dp-pp"
+    order: str = "tp-cp-dp-pp"
+    cp: int = 1
 
     def __post_init__(self):
-        require_positive({k: getattr(self, k) for k in ("world_size", "tp", "pp", "dp")})
-        check_sizes(self.world_size, self.tp, self.pp, self.dp)
+        require_positive({k: getattr(self, k) for k in ("world_size", "tp", "pp", "dp", "cp")})
+        check_sizes(self.world_size, self.tp, self.pp, self.dp, cp=self.cp)
         _parse_order(self.order)
 
     @cached_property
@@ -87,27 +96,30 @@ class Layout:
         raise ValueError(f"unknown dimension {dim!r}")
 
     def coords(self, rank: int) -> Coords:
-        """The (dp, pp, tp) coordinates of a global rank."""
+        """The (dp, pp, tp, cp) coordinates of a global rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} out of range for world_size={self.world_size}")
         c = {d: (rank // self._stride(d)) % self.size(d) for d in DIMS}
-        return Coords(dp=c["dp"], pp=c["pp"], tp=c["tp"])
+        return Coords(dp=c["dp"], pp=c["pp"], tp=c["tp"], cp=c["cp"])
 
-    def rank(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
+    def rank(self, dp: int = 0, pp: int = 0, tp: int = 0, cp: int = 0) -> int:
         """The global rank at the given coordinates (the inverse of :meth:`coords`)."""
-        c = {"dp": dp, "pp": pp, "tp": tp}
+        c = {"dp": dp, "pp": pp, "tp": tp, "cp": cp}
         for d, v in c.items():
             if not 0 <= v < self.size(d):
                 raise ValueError(f"{d}={v} out of range for {d} size {self.size(d)}")
         return sum(c[d] * self._stride(d) for d in DIMS)
 
     def groups(self, dim: str) -> list[list[int]]:
-        """Every group along ``dim``: ranks that share the other two coordinates, sorted."""
-        others = [d for d in DIMS if d != dim]
+        """Every group along ``dim`` (or along several, ``"dp-cp"``): ranks that share the
+        other coordinates, sorted."""
+        along = dim.split("-")
+        others = [d for d in DIMS if d not in along]
         out = []
         for fixed in product(*(range(self.size(d)) for d in others)):
             base = dict(zip(others, fixed))
-            out.append(sorted(self.rank(**base, **{dim: i}) for i in range(self.size(dim))))
+            out.append(sorted(self.rank(**base, **dict(zip(along, idx)))
+                              for idx in product(*(range(self.size(d)) for d in along))))
         return sorted(out)
 
     @cached_property
@@ -122,20 +134,27 @@ class Layout:
     def dp_groups(self) -> list[list[int]]:
         return self.groups("dp")
 
+    @cached_property
+    def cp_groups(self) -> list[list[int]]:
+        return self.groups("cp")
+
     def group_of(self, dim: str, rank: int) -> list[int]:
-        """The ``dim`` group that holds ``rank``."""
+        """The ``dim`` group that holds ``rank`` (``"dp-cp"``: dp outer, cp inner)."""
         c = self.coords(rank)._asdict()
-        return [self.rank(**{**c, dim: i}) for i in range(self.size(dim))]
+        along = dim.split("-")
+        return [self.rank(**{**c, **dict(zip(along, idx))})
+                for idx in product(*(range(self.size(d)) for d in along))]
 
 
 def layout(world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
-           order: str = "tp-dp-pp") -> Layout:
-    """Lay ``world_size`` ranks out into tensor-, pipeline- and data-parallel groups.
+           order: str = "tp-cp-dp-pp", cp: int = 1) -> Layout:
+    """Lay ``world_size`` ranks out into tensor-, context-, pipeline- and data-parallel groups.
 
-    ``dp=None`` means ``world_size // (tp * pp)``. Raises ``ValueError`` naming the numbers when
-    the sizes do not multiply to ``world_size``, a size is < 1, or ``order`` is not a permutation.
+    ``dp=None`` means ``world_size // (tp * cp * pp)``. Raises ``ValueError`` naming the numbers
+    when the sizes do not multiply to ``world_size``, a size is < 1, or ``order`` is not a
+    permutation.
     """
-    require_positive({"world_size": world_size, "tp": tp, "pp": pp,
+    require_positive({"world_size": world_size, "tp": tp, "pp": pp, "cp": cp,
                       **({} if dp is None else {"dp": dp})})
-    return Layout(world_size=world_size, tp=tp, pp=pp, dp=check_sizes(world_size, tp, pp, dp),
-                  order=order)
+    return Layout(world_size=world_size, tp=tp, pp=pp,
+                  dp=check_sizes(world_size, tp, pp, dp, cp=cp), order=order, cp=cp)

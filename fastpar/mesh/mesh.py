@@ -22,7 +22,10 @@ _BACKENDS = ("gloo", "nccl")
 
 @dataclass
 class Mesh:
-    """This rank's view of the layout: its coordinates, its three groups and its device."""
+    """This rank's view of the layout: its coordinates, its groups and its device.
+
+    ``cp_group`` is None without context parallelism; ``dp_cp_group`` (the ranks that share this
+    rank's tp and pp coordinates, over which gradients are averaged) is then ``dp_group``."""
 
     layout: Layout
     rank: int
@@ -30,6 +33,12 @@ class Mesh:
     tp_group: dist.ProcessGroup = field(repr=False)
     pp_group: dist.ProcessGroup = field(repr=False)
     dp_group: dist.ProcessGroup = field(repr=False)
+    cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    dp_cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.dp_cp_group is None:
+            self.dp_cp_group = self.dp_group
 
     @property
     def world_size(self) -> int:
@@ -45,9 +54,12 @@ class Mesh:
     tp_rank = property(lambda self: self.coords.tp)
     pp_rank = property(lambda self: self.coords.pp)
     dp_rank = property(lambda self: self.coords.dp)
+    cp_size = property(lambda self: self.layout.cp)
+    cp_rank = property(lambda self: self.coords.cp)
 
     def group_ranks(self, dim: str) -> list[int]:
-        """Global ranks of this rank's ``dim`` group ("tp", "pp" or "dp"), in group-rank order."""
+        """Global ranks of this rank's ``dim`` group ("tp", "cp", "pp", "dp" or "dp-cp"), in
+        group-rank order."""
         return self.layout.group_of(dim, self.rank)
 
 
@@ -127,10 +139,11 @@ def group_options(backend: str):
     return options
 
 
-def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-dp-pp",
+def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-cp-dp-pp",
          backend: str | None = None, timeout: float | timedelta = 600.0,
-         nccl_trace: str | None = None) -> Mesh:
-    """Initialise torch.distributed from torchrun's environment and build the tp/pp/dp groups.
+         nccl_trace: str | None = None, cp: int = 1) -> Mesh:
+    """Initialise torch.distributed from torchrun's environment and build the tp/pp/dp groups
+    (and with ``cp`` > 1 the cp and dp x cp groups).
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Without RANK and WORLD_SIZE
     it runs as a single process (world size 1 on a free local port). If torch.distributed is
@@ -153,13 +166,13 @@ def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-dp-pp
         rank, world_size = dist.get_rank(), dist.get_world_size()
         backend = dist.get_backend()
         local_rank = _env_int("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1))
-        lay = layout(world_size, tp=tp, pp=pp, dp=dp, order=order)
+        lay = layout(world_size, tp=tp, pp=pp, dp=dp, order=order, cp=cp)
     else:
         single = "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
         rank = 0 if single else _env_int("RANK")
         world_size = 1 if single else _env_int("WORLD_SIZE")
         local_rank = _env_int("LOCAL_RANK", 0 if single else rank)
-        lay = layout(world_size, tp=tp, pp=pp, dp=dp, order=order)
+        lay = layout(world_size, tp=tp, pp=pp, dp=dp, order=order, cp=cp)
         backend, why_gloo = pick_backend(backend, local_world_size(world_size))
         if why_gloo and local_rank == 0:            # once per host
             warnings.warn(why_gloo, RuntimeWarning, stacklevel=2)
@@ -184,10 +197,11 @@ def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-dp-pp
         device = torch.device("cpu")
     # new_group is collective: every rank creates every group, in the same order.
     mine = {}
-    for dim in ("tp", "pp", "dp"):
+    for dim in ("tp", "pp", "dp") + (("cp", "dp-cp") if cp > 1 else ()):
         for ranks in lay.groups(dim):
             group = dist.new_group(ranks, timeout=timeout, pg_options=group_options(backend))
             if rank in ranks:
                 mine[dim] = group
     return Mesh(layout=lay, rank=rank, device=device, tp_group=mine["tp"],
-                pp_group=mine["pp"], dp_group=mine["dp"])
+                pp_group=mine["pp"], dp_group=mine["dp"], cp_group=mine.get("cp"),
+                dp_cp_group=mine.get("dp-cp"))

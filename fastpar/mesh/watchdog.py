@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 # What the collectives of a region over each group are, for the message.
 _OPS = {"tp": "tensor-parallel collectives", "pp": "pipeline sends and receives",
-        "dp": "gradient reduction", "world": "collective"}
+        "dp": "gradient reduction", "cp": "context-parallel key/value ring",
+        "world": "collective"}
 
 
 class CollectiveTimeoutError(RuntimeError):

@@ -52,6 +52,9 @@ class KVCache:
     ``model(tokens, cache=cache)``; :meth:`reset` empties it for a new sequence."""
 
     def __init__(self, model, max_len: int | None = None):
+        if model.cp_group is not None:
+            raise ValueError("KVCache: generation does not run a context-parallel model; build "
+                             "the GPT without cp_group (same weights, same checkpoint)")
         if model.sp:
             raise ValueError("KVCache: generation does not run a sequence-parallel model; build "
                              "the GPT without sequence_parallel (same weights, same checkpoint)")

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from .. import kernels
 from ..tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding, copy_to_tp,
                                gather_from_sp, vocab_parallel_cross_entropy)
+from ..context_parallel import positions
 from ..mesh.groups import group_rank, group_size
 from .config import GPTConfig
 from .layers import Norm, ParallelTransformerLayer, rotary_tables
@@ -39,12 +40,18 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig, *, tp_group=None, sequence_parallel=False,
                  overlap=True, layers=None, pre_process=True, post_process=True,
-                 recompute="none", device=None):
+                 recompute="none", device=None, cp_group=None):
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
         tp = group_size(tp_group)
         config.check_tp(tp)
+        # Context parallelism: the tokens given are this rank's two chunks of each sequence
+        # (fastpar.context_parallel.shard_sequence), each at its true position.
+        self.cp_group = cp_group if group_size(cp_group) > 1 else None
+        if self.cp_group is not None and config.dropout:
+            raise ValueError(f"GPT: dropout={config.dropout} with context parallelism is not "
+                             "supported (the masks would not be the single-process ones)")
         layers = range(config.n_layers) if layers is None else layers
         if any(not 0 <= i < config.n_layers for i in layers):
             raise ValueError(f"layers {list(layers)} outside 0..{config.n_layers - 1}")
@@ -64,6 +71,7 @@ class GPT(nn.Module):
         for i in layers:
             with _seeded(seed + 100 + i):
                 self.layers[str(i)] = ParallelTransformerLayer(config, overlap=overlap,
+                                                               cp_group=self.cp_group,
                                                                **kw).to(device)
         if post_process:
             self.norm = Norm(config, **kw).to(device)
@@ -99,7 +107,8 @@ class GPT(nn.Module):
         x = self.embed(tokens.t().contiguous())
         if not self.config.rotary:
             S = tokens.shape[1]
-            pos = self.pos_embed.weight[start:start + S]
+            pos = self.pos_embed.weight[start:start + S] if self.cp_group is None else \
+                self.pos_embed.weight[self._positions(S)]
             if self.sp:
                 tp, r = group_size(self.tp_group), group_rank(self.tp_group)
                 pos = copy_to_tp(pos, self.tp_group).chunk(tp, 0)[r]
@@ -142,6 +151,9 @@ class GPT(nn.Module):
                                  f"{self.config.max_seq_len}, got {tuple(x.shape)}")
             x = self.embed_tokens(x)
         rope = (self.rope_cos, self.rope_sin) if self.config.rotary else None
+        if rope is not None and self.cp_group is not None:     # the rows of the true positions
+            S = x.shape[0] * (group_size(self.tp_group) if self.sp else 1)
+            rope = tuple(t[self._positions(S)] for t in rope)
         for layer in self.layers.values():
             if self.recompute == "full" and self.training:
                 x = checkpoint(layer, x, rope, use_reentrant=False)
@@ -155,6 +167,12 @@ class GPT(nn.Module):
         loss = vocab_parallel_cross_entropy(z, targets, tp_group=self.tp_group)   # (B, S)
         valid = (targets != -100).sum().clamp(min=1)
         return loss.sum() / valid
+
+    def _positions(self, local_len: int) -> torch.Tensor:
+        """The true positions of this CP rank's ``local_len`` tokens of each sequence."""
+        cp = group_size(self.cp_group)
+        device = self.rope_cos.device if self.config.rotary else self.pos_embed.weight.device
+        return positions(local_len * cp, group_rank(self.cp_group), cp, device)
 
     def _forward_cached(self, x, cache):
         """forward with a KV cache: positions from ``cache.length``, no recompute, no loss."""

@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import kernels
+from ..context_parallel import ring_attention
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp
 from ..mesh.groups import group_rank, group_size
 from .config import GPTConfig
@@ -47,17 +48,21 @@ def rotary_tables(config: GPTConfig, device=None):
 
 
 class ParallelAttention(nn.Module):
-    """Causal self-attention; query and key/value heads split over TP; torch SDPA.
+    """Causal self-attention; query and key/value heads split over TP; torch SDPA, or ring
+    attention over the sequence shards of ``cp_group`` (context parallelism).
 
     q, k and v come out of one column-parallel linear (parts "q", "k", "v", each sharded on its
     own, so a rank holds its query heads and its key/value heads): one GEMM and, under TP, one
     input all-gather / gradient reduction instead of three."""
 
-    def __init__(self, config: GPTConfig, tp_group=None, sequence_parallel=False, overlap=True):
+    def __init__(self, config: GPTConfig, tp_group=None, sequence_parallel=False, overlap=True,
+                 cp_group=None):
         super().__init__()
         tp = group_size(tp_group)
         config.check_tp(tp)
         hd, self.config = config.head_dim, config
+        self.cp_group = cp_group if group_size(cp_group) > 1 else None
+        self.cp_overlap = True      # False: each k/v transfer waited at once (same numbers)
         self.heads, self.kv_heads = config.n_heads // tp, config.kv_heads // tp
         col = dict(bias=config.bias, tp_group=tp_group, sequence_parallel=sequence_parallel,
                    overlap=overlap)
@@ -72,6 +77,8 @@ class ParallelAttention(nn.Module):
     def core(self, q, k, v, start=0):
         """softmax(q k^T / sqrt(hd)) v, causal; q (B, h, S, hd), k and v (B, h_kv, start + S, hd).
         The part selective recompute redoes. ``start``: keys before the queries (a KV cache)."""
+        if self.cp_group is not None:       # this rank's rows of the whole sequence's attention
+            return ring_attention(q, k, v, self.cp_group, overlap=self.cp_overlap)
         S, mask = q.shape[2], None
         if start and S > 1:     # a chunk after a prefix: query i sees keys 0 .. start + i
             mask = torch.ones(S, start + S, dtype=torch.bool, device=q.device).tril(start)
@@ -141,11 +148,12 @@ class ParallelTransformerLayer(nn.Module):
     rank's offset is where its sequence shard starts, so the shards' masks are the slices of the
     unsharded mask."""
 
-    def __init__(self, config: GPTConfig, tp_group=None, sequence_parallel=False, overlap=True):
+    def __init__(self, config: GPTConfig, tp_group=None, sequence_parallel=False, overlap=True,
+                 cp_group=None):
         super().__init__()
         kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
         self.norm1, self.norm2 = Norm(config, **kw), Norm(config, **kw)
-        self.attn = ParallelAttention(config, overlap=overlap, **kw)
+        self.attn = ParallelAttention(config, overlap=overlap, cp_group=cp_group, **kw)
         self.mlp = ParallelMLP(config, overlap=overlap, **kw)
         self.dropout = config.dropout
         self.shard = group_rank(tp_group) if sequence_parallel else 0

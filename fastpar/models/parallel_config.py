@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..mesh.layout import check_sizes, require_positive
+from ..context_parallel import check_seq_len
 from ..pipeline.schedules import SCHEDULES, check_args
 from .gpt import RECOMPUTE
 
@@ -30,13 +31,15 @@ class ParallelConfig:
     recompute: str = "none"             # activation recomputation: none | selective | full
     sequence_parallel: bool = False     # sequence parallelism inside TP
     zero1: bool = False                 # shard optimizer state over the DP group
+    cp: int = 1                         # context-parallel size: each sequence split over cp
+                                        # ranks, attention by a key/value ring
 
     def num_microbatches(self, global_batch: int, dp: int | None = None) -> int:
         return global_batch // (self.micro_batch_size * (dp or self.dp))
 
     def check_fields(self, flags: bool = False) -> None:
         """The checks that need no model or world: sizes >= 1, known schedule and recompute."""
-        require_positive({k: getattr(self, k) for k in ("tp", "pp", "virtual_stages",
+        require_positive({k: getattr(self, k) for k in ("tp", "pp", "cp", "virtual_stages",
                                                         "micro_batch_size")}, flags=flags)
         if self.dp is not None:
             require_positive({"dp": self.dp}, flags=flags)
@@ -51,7 +54,12 @@ class ParallelConfig:
         ``GPTConfig``) on ``world`` ranks with ``global_batch`` sequences of ``seq_len`` tokens
         per step; returns dp."""
         self.check_fields()
-        dp = check_sizes(world, self.tp, self.pp, self.dp, world_name)
+        dp = check_sizes(world, self.tp, self.pp, self.dp, world_name, cp=self.cp)
+        if self.cp > 1:
+            check_seq_len(seq_len, self.cp)
+            if self.zero1:
+                raise ValueError(f"--zero1 with --cp={self.cp} is not supported yet (the "
+                                 "optimizer state would be sharded over dp x cp)")
         model.check_tp(self.tp)
         if model.n_layers < self.pp * self.virtual_stages:
             raise ValueError(f"the model has {model.n_layers} layers, fewer than pp x virtual "
@@ -59,9 +67,11 @@ class ParallelConfig:
         if global_batch % (self.micro_batch_size * dp):
             raise ValueError(f"global batch {global_batch} is not divisible by micro-batch "
                              f"size x dp = {self.micro_batch_size} x {dp}")
-        if self.sequence_parallel and seq_len % self.tp:
-            raise ValueError(f"--seq-len={seq_len} is not divisible by tp={self.tp} under "
-                             f"sequence parallelism")
+        if self.sequence_parallel and (seq_len // self.cp) % self.tp:
+            shards = f"the {seq_len // self.cp} tokens per CP rank are" if self.cp > 1 else \
+                f"--seq-len={seq_len} is"
+            raise ValueError(f"{shards} not divisible by tp={self.tp} under sequence "
+                             f"parallelism")
         check_args(self.schedule, self.pp, self.num_microbatches(global_batch, dp),
                    self.virtual_stages)
         return dp

@@ -12,7 +12,7 @@ from ..models.parallel_config import ParallelConfig
 from ..pipeline.schedules import SCHEDULES
 from .planner import Cluster, Workload, evaluate, search
 
-_FIXED = ("virtual_stages", "micro_batch_size", "schedule", "recompute")
+_FIXED = ("virtual_stages", "micro_batch_size", "schedule", "recompute", "cp")
 
 
 def add_plan(sub) -> None:
@@ -42,6 +42,8 @@ def add_plan(sub) -> None:
     k.add_argument("--recompute", choices=RECOMPUTE)
     k.add_argument("--sequence-parallel", action="store_true")
     k.add_argument("--zero1", action="store_true")
+    k.add_argument("--cp", type=int, help="context-parallel size (a search tries cp = 1 only "
+                                          "unless this pins it)")
     p.add_argument("--top", type=int, default=5, help="configurations shown by a search")
     p.add_argument("--json", action="store_true", help="print JSON (an object, or a list)")
     p.add_argument("--calibrate", action="store_true",
@@ -76,7 +78,7 @@ def run_plan(args) -> int:
         require_positive({"top": args.top}, flags=True)
         if args.tp is not None and args.pp is not None:
             require_positive({"tp": args.tp, "pp": args.pp}, flags=True)
-            dp = check_sizes(args.gpus, args.tp, args.pp, None, "--gpus=")
+            dp = check_sizes(args.gpus, args.tp, args.pp, None, "--gpus=", cp=args.cp or 1)
             opts = {k: getattr(args, k) for k in _FIXED if getattr(args, k) is not None}
             if "schedule" not in opts and opts.get("virtual_stages", 1) > 1:
                 opts["schedule"] = "interleaved"
@@ -105,9 +107,10 @@ def run_plan(args) -> int:
 def train_command(cfg: ParallelConfig, work: Workload, cluster: Cluster,
                   preset: str | None) -> str:
     """The ``fastpar train`` line that runs ``cfg`` (a torchrun line per node on several)."""
-    flags = [f"--tp {cfg.tp}", f"--pp {cfg.pp}", f"--dp {cfg.dp}",
-             f"--global-batch-size {work.global_batch}",
-             f"--micro-batch-size {cfg.micro_batch_size}", f"--seq-len {work.seq_len}"]
+    flags = [f"--tp {cfg.tp}", f"--pp {cfg.pp}", f"--dp {cfg.dp}"] + \
+        ([f"--cp {cfg.cp}"] if cfg.cp > 1 else []) + [
+            f"--global-batch-size {work.global_batch}",
+            f"--micro-batch-size {cfg.micro_batch_size}", f"--seq-len {work.seq_len}"]
     if cfg.pp > 1:
         flags.append(f"--schedule {cfg.schedule}")
     if cfg.virtual_stages > 1:

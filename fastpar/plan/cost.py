@@ -61,10 +61,12 @@ class Shape:
     micro_batch: int
     tp: int = 1
     sp: bool = False                 # sequence parallelism (only meaningful with tp > 1)
+    cp: int = 1                      # context parallelism: seq_len / cp tokens of each sequence
+                                     # here, attention over all seq_len by the key/value ring
 
     @property
     def tokens(self) -> int:
-        return self.micro_batch * self.seq_len
+        return self.micro_batch * self.seq_len // self.cp
 
 
 def _linears(shape: Shape) -> list[tuple[int, int, int]]:
@@ -79,16 +81,19 @@ def _linears(shape: Shape) -> list[tuple[int, int, int]]:
 
 
 def _core_time(shape: Shape, hw: Hardware, feat: Features) -> float:
-    """The attention core's forward: (s, d) @ (d, s) and (s, s) @ (s, d) per head and sequence."""
-    m, s = shape.model, shape.seq_len
+    """The attention core's forward: (s, d) @ (d, s) and (s, s) @ (s, d) per head and sequence.
+    Under CP each GPU has 1/cp of the causal work (the load-balanced chunks) and reads every
+    rank's k and v."""
+    m, s, cp = shape.model, shape.seq_len, shape.cp
     heads = shape.micro_batch * m.n_heads // shape.tp
     if feat.flash_attention:      # one fused kernel; causal: half the blocks are skipped
-        flops = CAUSAL_FRACTION * 4.0 * heads * s * s * m.head_dim
-        io = hw.bytes_per_element * heads * 4 * s * m.head_dim      # q, k, v in, o out
+        flops = CAUSAL_FRACTION * 4.0 * heads * s * s * m.head_dim / cp
+        io = hw.bytes_per_element * heads * (2 * s / cp + 2 * s) * m.head_dim   # q, o; k, v
         ops = REFERENCE_OPS["core"][0] if hw.kind == "cpu" else 1
         return max(flops / (hw.peak_flops * hw.attention_fraction(flops)),
                    io / hw.bandwidth(io)) + ops * hw.kernel_overhead_us * 1e-6
-    return hw.gemm_time(s, s, m.head_dim, heads) + hw.gemm_time(s, m.head_dim, s, heads)
+    return hw.gemm_time(s // cp, s, m.head_dim, heads) + hw.gemm_time(s // cp, m.head_dim, s,
+                                                                      heads)
 
 
 # Operators of torch's reference code (what fastpar runs off CUDA) per forward / backward,
@@ -175,7 +180,7 @@ def _elementwise(shape: Shape, hw: Hardware, feat: Features) -> tuple[float, flo
         extra += 2 * T * h_rep * (1 + 2 * E)
         kernels += 2
     if not feat.flash_attention:                   # scale-mask-softmax over stored scores
-        scores = shape.micro_batch * m.n_heads / t * shape.seq_len ** 2
+        scores = shape.micro_batch * m.n_heads / t * shape.seq_len ** 2 / shape.cp
         extra += 2 * scores * E + (scores * (1 + 2 * E) if feat.dropout else 0)
         kernels += 2 if feat.dropout else 1
     if hw.kind == "cpu":
@@ -211,10 +216,12 @@ class LayerCost:
     gemm_b: float           # the linears' input-gradient GEMMs
     tp_comm_f: float        # TP collectives of the forward
     tp_comm_b: float        # TP collectives of the backward (recompute's forward ones included)
+    cp_exposed_f: float = 0.0   # the CP ring's transfers that the block attention does not hide
+    cp_exposed_b: float = 0.0
 
 
 def layer_cost(shape: Shape, hw: Hardware, recompute: str = "none", tp_link_gbps: float = 1.0,
-               feat: Features = FASTPAR) -> LayerCost:
+               feat: Features = FASTPAR, cp_link_gbps: float = 1.0) -> LayerCost:
     """The :class:`LayerCost` of one layer on one GPU."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
@@ -246,8 +253,31 @@ def layer_cost(shape: Shape, hw: Hardware, recompute: str = "none", tp_link_gbps
     elif recompute == "selective":
         b += core
     w = sum(hw.gemm_time(*mnk) for mnk in _linears(shape))
+    cp_f, cp_b = cp_ring_exposed(shape, hw, cp_link_gbps, core, core_b)
+    if recompute == "full":
+        cp_b += cp_f
     return LayerCost(f=f, b=b, w=w, gemm_f=gemm, gemm_b=gemm_b, tp_comm_f=comm_f,
-                     tp_comm_b=comm_b)
+                     tp_comm_b=comm_b, cp_exposed_f=cp_f, cp_exposed_b=cp_b)
+
+
+def cp_ring_exposed(shape: Shape, hw: Hardware, link_gbps: float, core_f: float,
+                    core_b: float) -> tuple[float, float]:
+    """Seconds of one layer's CP ring left exposed, forward and backward. Forward: cp - 1 hops of
+    this rank's k and v (kv heads only); backward: the k and v again with their fp32 gradient
+    accumulators (three times the bytes), and the last hop home. Each hop is in flight while one
+    block (1/cp of the core) computes, so only what exceeds the block shows; on a CPU gloo's
+    threads share the cores and nothing is hidden."""
+    cp, m = shape.cp, shape.model
+    if cp == 1:
+        return 0.0, 0.0
+    kv = 2 * shape.tokens * m.kv_heads * m.head_dim / shape.tp * hw.bytes_per_element
+    hop_f = ring_time("send", kv, 2, link_gbps, hw.collective_latency_us)
+    hop_b = ring_time("send", 3 * kv, 2, link_gbps, hw.collective_latency_us)
+    if hw.kind == "cpu":
+        return (cp - 1) * hop_f, cp * hop_b
+    return ((cp - 1) * max(0.0, hop_f - core_f / cp),
+            (cp - 1) * max(0.0, hop_b - core_b / cp) + ring_time("send", 2 * kv, 2, link_gbps,
+                                                               hw.collective_latency_us))
 
 
 def ring_time(kind: str, nbytes: float, n: int, link_gbps: float, latency_us: float) -> float:
@@ -342,6 +372,6 @@ def activation_bytes(shape: Shape, recompute: str, feat: Features = FASTPAR,
     masks = 2 * rep if feat.dropout else 0.0            # one byte per element
     scores = 0.0
     if not feat.flash_attention and recompute != "selective":
-        p = shape.micro_batch * m.n_heads / t * shape.seq_len ** 2
+        p = shape.micro_batch * m.n_heads / t * shape.seq_len ** 2 / shape.cp
         scores = E * p + ((1 + E) * p if feat.dropout else 0.0)
     return attn + mlp + masks + scores

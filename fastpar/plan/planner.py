@@ -82,6 +82,7 @@ class Estimate:
     bubble_fraction: float           # from the simulator: idle / step over pipeline ranks
     compute_s: float                 # busiest pipeline rank's compute, exposed TP comm included
     tp_exposed_s: float              # TP communication the GEMMs do not hide (busiest rank)
+    cp_exposed_s: float              # the CP ring's transfers the attention does not hide
     dp_exposed_s: float
     optimizer_s: float
     grad_accumulation_s: float       # adding each micro-batch's weight gradients
@@ -99,8 +100,11 @@ class Estimate:
 def _stage_costs(work, cluster, cfg, feat, split):
     """Per-stage F, B, W seconds; the layer split; the busiest stage's exposed TP time."""
     hw, t = cluster.hardware, cfg.tp
-    shape = Shape(work.model, work.seq_len, cfg.micro_batch_size, t, cfg.sequence_parallel)
-    lc = cost.layer_cost(shape, hw, cfg.recompute, cluster.link_gbps(t), feat)
+    shape = Shape(work.model, work.seq_len, cfg.micro_batch_size, t, cfg.sequence_parallel,
+                  cfg.cp)
+    # tp-cp-dp-pp placement: a CP ring's neighbours are tp ranks apart, within tp * cp ranks.
+    lc = cost.layer_cost(shape, hw, cfg.recompute, cluster.link_gbps(t), feat,
+                         cluster.link_gbps(t * cfg.cp))
     partner_b = lc.gemm_b + (0.0 if split else lc.w) + (lc.gemm_f if cfg.recompute == "full"
                                                         else 0.0)
     if feat.tp_overlap and hw.kind != "cpu":   # on a CPU gloo shares the cores: no overlap
@@ -109,7 +113,7 @@ def _stage_costs(work, cluster, cfg, feat, split):
         exp_b = cost.exposed(lc.tp_comm_b, partner_b, pieces)
     else:
         exp_f, exp_b = lc.tp_comm_f, lc.tp_comm_b
-    layer = (lc.f + exp_f, lc.b + exp_b, lc.w)
+    layer = (lc.f + exp_f + lc.cp_exposed_f, lc.b + exp_b + lc.cp_exposed_b, lc.w)
     m, E, T = work.model, hw.bytes_per_element, shape.tokens
     act = T * m.d_model * E                        # one (s, b, h) activation
     link = cluster.link_gbps(t)
@@ -159,13 +163,14 @@ def _stage_costs(work, cluster, cfg, feat, split):
     for s, r in enumerate(ranges):
         fbw.append([len(r) * layer[i] + (embed[i] if s == 0 else 0.0)
                     + (head[i] if s == stages - 1 else 0.0) for i in range(3)])
-    return fbw, ranges, (exp_f + exp_b) * max(len(r) for r in ranges), lc
+    return fbw, ranges, (exp_f + exp_b) * max(len(r) for r in ranges), lc, \
+        (lc.cp_exposed_f + lc.cp_exposed_b) * max(len(r) for r in ranges)
 
 
 def _memory(work, cluster, cfg, feat, ranges, peaks) -> dict:
     """Bytes per GPU on the fullest pipeline rank, by kind, in GB."""
     hw, m, t, pp = cluster.hardware, work.model, cfg.tp, cfg.pp
-    shape = Shape(m, work.seq_len, cfg.micro_batch_size, t, cfg.sequence_parallel)
+    shape = Shape(m, work.seq_len, cfg.micro_batch_size, t, cfg.sequence_parallel, cfg.cp)
     per_layer = cost.activation_bytes(shape, cfg.recompute, feat, hw.bytes_per_element)
     full = cost.activation_bytes(shape, "none", feat, hw.bytes_per_element)
     best = None
@@ -193,10 +198,11 @@ def _memory(work, cluster, cfg, feat, ranges, peaks) -> dict:
 def _dp_time(cluster, cfg, feat, params, last_backward, tensors) -> float:
     """Exposed seconds of the gradient reduction (and ZeRO-1's parameter gather), with the
     copy of each gradient into its bucket and the division by dp before it."""
-    hw, dp = cluster.hardware, cfg.dp
+    hw, dp = cluster.hardware, cfg.dp * cfg.cp      # CP ranks' gradients are averaged too
     if dp == 1:
         return 0.0
-    # tp-dp-pp placement: a DP group is every tp-th rank, min(dp, gpus_per_node / tp) per node.
+    # tp-cp-dp-pp placement: a DP x CP group is every tp-th rank, min(dp * cp, gpus_per_node /
+    # tp) per node.
     per_node = min(dp, max(1, cluster.gpus_per_node // cfg.tp))
     nbytes, link = params * feat.grad_bytes, cluster.link_gbps(cfg.tp * dp, per_node)
     reduce = cost.collective_time("reduce_scatter" if cfg.zero1 else "all_reduce", nbytes, dp,
@@ -221,13 +227,14 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
     if key not in schedules:
         schedules[key] = build_schedule(*key)
     sched = schedules[key]
-    fbw, ranges, tp_exposed, _ = _stage_costs(work, cluster, cfg, feat, sched.split_backward)
+    fbw, ranges, tp_exposed, _, cp_exposed = _stage_costs(work, cluster, cfg, feat,
+                                                          sched.split_backward)
     mem = _memory(work, cluster, cfg, feat, ranges, sched.peak_activations)
-    tokens = cfg.micro_batch_size * work.seq_len * m.d_model * hw.bytes_per_element
+    tokens = cfg.micro_batch_size * work.seq_len // cfg.cp * m.d_model * hw.bytes_per_element
     p2p = 0.0
     if cfg.pp > 1:
         p2p = cost.ring_time("send", tokens / (cfg.tp if cfg.sequence_parallel else 1), 2,
-                             cluster.link_gbps(cfg.tp * cfg.dp * cfg.pp),
+                             cluster.link_gbps(cfg.tp * cfg.cp * cfg.dp * cfg.pp),
                              hw.collective_latency_us)
     sim = simulate(sched, *([row[i] for row in fbw] for i in range(3)), comm=p2p)
     params, tensors = mem["params_per_gpu"], _tensors_per_gpu(m, ranges, cfg)
@@ -251,7 +258,8 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
         mfu=model_flops / step / (cluster.gpus * hw.peak_flops),
         memory_gb_per_gpu=mem["total"], tokens_per_s=work.global_batch * work.seq_len / step,
         bubble_fraction=sim.bubble_fraction, compute_s=max(sim.busy),
-        tp_exposed_s=tp_exposed * num_mb, dp_exposed_s=dp_exposed, optimizer_s=optimizer,
+        tp_exposed_s=tp_exposed * num_mb, cp_exposed_s=cp_exposed * num_mb,
+        dp_exposed_s=dp_exposed, optimizer_s=optimizer,
         grad_accumulation_s=accumulate,
         p2p_s=p2p, memory={k: v for k, v in mem.items() if k != "params_per_gpu"})
     if mem["total"] > hw.hbm_gb:
@@ -279,8 +287,8 @@ def _step_collectives(cluster: Cluster, cfg: ParallelConfig) -> float:
 
     def ar(n, span):
         return cost.collective_time("all_reduce", 8, n, cluster.link_gbps(span), hw)
-    world = cfg.tp * cfg.pp * cfg.dp
-    total = ar(cfg.pp, world) + ar(cfg.dp, cfg.tp * cfg.dp)          # the loss
+    world = cfg.tp * cfg.cp * cfg.pp * cfg.dp
+    total = ar(cfg.pp, world) + ar(cfg.dp * cfg.cp, cfg.tp * cfg.cp * cfg.dp)     # the loss
     total += ar(cfg.tp, cfg.tp) + ar(cfg.pp, world)                  # the gradient norm
     total += ar(cfg.dp, cfg.tp * cfg.dp) if cfg.zero1 else 0.0
     return total + ar(world, world)                                  # the non-finite check
@@ -320,9 +328,10 @@ def _step_lower_bound(fbw, pp: int, num_mb: int, split: bool) -> float:
 def candidates(work: Workload, cluster: Cluster, fixed: dict | None = None):
     """Every configuration that can run, TP inside a node; ``fixed`` pins fields by name."""
     fixed = fixed or {}
-    m, gpus = work.model, cluster.gpus
+    m, cp = work.model, fixed.get("cp", 1)      # context parallelism only when asked for
+    gpus = cluster.gpus // cp if cluster.gpus % cp == 0 else 0
     pow2 = [2 ** i for i in range(12)]
-    for tp in [x for x in pow2 if x <= cluster.gpus_per_node and gpus % x == 0]:
+    for tp in [x for x in pow2 if x <= cluster.gpus_per_node and gpus and gpus % x == 0]:
         for pp in [x for x in range(1, m.n_layers + 1) if (gpus // tp) % x == 0]:
             dp = gpus // (tp * pp)
             for mbs in [x for x in pow2 if x <= 16 and work.global_batch % (x * dp) == 0]:
@@ -333,7 +342,8 @@ def candidates(work: Workload, cluster: Cluster, fixed: dict | None = None):
                     for rec in RECOMPUTE:
                         for sp in ((False, True) if tp > 1 else (False,)):
                             for zero1 in ((False, True) if dp > 1 else (False,)):
-                                cfg = ParallelConfig(tp, pp, dp, v, mbs, name, rec, sp, zero1)
+                                cfg = ParallelConfig(tp, pp, dp, v, mbs, name, rec, sp, zero1,
+                                                     cp)
                                 if any(getattr(cfg, k) != val for k, val in fixed.items()):
                                     continue
                                 try:
@@ -356,7 +366,7 @@ def search(work: Workload, cluster: Cluster, feat: Features = FASTPAR, fixed: di
         key = (cfg.tp, cfg.pp, cfg.virtual_stages, cfg.micro_batch_size, cfg.recompute,
                cfg.sequence_parallel, cfg.schedule == "zb-h1")
         if key not in cache:
-            fbw, ranges, _, _ = _stage_costs(work, cluster, cfg, feat, key[-1])
+            fbw, ranges, _, _, _ = _stage_costs(work, cluster, cfg, feat, key[-1])
             cache[key] = fbw, ranges
         fbw, ranges = cache[key]
         num_mb = cfg.num_microbatches(work.global_batch)

@@ -93,6 +93,7 @@ def snapshot(modules, optimizer, mesh, rank_tensors: dict | None = None,
 
     rank = mesh.rank if mesh is not None else 0
     tp, pp, dp = (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank) if mesh else (0, 0, 0)
+    dp += mesh.cp_rank if mesh else 0       # CP ranks hold the same weights as cp rank 0
     if optimizer is not None and _per_param(optimizer) is None:
         rank_tensors = {**(rank_tensors or {}), **optimizer.shard_tensors()}
     optimizer = _per_param(optimizer)
@@ -335,8 +336,8 @@ def _load_shard(path, manifest: dict, opt, mesh) -> None:
     """A ZeRO-1 optimizer's shard, from the file its rank saved (same layout only)."""
     if not manifest.get("zero1"):
         return          # saved without ZeRO: the moments start afresh, the weights are loaded
-    layout = {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size}
-    if manifest["layout"] != layout:
+    layout = {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "cp": mesh.cp_size}
+    if {"cp": 1, **manifest["layout"]} != layout:          # written before cp: cp = 1
         raise ValueError(f"checkpoint {path} holds ZeRO-1 optimizer shards of layout "
                          f"{manifest['layout']}; resume it with that layout")
     opt.load_shard_tensors(read_rank_tensors(path, mesh.rank))

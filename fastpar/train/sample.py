@@ -125,11 +125,12 @@ def print_sample(cfg, chunks, mesh, tokens, say) -> None:
     generate from instead (``fastpar generate`` loads its checkpoint on any TP layout)."""
     from ..models import generate
 
-    if cfg.pp > 1 or cfg.sequence_parallel:
+    if cfg.pp > 1 or cfg.sequence_parallel or cfg.cp > 1:
+        kind = "pipeline" if cfg.pp > 1 else "context-parallel" if cfg.cp > 1 else \
+            "sequence-parallel"
         if say:
-            say(f"fastpar train: sample: `fastpar generate {cfg.out} --prompt TEXT` (a "
-                f"{'pipeline' if cfg.pp > 1 else 'sequence-parallel'} layout does not sample "
-                "in training)")
+            say(f"fastpar train: sample: `fastpar generate {cfg.out} --prompt TEXT` (a {kind} "
+                "layout does not sample in training)")
         return
     if mesh.dp_rank != 0:
         return

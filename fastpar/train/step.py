@@ -94,5 +94,5 @@ def evaluate(chunks, pipe, batches, M: int, mesh) -> float:
             m.train(mode)
     if pipe is not None:
         dist.all_reduce(total, group=mesh.pp_group)      # only the last stage holds it
-    dist.all_reduce(total, group=mesh.dp_group)
-    return total.item() / (len(batches) * dist.get_world_size(mesh.dp_group))
+    dist.all_reduce(total, group=mesh.dp_cp_group)      # CP ranks: the other tokens
+    return total.item() / (len(batches) * dist.get_world_size(mesh.dp_cp_group))

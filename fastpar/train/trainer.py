@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fastpar
+from ..context_parallel import shard_sequence
 from ..data_parallel import DataParallel, DistributedOptimizer
 from ..mesh.profiling import span
 from ..mesh.watchdog import CollectiveTimeoutError, Watchdog
@@ -51,7 +52,8 @@ def build_model(cfg: TrainConfig, mesh) -> list[GPT]:
     numbered as its pipeline stage; stages balanced by ``GPTConfig.piece_flops``."""
     mc = cfg.model_config
     make = functools.partial(GPT, mc, tp_group=mesh.tp_group, recompute=cfg.recompute,
-                             sequence_parallel=cfg.sequence_parallel, device=mesh.device)
+                             sequence_parallel=cfg.sequence_parallel, device=mesh.device,
+                             cp_group=mesh.cp_group)
     return build_stages(make, mesh.pp_rank, cfg.pp, cfg.virtual_stages, num_blocks=mc.n_layers,
                         layer_costs=mc.piece_flops(cfg.seq_len))
 
@@ -71,11 +73,20 @@ def _wrap(cfg: TrainConfig, chunks, mesh, dp: int):
                 p.data = p.data.to(torch.bfloat16)
     reduce_dtype = torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else \
         (torch.float32 if mixed else None)
-    ddp = DataParallel(nn.ModuleList(chunks), dp_group=mesh.dp_group, main_grads=mixed,
+    # Context-parallel ranks see other tokens of the same sequences: their gradients are
+    # averaged together with the data-parallel ones (each rank's loss is its tokens' mean).
+    ddp = DataParallel(nn.ModuleList(chunks), dp_group=mesh.dp_cp_group, main_grads=mixed,
                        reduce_dtype=reduce_dtype)
     return ddp, DistributedOptimizer(ddp, torch.optim.AdamW, _param_groups(chunks, cfg.weight_decay),
                                      shard=cfg.zero1 and dp > 1, foreach=True, lr=cfg.lr,
                                      betas=(0.9, 0.95), eps=1e-8)
+
+
+def _cp_shard(batch, mesh):
+    """This context-parallel rank's two chunks of every sequence of (inputs, targets)."""
+    if mesh.cp_group is None:
+        return batch
+    return tuple(shard_sequence(t, mesh.cp_rank, mesh.cp_size, dim=1) for t in batch)
 
 
 def _param_groups(chunks, weight_decay):
@@ -161,7 +172,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     trace = Path(cfg.out).resolve() / "nccl_trace"      # NCCL's flight-recorder dumps
     if torch.cuda.is_available():
         trace.mkdir(parents=True, exist_ok=True)
-    mesh = fastpar.init(tp=cfg.tp, pp=cfg.pp, dp=dp, timeout=cfg.timeout,
+    mesh = fastpar.init(tp=cfg.tp, pp=cfg.pp, dp=dp, cp=cfg.cp, timeout=cfg.timeout,
                         nccl_trace=str(trace / "rank_"))
     torch.manual_seed(cfg.seed)
     chunks = build_model(cfg, mesh)
@@ -173,7 +184,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     held_out = None         # the same held-out batches at every evaluation
     if val is not None:
         vs = BatchSampler(val, cfg.seq_len, cfg.global_batch_size, cfg.seed, mesh.dp_rank, dp)
-        held_out = [vs.batch(k) for k in range(cfg.eval_batches)]
+        held_out = [_cp_shard(vs.batch(k), mesh) for k in range(cfg.eval_batches)]
     M = cfg.num_microbatches(cfg.global_batch_size, dp)
     pipe = None
     if cfg.pp > 1:
@@ -207,17 +218,17 @@ def train(cfg: TrainConfig) -> list[dict]:
         lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
         for g in opt.param_groups:
             g["lr"] = lr
-        x, y = sampler.batch(step)
+        x, y = _cp_shard(sampler.batch(step), mesh)
         x, y = x.to(mesh.device), y.to(mesh.device)
         # bf16 parameters or autocast over fp32 ones (by default on GPU; on CPU if asked).
-        with wd.region(step, "forward and backward", ("tp", "pp", "dp")), \
+        with wd.region(step, "forward and backward", ("tp", "cp", "pp", "dp")), \
                 torch.autocast(mesh.device.type, torch.bfloat16,
                                enabled=cfg.autocast(mesh.device.type)), span("step", step):
             loss = forward_backward(chunks, ddp, pipe, x, y, M, mesh)
         faults.poison(fault, step, mesh.rank, loss, chunks)
-        with wd.region(step, "the loss all-reduce", ("dp",)):
-            dist.all_reduce(loss, group=mesh.dp_group)
-        loss = loss.item() / dp
+        with wd.region(step, "the loss all-reduce", ("dp", "cp")):
+            dist.all_reduce(loss, group=mesh.dp_cp_group)
+        loss = loss.item() / (dp * cfg.cp)
         with wd.region(step, "the gradient-norm all-reduce", ("tp", "pp", "dp")), \
                 span("gradient clipping"):
             norm = _clip(chunks, mesh, cfg.grad_clip, opt)
@@ -232,7 +243,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         step_time = time.perf_counter() - t0    # the evaluation is not part of the step
         val_loss = None
         if held_out and (step % cfg.eval_every == 0 or step == cfg.steps):
-            with wd.region(step, "the evaluation", ("tp", "pp", "dp")), \
+            with wd.region(step, "the evaluation", ("tp", "cp", "pp", "dp")), \
                     torch.autocast(mesh.device.type, torch.bfloat16,
                                    enabled=cfg.autocast(mesh.device.type)), span("evaluation"):
                 val_loss = evaluate(chunks, pipe, held_out, M, mesh)
@@ -241,8 +252,9 @@ def train(cfg: TrainConfig) -> list[dict]:
         if not cfg.no_save and ((cfg.save_every and step % cfg.save_every == 0)
                                 or step == cfg.steps):
             with wd.region(step, "saving the checkpoint"):
+                layout = {"tp": cfg.tp, "pp": cfg.pp, "dp": dp, "cp": cfg.cp}
                 writer.save(step, chunks, opt, {"data_step": step, "model_config": mc.to_dict(),
-                                                "layout": {"tp": cfg.tp, "pp": cfg.pp, "dp": dp}})
+                                                "layout": layout})
         traced = prof.after(step)
         if traced is not None and say:
             say(f"fastpar train: profiled steps {cfg.profile_steps}: {traced.parent}/rank*.json "

@@ -1,0 +1,191 @@
+"""Ring attention: causal attention over a sequence split across the CP group.
+
+Each CP rank holds its queries, keys and values in the load-balanced layout of
+:mod:`.sharding`. Forward runs ``cp`` steps; at step ``i`` a rank holds the k/v of CP rank
+``src = (r - i) mod cp``, attends its queries to the part of that block the causal mask lets
+through (:func:`.sharding.visible_block`: the same amount of work at every step), and folds the
+result into a running (out, lse) in fp32. The k/v for step ``i + 1`` (sent to ``r + 1``, received
+from ``r - 1``: one ``batch_isend_irecv`` of an isend and an irecv) is posted before step ``i``
+computes and waited right before step ``i + 1`` uses it.
+
+Backward walks the same ring again from this rank's own k/v, with the final out and lse: dq
+accumulates here, and each k/v block's dk/dv accumulator (fp32) travels one hop behind its block
+(posted after the block's gradient is added, in flight during the next step's compute); after the
+last step one more hop brings every accumulator to the rank that owns that k/v. Only this rank's
+q, k, v, out and lse are saved.
+
+On CUDA the batches are issued from a side stream that first waits for the compute stream; a
+wait makes the compute stream wait for the transfer. The block math (:mod:`.blocks`) is plain
+torch in fp32 on CPU and GPU alike.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..mesh.groups import Group, group_rank, group_size
+from ..mesh.profiling import span
+from . import blocks
+from .sharding import visible_block
+
+_KV_TAG, _DKV_TAG = 11, 12          # gloo matches on (source, tag); NCCL ignores tags
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int) -> None:
+    """One clear error, naming the values, before any collective."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"ring_attention: {name} must be (B, heads, S_local, head_dim); "
+                             f"got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"ring_attention: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    (b, h, s, hd), (bk, h_kv, sk, hdk) = q.shape, k.shape
+    if (b, s, hd) != (bk, sk, hdk):
+        raise ValueError(f"ring_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)} must "
+                         "agree on batch, local sequence length and head_dim")
+    if h % h_kv:
+        raise ValueError(f"ring_attention: {h} query heads are not a multiple of {h_kv} k/v "
+                         "heads (GQA needs h % h_kv == 0)")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"ring_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, "
+                         f"{v.dtype})")
+    if cp > 1 and s % 2:
+        raise ValueError(f"ring_attention: {s} local tokens (sequence length {cp * s} over cp = "
+                         f"{cp}) are not two equal chunks: the sequence length must be divisible "
+                         f"by 2 x cp = {2 * cp}")
+
+
+def _start_ring(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, tag: int,
+                overlap: bool, stream) -> list[dist.Work]:
+    """Post ``send`` to CP rank r + 1 and ``recv`` from r - 1 as one batch; returns its works.
+    ``overlap=False`` waits here (the transfer then overlaps nothing) and returns no works: a
+    gloo p2p work must be waited exactly once (a second wait blocks for a second message)."""
+    r, cp = group_rank(group), group_size(group)
+    ops = [dist.P2POp(dist.isend, send, group=group, group_peer=(r + 1) % cp, tag=tag),
+           dist.P2POp(dist.irecv, recv, group=group, group_peer=(r - 1) % cp, tag=tag)]
+    if stream is None:
+        works = dist.batch_isend_irecv(ops)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))   # send ready, recv free
+        with torch.cuda.stream(stream):
+            works = dist.batch_isend_irecv(ops)
+        send.record_stream(stream)
+        recv.record_stream(stream)
+    if not overlap:
+        _wait(works)
+        return []
+    return works
+
+
+def _wait(works: list[dist.Work]) -> None:
+    for w in works:
+        w.wait()
+
+
+def _comm_stream(device: torch.device):
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+class RingAttention(torch.autograd.Function):
+    """Forward: causal attention of the local queries over every CP rank's k/v, passed around
+    the ring. Backward: dq here; dk/dv ride the ring behind their k/v back to their owner."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, overlap):
+        cp, r = group_size(group), group_rank(group)
+        c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+        stream = _comm_stream(q.device)
+        kv = torch.stack([k, v])                  # (2, B, h_kv, S_local, hd): one message
+        out = lse = None
+        for i in range(cp):
+            src = (r - i) % cp
+            if i + 1 < cp:                        # the next step's k/v moves during this one
+                nxt = torch.empty_like(kv)
+                works = _start_ring(kv, nxt, group, _KV_TAG, overlap, stream)
+            rows, cols, causal = visible_block(src, r, c)
+            with span("cp attention block", i):
+                blk_out, blk_lse = blocks.block_forward(
+                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale)
+            if out is None:                       # step 0 is causal: it covers every row
+                out, lse = blk_out, blk_lse
+            else:
+                blocks.merge_(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
+            if i + 1 < cp:
+                with span("cp wait k/v", i + 1):
+                    _wait(works)
+                kv = nxt
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.overlap = group, overlap
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, overlap = ctx.group, ctx.overlap
+        cp, r = group_size(group), group_rank(group)
+        c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+        stream = _comm_stream(q.device)
+        with torch.autocast(q.device.type, enabled=False):
+            delta = (dout.float() * out.float()).sum(-1)            # (B, h, S_local)
+            dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            kv = torch.stack([k, v])
+            dkv_in, dkv_works = None, []          # src's dk/dv accumulator, arriving from r - 1
+            for i in range(cp):
+                src = (r - i) % cp
+                if i + 1 < cp:
+                    nxt = torch.empty_like(kv)
+                    kv_works = _start_ring(kv, nxt, group, _KV_TAG, overlap, stream)
+                rows, cols, causal = visible_block(src, r, c)
+                with span("cp attention block backward", i):
+                    dq_b, dk_b, dv_b = blocks.block_backward(
+                        q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout[:, :, rows],
+                        lse[:, :, rows], delta[:, :, rows], causal, scale)
+                dq[:, :, rows] += dq_b
+                if dkv_in is None:                # step 0: src is this rank, a fresh one
+                    dkv = torch.zeros((2,) + k.shape, dtype=torch.float32, device=k.device)
+                else:                             # src's, one hop behind its k/v
+                    with span("cp wait dk/dv", i):
+                        _wait(dkv_works)
+                    dkv = dkv_in
+                dkv[0][:, :, cols] += dk_b
+                dkv[1][:, :, cols] += dv_b
+                # On to r + 1: the next rank that sees src's k/v, or, after the last step, src.
+                dkv_in = torch.empty_like(dkv)
+                dkv_works = _start_ring(dkv, dkv_in, group, _DKV_TAG, overlap, stream)
+                if i + 1 < cp:
+                    with span("cp wait k/v", i + 1):
+                        _wait(kv_works)
+                    kv = nxt
+            with span("cp wait dk/dv home"):
+                _wait(dkv_works)                  # dkv_in: the gradient of this rank's k and v
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: Group,
+                   overlap: bool = True) -> torch.Tensor:
+    """Causal attention over the global sequence, split over ``cp_group`` in the load-balanced
+    layout (:func:`.sharding.shard_sequence` along dim 2).
+
+    q: (B, h, S_local, hd); k, v: (B, h_kv, S_local, hd) with ``h % h_kv == 0`` (only the h_kv
+    heads travel). Returns (B, h, S_local, hd): causal SDPA of the full sequence, this rank's
+    rows. ``cp_group`` None or of size 1 is plain causal SDPA. ``overlap=False`` waits for each
+    transfer as soon as it is posted (same numbers, no overlap). Under autocast q, k, v are cast
+    to the autocast dtype first, as SDPA's are; the math inside is fp32 either way.
+    """
+    if cp_group is not None and group_rank(cp_group) < 0:
+        raise ValueError(f"ring_attention: rank {dist.get_rank()} is not in cp_group")
+    cp = group_size(cp_group)
+    _check_inputs(q, k, v, cp)
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    with torch.autocast(device, enabled=False):
+        if cp == 1:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+        return RingAttention.apply(q, k, v, cp_group, overlap)

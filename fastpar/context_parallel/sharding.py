@@ -1,0 +1,90 @@
+"""The load-balanced sequence layout of context parallelism, defined once.
+
+A sequence of ``S`` tokens is cut into ``2 * cp`` chunks of ``c = S / (2 * cp)`` tokens; CP rank
+``r`` holds chunks ``r`` and ``2 * cp - 1 - r``, in that order (Megatron-Core, Llama 3). Under a
+causal mask an early chunk has little to attend to and a late one much; pairing them gives every
+rank the same work. With ``cp = 2`` and ``S = 8`` (``c = 2``)::
+
+    tokens   0 1 | 2 3 | 4 5 | 6 7
+    chunk    0   | 1   | 2   | 3
+    rank 0 holds chunks 0, 3 -> tokens 0 1 6 7;  rank 1 holds chunks 1, 2 -> tokens 2 3 4 5
+
+:func:`visible_block` is what that layout means for attention: which of a rank's query rows see
+which of another rank's keys.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def check_seq_len(seq_len: int, cp: int) -> None:
+    """Raise ValueError naming both numbers unless ``seq_len`` splits into ``2 * cp`` chunks."""
+    if not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"context parallelism: cp = {cp!r} must be an integer >= 1")
+    if seq_len % (2 * cp):
+        raise ValueError(f"context parallelism: sequence length {seq_len} is not divisible by "
+                         f"2 x cp = {2 * cp} (each of the {cp} CP ranks holds two equal chunks)")
+
+
+def _check_rank(cp_rank: int, cp_size: int) -> None:
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"context parallelism: cp_rank = {cp_rank} is not in [0, {cp_size})")
+
+
+def chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
+    """The two global chunk indices CP rank ``cp_rank`` holds, in its order."""
+    _check_rank(cp_rank, cp_size)
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def shard_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, dim: int) -> torch.Tensor:
+    """This rank's two chunks of the full tensor ``x`` along ``dim``, concatenated (a copy)."""
+    check_seq_len(x.shape[dim], cp_size)
+    chunks = x.chunk(2 * cp_size, dim=dim)
+    first, second = chunk_ids(cp_rank, cp_size)
+    return torch.cat([chunks[first], chunks[second]], dim=dim)
+
+
+def unshard_sequence(shards: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                     dim: int) -> torch.Tensor:
+    """The inverse of :func:`shard_sequence`: the full tensor from every rank's shard, in rank
+    order (for tests and for gathering a sequence back)."""
+    cp = len(shards)
+    if cp < 1:
+        raise ValueError("context parallelism: unshard_sequence needs at least one shard")
+    lengths = {s.shape[dim] for s in shards}
+    if len(lengths) != 1 or next(iter(lengths)) % 2:
+        raise ValueError(f"context parallelism: shards must have one even length along dim "
+                         f"{dim}; got {[s.shape[dim] for s in shards]}")
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for r, s in enumerate(shards):
+        first, second = chunk_ids(r, cp)
+        chunks[first], chunks[second] = s.chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)
+
+
+def positions(seq_len: int, cp_rank: int, cp_size: int, device=None) -> torch.Tensor:
+    """The true positions (int64, shape ``(seq_len / cp,)``) of this rank's tokens, for rotary
+    and learned position embeddings."""
+    check_seq_len(seq_len, cp_size)
+    c = seq_len // (2 * cp_size)
+    first, second = chunk_ids(cp_rank, cp_size)
+    return torch.cat([torch.arange(first * c, (first + 1) * c, device=device),
+                      torch.arange(second * c, (second + 1) * c, device=device)])
+
+
+def visible_block(src: int, cp_rank: int, chunk: int) -> tuple[slice, slice, bool]:
+    """Which rows of this rank's queries see which columns of CP rank ``src``'s keys, and
+    whether that block is causal on its diagonal: ``(rows, cols, causal)`` over the local
+    ``2 * chunk`` tokens of each side. Every case is about ``2 * chunk**2`` query-key pairs:
+
+    - ``src == cp_rank``: causal over the local sequence (the second chunk sees the first fully,
+      each chunk is causal on its diagonal);
+    - ``src < cp_rank``: both local chunks see ``src``'s first chunk fully, its second not at all;
+    - ``src > cp_rank``: only the second local chunk sees anything, both of ``src``'s chunks fully.
+    """
+    if src == cp_rank:
+        return slice(None), slice(None), True
+    if src < cp_rank:
+        return slice(None), slice(0, chunk), False
+    return slice(chunk, None), slice(None), False
