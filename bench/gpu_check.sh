@@ -14,7 +14,8 @@
 #   5. bench     the kernels against torch eager / torch.compile / cuBLAS, matmul first, with a
 #                time budget (bench/bench_kernels.py)
 #   6. train-1b  a few steps of the 1b preset on this GPU (--precision bf16, the GPU default),
-#                no checkpoint: tokens/s, MFU
+#                no checkpoint: tokens/s, MFU; the last step evaluated and traced by the
+#                profiler (CUDA kernels under fastpar's ranges), then a KV-cache sample
 #
 #   bash bench/gpu_check.sh 2>&1 | tee gpu_check.log
 #   PYTHON=/path/to/python STEPS="build kernels" bash bench/gpu_check.sh    # some steps only
@@ -78,14 +79,24 @@ train_1b() {
   run=$(mktemp -d)
   "$PY" -m fastpar train --model 1b --nproc 1 --steps "${TRAIN_STEPS:-12}" --seq-len 2048 \
     --global-batch-size 8 --micro-batch-size 4 --warmup-steps 3 --log-every 4 --no-save \
-    --peak-tflops "${PEAK_TFLOPS:-989}" --out "$run" || rc=$?
-  "$PY" - "$run/metrics.jsonl" <<'PY' || rc=$?
+    --peak-tflops "${PEAK_TFLOPS:-989}" --out "$run" \
+    --eval-every "${TRAIN_STEPS:-12}" --eval-batches 1 --sample-tokens 32 \
+    --profile-steps "${TRAIN_STEPS:-12}:${TRAIN_STEPS:-12}" || rc=$?
+  "$PY" - "$run" <<'PY' || rc=$?
 import json, statistics, sys
-rows = [json.loads(line) for line in open(sys.argv[1])][3:]      # after warm-up and autotuning
+run = sys.argv[1]
+rows = [json.loads(line) for line in open(f"{run}/metrics.jsonl")][3:]   # after warm-up, tuning
 tok = statistics.median(r["tokens_per_s"] for r in rows)
 mfu = statistics.median(r["mfu"] for r in rows)
 print(f"1b, seq 2048, batch 8, bf16: {tok:,.0f} tokens/s, MFU {mfu:.1%} "
       f"(median of steps {rows[0]['step']}-{rows[-1]['step']})")
+# The evaluation, the KV-cache sample (printed above) and the profiler on CUDA.
+assert "val_loss" in rows[-1], "no validation loss at the last step"
+events = json.load(open(f"{run}/profile/rank0.json"))["traceEvents"]
+ours = sum(e.get("name", "").startswith("fastpar: ") for e in events)
+gpu = sum(e.get("cat") == "kernel" for e in events)
+print(f"val loss {rows[-1]['val_loss']:.3f}; trace: {ours} fastpar ranges, {gpu} GPU kernels")
+assert ours and gpu, "the trace lacks fastpar's ranges or the GPU's kernels"
 PY
   rm -rf "$run"
   return $rc
