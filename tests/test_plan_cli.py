@@ -76,13 +76,13 @@ def test_calibrate_writes_a_profile(tmp_path, capsys, monkeypatch):
     assert len(hw.memory_curve) >= 2 and hw.kernel_overhead_us >= 5.0
 
 
-@pytest.mark.parametrize("gpus", [8, 16])
-def test_search_prints_the_train_command_of_its_best_layout(capsys, monkeypatch, gpus):
+@pytest.mark.parametrize("gpus,cp", [(8, 1), (16, 1), (8, 2)])
+def test_search_prints_the_train_command_of_its_best_layout(capsys, monkeypatch, gpus, cp):
     import fastpar.cli as cli
     from fastpar.train import TrainConfig
 
     plan = ["plan", "--model", "1b", "--gpus", str(gpus), "--seq-len", "2048",
-            "--global-batch-size", "64", "--top", "1"]
+            "--global-batch-size", "64", "--top", "1"] + (["--cp", str(cp)] if cp > 1 else [])
     assert main(plan + ["--json"]) == 0
     best = json.loads(capsys.readouterr().out)[0]
     assert main(plan) == 0
@@ -107,7 +107,7 @@ def test_search_prints_the_train_command_of_its_best_layout(capsys, monkeypatch,
     cfg = seen["cfg"]
     got = dict(tp=cfg.tp, pp=cfg.pp, dp=seen["dp"], micro_batch_size=cfg.micro_batch_size,
                recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
-               zero1=cfg.zero1, virtual_stages=cfg.virtual_stages)
+               zero1=cfg.zero1, virtual_stages=cfg.virtual_stages, cp=cfg.cp)
     assert got == {k: best[k] for k in got}
     assert cfg.pp == 1 or cfg.schedule == best["schedule"]
     assert (cfg.global_batch_size, cfg.seq_len, cfg.model) == (64, 2048, "1b")

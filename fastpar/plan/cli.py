@@ -132,7 +132,7 @@ def train_command(cfg: ParallelConfig, work: Workload, cluster: Cluster,
     return f"run it:\n  {line}{note}"
 
 
-_COLUMNS = (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("v", "virtual_stages"),
+_COLUMNS = (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("v", "virtual_stages"),
             ("mbs", "micro_batch_size"), ("schedule", "schedule"), ("recompute", "recompute"),
             ("sp", "sequence_parallel"), ("zero1", "zero1"), ("step s", "step_time_s"),
             ("TFLOP/s", "tflops_per_gpu"), ("MFU", "mfu"), ("GB/GPU", "memory_gb_per_gpu"),
@@ -157,7 +157,8 @@ def _fmt(v) -> str:
 
 def _shares(e) -> str:
     s = e.step_time_s
-    return (f"bubble {e.bubble_fraction:.1%}, exposed TP comm {e.tp_exposed_s / s:.1%}, "
+    cp = f"exposed CP ring {e.cp_exposed_s / s:.1%}, " if e.config.cp > 1 else ""
+    return (f"bubble {e.bubble_fraction:.1%}, exposed TP comm {e.tp_exposed_s / s:.1%}, {cp}"
             f"DP comm {e.dp_exposed_s / s:.1%} of the step; {e.memory_gb_per_gpu:.1f} GB/GPU")
 
 
