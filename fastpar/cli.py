@@ -1,22 +1,31 @@
 """The ``fastpar`` command (also ``python -m fastpar``)."""
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import inspect
-import json
-import os
-import re
+# Only what the signal handling needs is imported here: the rest loads inside main(), once a
+# Ctrl-C or SIGTERM is answered with one line (see main).
+import signal
 import sys
-import typing
-from importlib import metadata
 
-from .plan.cli import add_plan, run_plan
-from .train.prepare import add_prepare, run_prepare
-from .train.sample import add_generate, run_generate
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt, so that one ``except`` ends the
+    command cleanly on either (exit 143 instead of 130)."""
+
+    signum = signal.SIGTERM
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def exit_code(interrupt: KeyboardInterrupt) -> int:
+    """The shell's exit code of a process stopped by the signal: 128 + SIGINT / SIGTERM."""
+    return 128 + getattr(interrupt, "signum", signal.SIGINT)
 
 
 def _version(package: str) -> str | None:
+    from importlib import metadata
+
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
@@ -66,6 +75,32 @@ def _print_info(info: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command. Ctrl-C or SIGTERM at any moment, from the first import on, ends it with one
+    line and exit code 130 / 143 (``fastpar train`` says how far the run got)."""
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as e:
+        print(f"fastpar: {'terminated' if isinstance(e, Terminated) else 'interrupted'}",
+              file=sys.stderr, flush=True)
+        return exit_code(e)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _main(argv: list[str] | None) -> int:
+    # Imported here, after the signal handling is in place: they load torch (seconds).
+    import argparse
+    import json
+
+    from .plan.cli import add_plan, run_plan
+    from .train.prepare import add_prepare, run_prepare
+    from .train.sample import add_generate, run_generate
+
     parser = argparse.ArgumentParser(prog="fastpar", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="store_true", help="print fastpar's version and exit")
     sub = parser.add_subparsers(dest="command")
@@ -113,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _add_train(sub) -> None:
+    import argparse
+    import dataclasses
+    import typing
+
     from .train.config import TrainConfig
 
     p = sub.add_parser("train", help="train a GPT with any mix of TP, PP and DP",
@@ -144,6 +183,10 @@ def _add_train(sub) -> None:
 def _field_help(cls) -> dict[str, str]:
     """Each dataclass field's trailing comment in its class body, with the comment-only lines
     that continue it, for the classes ``cls`` is built from."""
+    import dataclasses
+    import inspect
+    import re
+
     names, out = {f.name for f in dataclasses.fields(cls)}, {}
     for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
         last = None
@@ -161,12 +204,16 @@ def _field_help(cls) -> dict[str, str]:
 
 
 def _resume_arg(value: str):
+    import argparse
+
     if value != "auto":
         raise argparse.ArgumentTypeError(f"--resume takes no value or 'auto', not {value!r}")
     return value
 
 
 def _train(args) -> int:
+    import os
+
     from .mesh.layout import require_positive
     from .train.config import TrainConfig
     from .train.launch import launch

@@ -13,12 +13,15 @@ failed and how, and exits 1 (``SystemExit``), with no traceback.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 import uuid
-from dataclasses import replace
+from dataclasses import fields, replace
+from pathlib import Path
 
 from .host import worker_env
 from .config import TrainConfig
@@ -37,9 +40,12 @@ def _worker(cfg: TrainConfig) -> None:
 
 def _spawned_worker(cfg: TrainConfig) -> None:
     """A rank started by the launcher: a named failure is one line on stderr and exit code 1;
-    Ctrl-C ends it at once and silently (the launcher says what happened)."""
+    Ctrl-C and SIGTERM end it at once and silently, by their default action (the launcher says
+    what happened; checkpoints are written under a temporary name, so the last complete one
+    stays intact). The rank started with SIGINT ignored (:func:`_children_ignore_sigint`)."""
     from .trainer import CLEAR_ERRORS
 
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         _worker(cfg)
     except CLEAR_ERRORS as e:
@@ -50,13 +56,37 @@ def _spawned_worker(cfg: TrainConfig) -> None:
         os._exit(130)           # no teardown: its threads and progress bar would print
 
 
-def interrupted(cfg: TrainConfig) -> str:
-    """The one line for a run stopped by Ctrl-C: the step reached and how to go on."""
+@contextlib.contextmanager
+def _children_ignore_sigint():
+    """Ranks started inside start with SIGINT ignored, so that a Ctrl-C while they import torch
+    prints no tracebacks (each takes SIGINT back once it runs fastpar's code, and the launcher
+    stops them with SIGTERM). An ignored signal is the one disposition that survives the
+    spawn's fork and exec (the spawn clears a blocked mask), so the ranks' Python is started
+    through a two-line shell script that ignores SIGINT and execs it."""
+    import multiprocessing
+    import shlex
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="fastpar-launch-") as tmp:
+        exe = Path(tmp) / "python"
+        exe.write_text(f"#!/bin/sh\ntrap '' INT\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+        exe.chmod(0o755)
+        multiprocessing.set_executable(str(exe))
+        try:
+            yield
+        finally:
+            multiprocessing.set_executable(sys.executable)
+
+
+def interrupted(cfg: TrainConfig, signum: int = signal.SIGINT) -> str:
+    """The one line for a run stopped by Ctrl-C (or SIGTERM): the step reached and how to go
+    on."""
     import json
     from pathlib import Path
 
     from .checkpoint import latest_checkpoint
 
+    how = "terminated" if signum == signal.SIGTERM else "interrupted"
     out = Path(cfg.out)
     step = 0
     try:
@@ -66,9 +96,9 @@ def interrupted(cfg: TrainConfig) -> str:
         pass
     ckpt = latest_checkpoint(out / "checkpoints")
     if ckpt is None:
-        return (f"fastpar train: interrupted after step {step} of {cfg.steps}; no checkpoint was "
+        return (f"fastpar train: {how} after step {step} of {cfg.steps}; no checkpoint was "
                 f"written, so a new run starts over (--save-every N writes one every N steps)")
-    return (f"fastpar train: interrupted after step {step} of {cfg.steps}; the last complete "
+    return (f"fastpar train: {how} after step {step} of {cfg.steps}; the last complete "
             f"checkpoint is {ckpt}: continue with the same options and "
             f"--out {cfg.out} --resume")
 
@@ -141,10 +171,11 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0) -> None:
         cfg = resolve_out(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         try:
             _worker(cfg)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:     # Ctrl-C, or SIGTERM (fastpar.cli.Terminated)
+            signum = getattr(e, "signum", signal.SIGINT)
             if int(os.environ.get("RANK", "0")) == 0:
-                print(interrupted(cfg), file=sys.stderr, flush=True)
-            raise SystemExit(130) from None
+                print(interrupted(cfg, signum), file=sys.stderr, flush=True)
+            raise SystemExit(128 + signum) from None
         return
     # Here, once, before any rank starts: the run's folder (a fresh one, or an earlier run moved
     # aside by --overwrite), and the checkpoint to resume from with every file's sha256.
@@ -163,10 +194,16 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0) -> None:
     if lo and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = lo
     os.environ.update(worker_env(nproc))
+    # Ctrl-C stays a KeyboardInterrupt here rather than the agent's SignalException: the agent
+    # then stops the ranks with SIGTERM, which ends a rank at once even while it starts up
+    # (when it still ignores SIGINT), instead of passing SIGINT on.
+    agent_signals = {"signals_to_handle": "SIGTERM,SIGHUP,SIGQUIT"} \
+        if "signals_to_handle" in {f.name for f in fields(LaunchConfig)} else {}
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                           run_id=f"fastpar-{uuid.uuid4().hex[:8]}", rdzv_backend=_RDZV,
                           rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
-                          monitor_interval=0.5, start_method="spawn", local_addr="127.0.0.1")
+                          monitor_interval=0.5, start_method="spawn", local_addr="127.0.0.1",
+                          **agent_signals)
     # The agent's own warnings (a worker shut down, a signal received) would repeat what the
     # one line below says; torch sets a level on each of its loggers, so each is quietened.
     for name in list(logging.root.manager.loggerDict):
@@ -177,11 +214,24 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0) -> None:
     os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [
         os.environ.get("PYTHONWARNINGS"), "ignore:resource_tracker:UserWarning"]))
     try:
-        elastic_launch(config, _spawned_worker)(cfg)
+        with _children_ignore_sigint():
+            elastic_launch(config, _spawned_worker)(cfg)
     except ChildFailedError as e:
+        signum = _stopped_by(e.failures)
+        if signum:                      # the ranks were stopped from outside, not failed
+            print(interrupted(cfg, signum), file=sys.stderr, flush=True)
+            raise SystemExit(128 + signum) from None
         print(f"fastpar train: error: {_describe(e.failures, max_restarts)}", file=sys.stderr,
               flush=True)
         raise SystemExit(1) from None
-    except (KeyboardInterrupt, SignalException):
-        print(interrupted(cfg), file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
+    except (KeyboardInterrupt, SignalException) as e:
+        signum = int(getattr(e, "sigval", getattr(e, "signum", signal.SIGINT)))
+        print(interrupted(cfg, signum), file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum) from None
+
+
+def _stopped_by(failures: dict) -> int | None:
+    """SIGINT or SIGTERM when every failed rank died of that signal, else None."""
+    signals = {-f.exitcode if f.exitcode < 0 else f.exitcode - 128 for f in failures.values()}
+    return signals.pop() if len(signals) == 1 and signals <= {signal.SIGINT,
+                                                               signal.SIGTERM} else None
