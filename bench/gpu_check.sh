@@ -92,7 +92,8 @@ print(f"1b, seq 2048, batch 8, bf16: {tok:,.0f} tokens/s, MFU {mfu:.1%} "
       f"(median of steps {rows[0]['step']}-{rows[-1]['step']})")
 # The evaluation, the KV-cache sample (printed above) and the profiler on CUDA.
 assert "val_loss" in rows[-1], "no validation loss at the last step"
-events = json.load(open(f"{run}/profile/rank0.json"))["traceEvents"]
+events = json.load(open(next(__import__("glob").iglob(f"{run}/profile/steps-*/rank0.json"))))[
+    "traceEvents"]
 ours = sum(e.get("name", "").startswith("fastpar: ") for e in events)
 gpu = sum(e.get("cat") == "kernel" for e in events)
 print(f"val loss {rows[-1]['val_loss']:.3f}; trace: {ours} fastpar ranges, {gpu} GPU kernels")

@@ -113,7 +113,10 @@ def _main(argv: list[str] | None) -> int:
                                         "Face directory: config.json and model.safetensors.")
     export.add_argument("--format", choices=("hf",), default="hf")
     export.add_argument("checkpoint", help="a checkpoint folder (runs/.../checkpoints/step_N)")
-    export.add_argument("out", help="the folder to write")
+    export.add_argument("out", help="the folder to write (a new one: see --overwrite)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="if OUT holds anything, move it aside to OUT.replaced-<time> once "
+                             "the new folder is written")
     add_prepare(sub)
     add_generate(sub)
     args = parser.parse_args(argv)
@@ -136,9 +139,12 @@ def _main(argv: list[str] | None) -> int:
         return run_generate(args)
     if args.command == "export":
         from .train.hf import export_checkpoint
+        from .train.outdir import fresh_folder
 
         try:
-            print(f"fastpar export: wrote {export_checkpoint(args.checkpoint, args.out)}")
+            with fresh_folder(args.out, "OUT", args.overwrite, "export") as tmp:
+                export_checkpoint(args.checkpoint, tmp)
+            print(f"fastpar export: wrote {args.out}")
         except ValueError as e:
             print(f"fastpar export: error: {e}", file=sys.stderr)
             return 2

@@ -111,3 +111,34 @@ def test_search_prints_the_train_command_of_its_best_layout(capsys, monkeypatch,
     assert got == {k: best[k] for k in got}
     assert cfg.pp == 1 or cfg.schedule == best["schedule"]
     assert (cfg.global_batch_size, cfg.seq_len, cfg.model) == (64, 2048, "1b")
+
+
+def test_hardware_file_missing_fields_exits_2_naming_each(tmp_path, capsys):
+    path = tmp_path / "half.json"
+    path.write_text(json.dumps({"peak_tflops": 100.0, "matmul_efficiency": 0.5,
+                                "intra_node_gbps": 100.0, "inter_node_gbps": 10.0}))
+    assert main(SMALL[:-1] + [str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("fastpar plan: error:")
+    assert f"hardware file '{path}' lacks field(s) hbm_gb, hbm_gbps " in err
+    assert "required: peak_tflops, matmul_efficiency, hbm_gb, hbm_gbps" in err
+    assert "TypeError" not in err and "__init__" not in err
+
+
+def test_nothing_fits_says_the_smallest_need_and_the_limit(capsys):
+    from fastpar.models import get_config
+    from fastpar.plan import BUILTIN, Cluster, Workload, search
+
+    assert main(["plan", "--model", "70b", "--gpus", "8", "--hardware", "a100-40gb",
+                 "--seq-len", "4096", "--global-batch-size", "8"]) == 1
+    out = capsys.readouterr().out.strip()
+    assert len(out.splitlines()) == 1
+    _, rejected = search(Workload(get_config("70b").replace(max_seq_len=4096), 4096, 8),
+                         Cluster(8, 8, BUILTIN["a100-40gb"]))
+    need = rejected["smallest"].memory_gb_per_gpu
+    assert need > 40
+    assert out.startswith(f"no configuration fits: the smallest memory need is {need:.1f} GB "
+                          f"per GPU (tp=")
+    assert "more than the 40 GB of a100-40gb" in out
+    assert f"({rejected['memory']:,} configurations rejected for memory)" in out
+    assert "optimizer" in out and "activations" in out

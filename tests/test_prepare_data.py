@@ -189,25 +189,72 @@ def test_bad_input_is_one_error_and_nothing_written(tmp_path, capsys, name):
     assert sorted(p.name for p in tmp_path.iterdir()) == before       # no DATA, no temporaries
 
 
-def test_a_failed_rerun_leaves_the_earlier_folder_and_a_good_one_replaces_it(tmp_path, capsys):
+def _tree(root):
+    """Every file under ``root`` with its bytes: what must not change."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_an_earlier_folder_is_never_replaced_unasked(tmp_path, capsys):
     inputs = _write(tmp_path / "txt", _docs(4))
     data = tmp_path / "data"
     prepare_data(inputs, "gpt2", data, vocab_size=300)
-    files = {p.name: p.read_bytes() for p in data.iterdir()}
+    earlier = _tree(data)
+    assert "tokenizer.json" in earlier
+    # Without --overwrite: one line naming what is there, nothing touched.
+    assert main(["prepare-data", *inputs, "--tokenizer", "bytes", "--out", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "already holds 'tokenizer.json', 'train.bin'" in err
+    assert "--overwrite" in err and _tree(data) == earlier
+    # A failed --overwrite run leaves the earlier folder as it was, and no temporaries.
     (tmp_path / "tiny.txt").write_text("abc")
     assert main(["prepare-data", str(tmp_path / "tiny.txt"), "--tokenizer", "bytes",
-                 "--out", str(data)]) == 2
-    assert {p.name: p.read_bytes() for p in data.iterdir()} == files
+                 "--out", str(data), "--overwrite"]) == 2
+    assert _tree(data) == earlier
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "tiny.txt", "txt"]
-    assert main(["prepare-data", *inputs, "--tokenizer", "bytes", "--out", str(data)]) == 0
-    assert "vocabulary 256 (bytes)" in capsys.readouterr().out
+    # --overwrite: the new folder in place, the earlier one kept whole beside it and named.
+    assert main(["prepare-data", *inputs, "--tokenizer", "bytes", "--out", str(data),
+                 "--overwrite"]) == 0
+    out = capsys.readouterr().out
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("data.replaced-")]
+    assert len(aside) == 1 and str(aside[0]) in out
+    assert _tree(aside[0]) == earlier
     assert sorted(p.name for p in data.iterdir()) == ["train.bin", "val.bin"]   # no stale json
-    inside = prepare_data(inputs, "bytes", tmp_path / "txt" / "data")     # twice: the output
-    assert prepare_data(inputs, "bytes", tmp_path / "txt" / "data") == inside   # is no input
-    (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match="is a folder that prepare-data did not write"):
-        prepare_data(inputs, "bytes", tmp_path / "other")
+    inside = prepare_data(inputs, "bytes", tmp_path / "txt" / "data")     # twice: an output
+    again = prepare_data(inputs, "bytes", tmp_path / "txt" / "data", overwrite=True)  # inside
+    assert (again.train, again.val) == (inside.train, inside.val)     # the inputs is no input
+
+
+@pytest.mark.parametrize("case", ["user-folder", "file", "under-a-file"])
+def test_a_destination_that_cannot_take_the_data_is_one_line(tmp_path, capsys, case):
+    inputs = _write(tmp_path / "txt", _docs(3))
+    dest = tmp_path / "dest"
+    if case == "user-folder":
+        dest.mkdir()
+        (dest / "notes.txt").write_text("mine")
+        needle = "already holds 'notes.txt'"
+    elif case == "file":
+        dest.write_text("a file")
+        needle = "is a file, not a folder"
+    else:                   # a path no user can create (root included): its parent is a file
+        (tmp_path / "afile").write_text("x")
+        dest = tmp_path / "afile" / "deeper" / "data"
+        needle = "is not a folder this user can write"
+    before = _tree(tmp_path)
+    assert main(["prepare-data", *inputs, "--tokenizer", "bytes", "--out", str(dest)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastpar prepare-data: error: ") and len(err.splitlines()) == 1, err
+    assert needle in err and _tree(tmp_path) == before
+
+
+def test_a_bin_in_an_input_folder_is_refused_not_read_as_text(tmp_path, capsys):
+    inputs = _write(tmp_path / "txt", _docs(3))
+    prepare_data(inputs, "bytes", tmp_path / "txt" / "sub")        # token files in the input
+    assert main(["prepare-data", str(tmp_path / "txt"), "--tokenizer", "bytes",
+                 "--out", str(tmp_path / "data")]) == 2
+    err = capsys.readouterr().err
+    assert "a .bin is a token file, never read as text" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "data").exists()
 
 
 def test_empty_files_in_a_folder_are_skipped(tmp_path):

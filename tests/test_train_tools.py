@@ -74,7 +74,8 @@ def test_profile_steps_write_a_trace_per_rank_with_fastpar_ranges(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "profiled steps 2:3" in out.stdout and "perfetto" in out.stdout
     for rank in range(4):
-        events = json.loads((run / "profile" / f"rank{rank}.json").read_text())["traceEvents"]
+        events = json.loads((run / "profile" / "steps-2-3" / f"rank{rank}.json").read_text())[
+            "traceEvents"]
         names = {e.get("name", "") for e in events}
         ours = {n for n in names if n.startswith("fastpar: ")}
         assert {"fastpar: step 2", "fastpar: step 3", "fastpar: optimizer step"} <= ours, rank

@@ -97,11 +97,35 @@ def run_plan(args) -> int:
     if args.json:
         print(json.dumps([e.to_dict() for e in best], indent=2))
     elif not best:
-        print(f"no configuration fits ({rejected['memory']} rejected for memory)")
+        print(no_fit(rejected, cluster))
     else:
         print(_table(best) + "\n\n" + _why(best, rejected) + "\n\n"
               + train_command(best[0].config, work, cluster, args.model))
     return 0 if best else 1
+
+
+def no_fit(rejected: dict, cluster: Cluster) -> str:
+    """The one line a search that found nothing prints: the least memory any rejected
+    configuration needs, which one, against the GPU's memory."""
+    hw, small = cluster.hardware, rejected.get("smallest")
+    if small is None:
+        return "no configuration fits: no layout of the model runs on this cluster"
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in small.memory.items() if k != "total")
+    n = rejected["memory"]
+    return (f"no configuration fits: the smallest memory need is {small.memory_gb_per_gpu:.1f} "
+            f"GB per GPU ({describe_layout(small.config)}: {parts}), more than the "
+            f"{hw.hbm_gb:g} GB of {hw.name} ({n:,} configuration{'s' * (n != 1)} rejected for "
+            f"memory)")
+
+
+def describe_layout(cfg: ParallelConfig) -> str:
+    """``tp=8 pp=4 dp=1 mbs=1 1f1b, full recompute`` (and v, cp, sp, zero1 when used)."""
+    words = [f"tp={cfg.tp}", f"pp={cfg.pp}", f"dp={cfg.dp}"]
+    words += [f"cp={cfg.cp}"] * (cfg.cp > 1) + [f"v={cfg.virtual_stages}"] * \
+        (cfg.virtual_stages > 1) + [f"mbs={cfg.micro_batch_size}"]
+    words += [cfg.schedule] * (cfg.pp > 1) + ["sp"] * cfg.sequence_parallel + \
+        ["zero1"] * cfg.zero1
+    return " ".join(words) + f", {cfg.recompute} recompute"
 
 
 def train_command(cfg: ParallelConfig, work: Workload, cluster: Cluster,

@@ -19,7 +19,11 @@ the layer's forward (``full``) or the attention core's (``selective``) to ``B``.
 Activation memory follows Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", sec. 4): 34 s b h + 5 a s^2 b bytes per layer without parallelism, of which
 10 s b h stay replicated over TP unless sequence parallelism (SP) splits them too; written here
-per stored tensor so GQA, SwiGLU, fused attention and dropout-free training are counted as such.
+per stored tensor so GQA, SwiGLU, fused attention and dropout-free training are counted as such,
+and as fastpar's layer keeps them (the fused q/k/v output, rotary's new q and k, the fused core's
+own output beside o's input). Off CUDA fastpar runs torch's reference ops, which keep fp32
+intermediates: ``activation_bytes(..., reference=True)``, re-counted on the real layer by
+tests/test_plan.py.
 """
 from __future__ import annotations
 
@@ -50,6 +54,31 @@ class Features:
 
 
 FASTPAR = Features()
+
+# Bytes per parameter (weight, gradient, optimizer state) as fastpar's trainer keeps them under
+# each precision (fastpar/train/trainer.py ``_wrap``, fastpar/data_parallel):
+# - "bf16" (Megatron's mixed precision): bf16 parameters; fp32 main gradients (DataParallel's
+#   ``main_grads``); fp32 master weights and Adam's two fp32 moments (FASTPAR's defaults);
+# - "fp32": fp32 parameters; gradients are views into the fp32 DP buckets; Adam's two moments,
+#   no master (the optimizer steps the parameters themselves);
+# - "amp" (bf16 autocast over fp32 parameters): as fp32, plus the bf16 copy of each weight that
+#   autocast casts and caches for the step (its cache lives as long as the ``torch.autocast``
+#   region, which in the trainer holds forward and backward; embeddings are not cast: counted
+#   anyway).
+# A bf16 gradient reduction (``--grad-reduce-dtype bf16``) adds a bf16 bucket beside the fp32
+# gradients: 2 bytes more.
+PRECISION_BYTES = {"bf16": (2, 4, 12), "fp32": (4, 4, 8), "amp": (6, 4, 8)}
+
+
+def trainer_features(precision: str, grad_reduce_dtype: str = "fp32", **fields) -> Features:
+    """:class:`Features` with the bytes per parameter of the trainer under ``precision``
+    ("bf16", "fp32" or "amp": what ``TrainConfig.precision`` resolves to on the device) and
+    ``grad_reduce_dtype``; ``fields`` sets any other feature."""
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"precision={precision!r} is not one of {tuple(PRECISION_BYTES)}")
+    w, g, o = PRECISION_BYTES[precision]
+    g += 2 if grad_reduce_dtype == "bf16" else 0
+    return Features(**{"weight_bytes": w, "grad_bytes": g, "optimizer_bytes": o, **fields})
 
 
 @dataclass(frozen=True)
@@ -358,17 +387,57 @@ def layer_params(model: GPTConfig) -> int:
     return attn + mlp + 2 * d
 
 
+# Bytes per element of the torch reference ops' arithmetic (what fastpar runs off CUDA): they
+# compute in torch.promote_types(x.dtype, float32), fp32 for bf16 and fp32 activations alike
+# (fastpar/kernels/rms_norm.py, layer_norm.py, swiglu.py, bias_gelu.py: ``*_reference``).
+REFERENCE_COMPUTE_BYTES = 4
+
+
+def norm_bytes(shape: Shape, bytes_per_element: int = 2, reference: bool = False) -> float:
+    """Bytes one norm and the linear after it keep for the backward, per micro-batch: its input
+    and its output (the linear's saved input). The torch reference (``reference``, off CUDA)
+    keeps its fp32 input and its fp32 normalised ``x * rstd`` (for the weight's gradient), then
+    the output cast to the activation dtype (``rms_norm_reference``: ``xf * rsqrt(...)`` saves
+    ``xf``, ``* weight`` saves the product; ``layer_norm_reference`` keeps ``x - mean`` instead
+    of ``xf``). Per-row statistics (rstd: one fp32 per row) are left out, as everywhere here."""
+    m, E = shape.model, bytes_per_element
+    rep = shape.tokens * m.d_model / (shape.tp if shape.sp else 1)
+    return (2 * REFERENCE_COMPUTE_BYTES + E) * rep if reference else 2 * E * rep
+
+
 def activation_bytes(shape: Shape, recompute: str, feat: Features = FASTPAR,
-                     bytes_per_element: int = 2) -> float:
-    """Bytes one layer keeps for its backward, per micro-batch, on one GPU (see the module doc)."""
+                     bytes_per_element: int = 2, reference: bool = False) -> float:
+    """Bytes one layer keeps for its backward, per micro-batch, on one GPU (see the module doc).
+    ``reference``: fastpar's torch reference ops run (off CUDA, ``Hardware.kind == "cpu"``),
+    which keep fp32 intermediates (:data:`REFERENCE_COMPUTE_BYTES`) where the fused kernels
+    keep their inputs only; tests/test_plan.py counts what autograd saves on the real layer."""
     m, t, E, T = shape.model, shape.tp, bytes_per_element, shape.tokens
     rep = T * m.d_model / (t if shape.sp else 1)        # an (s, b, h) tensor outside the TP pair
     if recompute == "full":                            # only the layer's input
         return E * rep
     q, kv = T * m.n_heads * m.head_dim / t, T * m.kv_heads * m.head_dim / t
     f = T * m.ffn_dim / t
-    attn = E * (2 * rep + q + 2 * kv + q)               # norm and q/k/v inputs; q, k, v; core out
-    mlp = E * (2 * rep + f * (3 if m.activation == "swiglu" else 2))
+    norm = norm_bytes(shape, E, reference)             # the norm's input, the q/k/v input
+    # The fused q/k/v projection's output is one storage; v is a view of it that the core
+    # saves, which keeps all of it (fastpar/models/layers.py, ParallelAttention.forward).
+    qkv = E * (q + 2 * kv)
+    if m.rotary:     # kernels.rotary writes new q and k (inplace=False), which the core saves
+        qkv += E * (q + kv)
+    # A fused core (SDPA's flash kernels, CUDA and CPU alike; the CP ring) saves its output
+    # (and one fp32 log-sum-exp per row and head, left out) unless selective recompute redoes
+    # it, and o saves its input, the output turned sequence-first (``y.permute(2, 0, 1, 3)``):
+    # a copy when the core wrote it batch-first. torch's CPU flash kernel lays its output out
+    # as q is; without rotary q is a view of the sequence-first projection, so o's input is a
+    # view of the core's output (counted on the real layer by tests/test_plan.py).
+    core_out = E * q if feat.flash_attention and recompute != "selective" else 0.0
+    attn = norm + qkv + (E * q if reference and not m.rotary else core_out + E * q)
+    if reference:    # swiglu_reference: fp32 gate, silu(gate) and up, and the product cast
+        #              back (down's input); bias_gelu_reference: fp32 x + bias, and gelu(...)
+        C = REFERENCE_COMPUTE_BYTES
+        act = (3 * C + E) * f if m.activation == "swiglu" else (C + E) * f
+    else:            # the fused kernels: their inputs (up and gate, or fc1's output) and down's
+        act = E * f * (3 if m.activation == "swiglu" else 2)
+    mlp = norm + act
     masks = 2 * rep if feat.dropout else 0.0            # one byte per element
     scores = 0.0
     if not feat.flash_attention and recompute != "selective":

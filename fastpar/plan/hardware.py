@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 
@@ -277,17 +277,42 @@ def load_hardware(path: str | Path) -> Hardware:
     if unknown:
         raise ValueError(f"hardware file {str(path)!r}: unknown field(s) {unknown}; "
                          f"fields are {sorted(known)}")
+    required = required_fields()
+    missing = [k for k in required if k not in data and k != "name"]
+    if missing:
+        raise ValueError(f"hardware file {str(path)!r} lacks field(s) {', '.join(missing)} "
+                         f"(required: {', '.join(k for k in required if k != 'name')}; name "
+                         f"defaults to the file's stem, {path.stem!r})")
     data.setdefault("name", path.stem)
     try:
         return Hardware(**data)
-    except TypeError as e:          # a required field is missing
+    except TypeError as e:          # not expected: every field was checked above
         raise ValueError(f"hardware file {str(path)!r}: {e}") from None
+
+
+def required_fields() -> list[str]:
+    """:class:`Hardware`'s fields without a default, in their order."""
+    return [f.name for f in fields(Hardware)
+            if f.default is MISSING and f.default_factory is MISSING]
 
 
 def save_hardware(hw: Hardware, path: str | Path) -> Path:
     path = Path(path)
     path.write_text(json.dumps(hw.to_dict(), indent=2) + "\n")
     return path
+
+
+def device_profile(device_type: str, bytes_per_element: int, memory_gb: float) -> Hardware:
+    """A profile of the device a run trains on, for memory questions only (``fastpar train``'s
+    check before launch): ``memory_gb`` per rank, the activations' bytes per element, the code
+    path (``"cuda"``: fastpar's GPU kernels, anything else torch's reference ops) and the
+    reserve a measured profile gets (``calibrate``: 1 GB, at most a quarter of the memory).
+    Its speeds are not known and set to 1: time nothing with it."""
+    return Hardware(f"this {device_type} device", peak_tflops=1.0, matmul_efficiency=1.0,
+                    hbm_gb=memory_gb, hbm_gbps=1.0, intra_node_gbps=1.0, inter_node_gbps=1.0,
+                    bytes_per_element=bytes_per_element,
+                    memory_reserve_gb=min(1.0, memory_gb / 4),
+                    kind="gpu" if device_type == "cuda" else "cpu")
 
 
 def get_hardware(name: str) -> Hardware:

@@ -167,12 +167,38 @@ def _stage_costs(work, cluster, cfg, feat, split):
         (lc.cp_exposed_f + lc.cp_exposed_b) * max(len(r) for r in ranges)
 
 
+def memory_per_gpu(work: Workload, cluster: Cluster, cfg: ParallelConfig,
+                   feat: Features = FASTPAR, ranges=None, peaks=None) -> dict:
+    """GB (1e9 bytes) per GPU on the fullest pipeline rank, by kind: weights, gradients,
+    optimizer, activations, reserve and their total (and ``params_per_gpu``, a count).
+
+    ``ranges``: each stage's layers; default the trainer's split (``partition`` over
+    ``GPTConfig.piece_flops``, as ``fastpar.train.trainer.build_model`` cuts the model).
+    ``peaks``: micro-batch chunks alive at once on each pipeline rank; default the schedule's
+    own (``build_schedule(...).peak_activations``, as :func:`evaluate` uses). Bytes per
+    parameter come from ``feat``, bytes per activation element and the reserve from the
+    hardware; ``hardware.kind == "cpu"`` counts what torch's reference ops keep (fastpar's
+    path off CUDA). This is the one memory model: the planner and the trainer's check before
+    launch (:mod:`fastpar.train.memory_check`) both call it."""
+    check(cfg, work, cluster)
+    m, pp = work.model, cfg.pp
+    stages = pp * cfg.virtual_stages
+    if ranges is None:
+        ranges = [range(m.n_layers)] if stages == 1 else \
+            partition(m.piece_flops(work.seq_len), pp, cfg.virtual_stages)
+    if peaks is None:
+        peaks = build_schedule(cfg.schedule, pp, cfg.num_microbatches(work.global_batch),
+                               cfg.virtual_stages).peak_activations
+    return _memory(work, cluster, cfg, feat, ranges, peaks)
+
+
 def _memory(work, cluster, cfg, feat, ranges, peaks) -> dict:
-    """Bytes per GPU on the fullest pipeline rank, by kind, in GB."""
+    """:func:`memory_per_gpu` with the stage split and the peaks given."""
     hw, m, t, pp = cluster.hardware, work.model, cfg.tp, cfg.pp
+    E, ref = hw.bytes_per_element, hw.kind == "cpu"
     shape = Shape(m, work.seq_len, cfg.micro_batch_size, t, cfg.sequence_parallel, cfg.cp)
-    per_layer = cost.activation_bytes(shape, cfg.recompute, feat, hw.bytes_per_element)
-    full = cost.activation_bytes(shape, "none", feat, hw.bytes_per_element)
+    per_layer = cost.activation_bytes(shape, cfg.recompute, feat, E, ref)
+    full = cost.activation_bytes(shape, "none", feat, E, ref)
     best = None
     for rank in range(pp):
         mine = [s for s in range(len(ranges)) if s % pp == rank]
@@ -184,7 +210,12 @@ def _memory(work, cluster, cfg, feat, ranges, peaks) -> dict:
             params += m.padded_vocab * m.d_model / t
         if len(ranges) - 1 in mine:
             params += (0 if m.tie_embeddings else m.padded_vocab * m.d_model / t) + m.d_model
-            acts += 2 * shape.tokens * m.padded_vocab / t * 4      # fp32 logits and their grad
+            # One micro-batch's final norm and head input, and its logits, which the cross
+            # entropy saves as they are (in the activation dtype, no fp32 copy) next to their
+            # gradient in the same dtype in the backward
+            # (fastpar/tensor_parallel/cross_entropy.py). Once: the last stage runs each
+            # micro-batch's backward right after its forward (GPipe's would hold more).
+            acts += cost.norm_bytes(shape, E, ref) + 2 * shape.tokens * m.padded_vocab / t * E
         opt = feat.optimizer_bytes / (cfg.dp if cfg.zero1 else 1)
         row = {"weights": params * feat.weight_bytes, "gradients": params * feat.grad_bytes,
                "optimizer": params * opt, "activations": acts,
@@ -354,14 +385,19 @@ def candidates(work: Workload, cluster: Cluster, fixed: dict | None = None):
 
 
 def search(work: Workload, cluster: Cluster, feat: Features = FASTPAR, fixed: dict | None = None,
-           top: int = 10) -> tuple[list[Estimate], dict[str, int]]:
-    """The ``top`` fastest configurations that fit, best first, and a count of the rejected ones
-    by reason. Branch and bound: candidates are visited by a lower bound on their step time
+           top: int = 10) -> tuple[list[Estimate], dict]:
+    """The ``top`` fastest configurations that fit, best first, and what was rejected:
+    ``rejected["memory"]`` counts the configurations that do not fit in memory and
+    ``rejected["smallest"]`` is the :class:`Estimate` (``fits=False``, its ``memory`` the
+    breakdown) of the one among them that needs the least memory, or None if none was
+    rejected. Branch and bound: candidates are visited by a lower bound on their step time
     (:func:`_step_lower_bound`) and the search stops once that bound reaches the ``top``-th
     best step found; configurations whose memory cannot fit even at the fewest live
     micro-batches their schedule allows are rejected without simulating. Both bounds hold for
     every candidate, so the result is what evaluating every candidate gives (tested)."""
-    bounds, rejected, cache = [], {"memory": 0}, {}
+    bounds, rejected, cache = [], {"memory": 0, "smallest": None}, {}
+    too_big = []            # (memory lower bound, cfg, ranges) of each configuration rejected
+    limit = cluster.hardware.hbm_gb
     for cfg in candidates(work, cluster, fixed):
         key = (cfg.tp, cfg.pp, cfg.virtual_stages, cfg.micro_batch_size, cfg.recompute,
                cfg.sequence_parallel, cfg.schedule == "zb-h1")
@@ -371,8 +407,10 @@ def search(work: Workload, cluster: Cluster, feat: Features = FASTPAR, fixed: di
         fbw, ranges = cache[key]
         num_mb = cfg.num_microbatches(work.global_batch)
         peaks = [_peak_lower_bound(cfg, num_mb)] + [0] * (cfg.pp - 1)
-        if _memory(work, cluster, cfg, feat, ranges, peaks)["total"] > cluster.hardware.hbm_gb:
+        need = _memory(work, cluster, cfg, feat, ranges, peaks)["total"]
+        if need > limit:
             rejected["memory"] += 1
+            too_big.append((need, cfg, ranges))
             continue
         bounds.append((_step_lower_bound(fbw, cfg.pp, num_mb, key[-1]), cfg))
     bounds.sort(key=lambda x: x[0])
@@ -384,7 +422,31 @@ def search(work: Workload, cluster: Cluster, feat: Features = FASTPAR, fixed: di
         est = evaluate(work, cluster, cfg, feat, schedules)
         if not est.fits:
             rejected["memory"] += 1
+            too_big.append((est.memory_gb_per_gpu, cfg, None))
             continue
         found.append(est)
         found.sort(key=lambda e: (e.step_time_s, e.memory_gb_per_gpu))
+    rejected["smallest"] = _smallest_need(work, cluster, feat, too_big, schedules)
     return found[:top], rejected
+
+
+def _smallest_need(work, cluster, feat, too_big, schedules) -> Estimate | None:
+    """The :func:`evaluate` of the rejected configuration that needs the least memory. Each
+    entry's first number is a lower bound of its need (or the need itself), so they are
+    visited in its order and the visit stops once it exceeds the least need found."""
+    best = None
+    for bound, cfg, ranges in sorted(too_big, key=lambda x: x[0]):
+        if best is not None and bound >= best[0]:
+            break
+        if ranges is None:                          # evaluated: ``bound`` is its need
+            need = bound
+        else:
+            key = (cfg.schedule, cfg.pp, cfg.num_microbatches(work.global_batch),
+                   cfg.virtual_stages)
+            if key not in schedules:
+                schedules[key] = build_schedule(*key)
+            need = _memory(work, cluster, cfg, feat, ranges,
+                           schedules[key].peak_activations)["total"]
+        if best is None or need < best[0]:
+            best = (need, cfg)
+    return None if best is None else evaluate(work, cluster, best[1], feat, schedules)

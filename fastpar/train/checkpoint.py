@@ -13,14 +13,18 @@ read back (safetensors, JSON), never pickled objects.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import re
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
+
+from ..models.config import GPTConfig
 
 _OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -190,6 +194,9 @@ def read_manifest(path) -> dict:
         manifest = json.loads(f.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} has no manifest.json") from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path}: manifest.json cannot be read ({e.strerror})") \
+            from None
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checkpoint {path}: manifest.json is not valid JSON ({e})") \
             from None
@@ -255,6 +262,26 @@ class _open:
         return self.st.__exit__(*exc)
 
 
+def _tensors_file(index_file: Path) -> str:
+    """The safetensors file whose tensors ``index_tp{t}_pp{p}.json`` describes."""
+    return index_file.name.replace("index_", "model_").replace(".json", ".safetensors")
+
+
+def _read_indexes(path: Path, verify: Verifier) -> dict[Path, dict]:
+    """Every ``index_*.json`` of a checkpoint (verified against the manifest), by file."""
+    index = {}
+    for f in sorted(path.glob("index_*.json")):
+        verify(f.name)
+        try:
+            index[f] = json.loads(f.read_text())
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {path}: {f.name} is not valid JSON ({e})") \
+                from None
+        if not isinstance(index[f], dict):
+            raise CheckpointError(f"checkpoint {path}: {f.name} is not a JSON object")
+    return index
+
+
 def _read_full(path: Path, index: dict, name: str, shape, verify: Verifier) -> torch.Tensor:
     """The whole global tensor ``name``, assembled from the files that hold its slices."""
     out, covered = None, 0
@@ -265,7 +292,7 @@ def _read_full(path: Path, index: dict, name: str, shape, verify: Verifier) -> t
         if list(entry["shape"]) != list(shape):
             raise ValueError(f"checkpoint {path}: {name} has shape {entry['shape']}, the model "
                              f"{list(shape)}: a checkpoint of another model shape")
-        tensors = idx_file.name.replace("index_", "model_").replace(".json", ".safetensors")
+        tensors = _tensors_file(idx_file)
         with _open(path, tensors, verify) as st:
             if name not in st.keys():
                 raise CheckpointError(f"checkpoint {path}: {tensors} lacks {name!r}, which its "
@@ -292,14 +319,7 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
     path = Path(path)
     manifest = read_manifest(path)
     verify = Verifier(path, manifest)
-    index = {}
-    for f in sorted(path.glob("index_*.json")):
-        verify(f.name)
-        try:
-            index[f] = json.loads(f.read_text())
-        except ValueError as e:
-            raise CheckpointError(f"checkpoint {path}: {f.name} is not valid JSON ({e})") \
-                from None
+    index = _read_indexes(path, verify)
     specs = shard_specs(modules, mesh.tp_size if mesh else 1, mesh.tp_rank if mesh else 0)
     sharded, optimizer = optimizer, _per_param(optimizer)
     with torch.no_grad():
@@ -341,3 +361,185 @@ def _load_shard(path, manifest: dict, opt, mesh) -> None:
         raise ValueError(f"checkpoint {path} holds ZeRO-1 optimizer shards of layout "
                          f"{manifest['layout']}; resume it with that layout")
     opt.load_shard_tensors(read_rank_tensors(path, mesh.rank))
+
+
+# Checking a checkpoint before loading it (``fastpar train --init-from``): everything loading
+# needs, from the manifest, the indexes and the safetensors headers, without reading tensors.
+
+_MAX_HEADER = 100_000_000           # safetensors' own limit on a header's length
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+                "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1,
+                "BOOL": 1}
+
+
+def safetensors_header(file) -> dict[str, dict]:
+    """name -> ``{dtype, shape, data_offsets}`` of a safetensors file, from its header alone
+    (a little-endian u64 length, then that much JSON; the data follows). A header that does not
+    parse, an entry whose bytes do not fit its shape, or a file size other than the header's
+    (truncated, or with bytes appended) is one :class:`CheckpointError` naming the file."""
+    file = Path(file)
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little") if size >= 8 else 0
+            if length > _MAX_HEADER:
+                raise CheckpointError(f"{file}: a safetensors header of {length} bytes is "
+                                      f"impossible: the file is corrupt or not safetensors")
+            raw = f.read(length)
+    except OSError as e:
+        raise CheckpointError(f"{file} cannot be read ({e.strerror})") from None
+    if size < 8 + length:       # also a file too short to hold the length (length is 0 then)
+        raise CheckpointError(f"{file} holds {size} bytes, fewer than its safetensors header "
+                              f"needs ({8 + length}): the file is truncated or not safetensors")
+    try:
+        header = json.loads(raw)
+    except ValueError as e:
+        raise CheckpointError(f"{file}: the safetensors header is not valid JSON ({e}): the "
+                              f"file is corrupt or not safetensors") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: the safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    end = max([_data_end(file, name, t) for name, t in header.items()], default=0)
+    if size != 8 + length + end:
+        why = "truncated" if size < 8 + length + end else "followed by bytes no tensor uses"
+        raise CheckpointError(f"{file} holds {size} bytes, its header needs {8 + length + end}: "
+                              f"the file is {why}")
+    return header
+
+
+def _data_end(file: Path, name: str, t) -> int:
+    """Where tensor ``name``'s bytes end in the data (after checking its header entry)."""
+    ok = isinstance(t, dict) and isinstance(t.get("dtype"), str) and \
+        isinstance(t.get("shape"), list) and isinstance(t.get("data_offsets"), list) and \
+        len(t["data_offsets"]) == 2 and all(_natural(v) for v in t["shape"] + t["data_offsets"])
+    if not ok:
+        raise CheckpointError(f"{file}: the safetensors header's entry of {name!r} is malformed")
+    begin, end = t["data_offsets"]
+    item = _DTYPE_BYTES.get(t["dtype"])      # an unknown dtype: its size is not checked
+    if begin > end or (item is not None and end - begin != item * math.prod(t["shape"])):
+        raise CheckpointError(f"{file}: tensor {name!r} ({t['dtype']} {t['shape']}) spans bytes "
+                              f"[{begin}, {end}), not its size: the file is corrupt")
+    return end
+
+
+def _natural(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def check_header_tensor(file: Path, header: dict, name: str, shape: list[int],
+                        expected_by: str) -> None:
+    """That a safetensors header's tensor ``name`` (present) is floating point of ``shape``
+    (which ``expected_by``, e.g. "the config", says it must have)."""
+    held = header[name]
+    if held["shape"] != list(shape):
+        raise CheckpointError(f"{file}: tensor {name!r} has shape {held['shape']}, "
+                              f"{expected_by} needs {list(shape)}")
+    if not (held["dtype"].startswith("F") or held["dtype"] == "BF16"):
+        raise CheckpointError(f"{file}: tensor {name!r} is {held['dtype']}, not floating point")
+
+
+def checkpoint_config(path, manifest: dict) -> GPTConfig:
+    """The model config a checkpoint's manifest records; one error naming unknown or missing
+    fields (a manifest always holds them all: the dict is ``GPTConfig.to_dict()``)."""
+    where = f"checkpoint {path}: manifest.json"
+    saved = manifest.get("model_config")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{where} holds no model_config")
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    unknown, missing = sorted(set(saved) - fields), sorted(fields - set(saved))
+    if unknown or missing:
+        raise CheckpointError(f"{where}: model_config has " + "; ".join(
+            f"{what} field(s) {', '.join(names)}" for what, names in
+            (("unknown", unknown), ("no", missing)) if names))
+    try:
+        return GPTConfig(**saved)
+    except (TypeError, ValueError) as e:    # a value of the wrong type, or out of range
+        raise CheckpointError(f"{where}: model_config is not a valid GPTConfig ({e})") from None
+
+
+def check_checkpoint(path, shapes: dict[str, list[int]], manifest: dict | None = None) -> dict:
+    """Everything :func:`load_checkpoint` of a model whose tensors have ``shapes`` (name ->
+    full shape) needs, checked without reading tensors: every file the manifest lists present
+    with its size and sha256, every index valid, every tensor covered by index entries of its
+    shape whose files' headers hold those slices. Returns the manifest."""
+    path = Path(path)
+    manifest = manifest if manifest is not None else read_manifest(path)
+    _check_file_list(path, manifest)
+    verify = Verifier(path, manifest)
+    verify.all(full=False)      # sizes first: a truncated file is named as such, not as bad JSON
+    index, headers = _read_indexes(path, verify), {}
+    for name, shape in shapes.items():
+        spans = []
+        for idx_file, entries in index.items():
+            if name in entries:
+                spans.append(_span(path, idx_file, name, entries[name], shape))
+                _check_slice(path, idx_file, name, shape, spans[-1], headers)
+        _check_covered(path, name, shape, spans)
+    verify.all(full=True)       # last: reading every byte is the slow part
+    return manifest
+
+
+def _check_file_list(path: Path, manifest: dict) -> None:
+    """The manifest's ``files`` (name -> bytes, sha256) is what :class:`Verifier` reads."""
+    files = manifest.get("files")
+    ok = files is None or isinstance(files, dict) and all(
+        isinstance(e, dict) and _natural(e.get("bytes")) and isinstance(e.get("sha256"), str)
+        for e in files.values())
+    if not ok:
+        raise CheckpointError(f"checkpoint {path}: manifest.json's files are malformed (each "
+                              f"must be name -> bytes and sha256)")
+
+
+def _span(path: Path, idx_file: Path, name: str, entry, shape) -> tuple[int, int, int] | None:
+    """The ``(dim, start, stop)`` of tensor ``name`` an index entry says its file holds; None:
+    all of it."""
+    where = f"checkpoint {path}: {idx_file.name}"
+    if not isinstance(entry, dict) or not isinstance(entry.get("shape"), list):
+        raise CheckpointError(f"{where}: the entry of {name!r} is malformed")
+    if entry["shape"] != list(shape):
+        raise CheckpointError(f"checkpoint {path}: {name} has shape {entry['shape']}, the "
+                              f"model {list(shape)}: a checkpoint of another model shape")
+    dim, start, stop = entry.get("dim"), entry.get("start"), entry.get("stop")
+    if dim is None:
+        return None
+    if not all(_natural(v) for v in (dim, start, stop)) or dim >= len(shape) or \
+            not start < stop <= shape[dim]:
+        raise CheckpointError(f"{where}: {name!r} is split at dim={dim!r} [{start!r}, "
+                              f"{stop!r}), outside its shape {list(shape)}")
+    return dim, start, stop
+
+
+def _check_slice(path: Path, idx_file: Path, name: str, shape, span, headers: dict) -> None:
+    """The tensors file of ``idx_file`` holds the slice ``span`` of ``name`` (its header)."""
+    file = _tensors_file(idx_file)
+    if file not in headers:
+        if not (path / file).is_file():
+            raise CheckpointError(f"checkpoint {path}: {file} is missing ({idx_file.name} "
+                                  f"lists its tensors)")
+        headers[file] = safetensors_header(path / file)
+    if name not in headers[file]:
+        raise CheckpointError(f"checkpoint {path}: {file} lacks {name!r}, which its index lists")
+    part = list(shape)
+    if span is not None:
+        part[span[0]] = span[2] - span[1]
+    check_header_tensor(path / file, headers[file], name, part, idx_file.name)
+
+
+def _check_covered(path: Path, name: str, shape, spans: list) -> None:
+    """Together, the slices ``spans`` (None: a whole tensor) are all of ``name``."""
+    if not spans:
+        raise CheckpointError(f"checkpoint {path} holds no {name!r}, which the model needs")
+    if None in spans:
+        return
+    dims = {dim for dim, _, _ in spans}
+    if len(dims) > 1:
+        raise CheckpointError(f"checkpoint {path}: {name!r} is split along dims {sorted(dims)}")
+    reach = 0
+    for _, start, stop in sorted(spans, key=lambda s: s[1]):
+        if start > reach:
+            break
+        reach = max(reach, stop)
+    dim = spans[0][0]
+    if reach < shape[dim]:
+        raise CheckpointError(f"checkpoint {path} does not hold all of {name!r}: no file holds "
+                              f"index {reach} of its dim {dim} (of {shape[dim]})")

@@ -47,6 +47,10 @@ class TrainConfig(ParallelConfig):
     resume: bool | str = False          # continue the run in OUT from its latest checkpoint;
                                         # "auto": resume if there is one, else start fresh
     overwrite: bool = False             # move an earlier run in OUT aside, then start anew
+    adopt_changes: bool = False         # with --resume: continue with this command's --steps,
+                                        # --lr, --min-lr, --warmup-steps, batch sizes, seed or
+                                        # data where they differ from the run's (each change is
+                                        # printed); without it such a resume is refused
     keep_last: int = 0                  # complete checkpoints kept, the newest; 0 keeps all
     async_save: bool = False            # write checkpoints on a background thread
     timeout: float = 600.0              # seconds a collective waits for a peer before failing
@@ -69,6 +73,9 @@ class TrainConfig(ParallelConfig):
     sample_tokens: int = 48             # after training, print this many tokens the model writes
                                         # after a held-out prompt; 0 = none
     peak_tflops: float | None = None    # per device, for MFU; None = not reported
+    no_memory_check: bool = False       # start even when the planner's memory estimate per rank
+                                        # exceeds the device's memory (on CPU: the host's,
+                                        # shared by its ranks)
 
     def __post_init__(self):
         mc = self.model_config          # an unknown model or a bad --init-from raises here
@@ -90,6 +97,9 @@ class TrainConfig(ParallelConfig):
                              "fastpar.train.load_checkpoint)")
         if self.resume not in (False, True, "auto"):
             raise ValueError(f"--resume={self.resume!r} must be given alone or as 'auto'")
+        if self.adopt_changes and not self.resume:
+            raise ValueError("--adopt-changes only applies to --resume (it takes this "
+                             "command's options where they differ from the run's)")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other: continue the run "
                              "in --out, or move it aside and start anew")

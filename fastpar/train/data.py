@@ -6,6 +6,14 @@ prepare-data`` wrote (train.bin, val.bin, maybe tokenizer.json); one token file;
 headerless uint16 ``.bin``. A raw (not prepared) source's last ``VAL_FRACTION`` of tokens is its
 "val" split, the rest "train". Token files: :mod:`.token_file`.
 
+A ``.bin`` is never read as text. A folder holding train.bin or val.bin is prepared data whatever
+their content, and each split file is validated field by field (``token_file.check_token_file``)
+by :func:`check_data` (before launch) and :func:`load_tokens` alike, so a damaged file is one
+error naming the file and the field. A folder of text files that holds any other ``.bin`` is
+refused. A ``.bin`` passed on its own is a token file when it starts with the magic (or nearly:
+a damaged one) or is named train.bin / val.bin, else a legacy headerless uint16 file.
+:func:`describe_data` fingerprints a source, wherever it lives, for a run to record.
+
 The global batch of step ``s`` is a fixed function of (seed, s): ``global_batch`` windows of
 ``seq_len + 1`` tokens at offsets drawn from ``numpy.random.default_rng((seed, s))``. It is the
 same whatever the layout; each data-parallel rank reads only its contiguous share of it, so the
@@ -13,32 +21,61 @@ data position to save in a checkpoint is just the step.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .token_file import (MAGIC, TokenFileWriter, TokenHeader, read_header,  # noqa: F401
-                         read_token_file, token_dtype, write_token_file)    # (re-exported)
+from .token_file import (MAGIC, TokenFileWriter, TokenHeader, check_token_file,  # noqa: F401
+                         looks_like_token_file, read_header, read_token_file,    # (re-exported)
+                         token_dtype, write_token_file)
+from .tokenizer import TOKENIZER_FILE
 from .tokenizer import ByteTokenizer  # noqa: F401 - re-exported: fastpar.train.data.ByteTokenizer
 
 DEFAULT_MAX_BYTES = 8 * 2**20   # of the stdlib corpus: plenty for the tiny model, quick to read
 VAL_FRACTION = 0.05             # of a raw source's tokens, at its end: the "val" split
 SPLITS = ("train", "val")
+SPLIT_FILES = tuple(f"{s}.bin" for s in SPLITS)
+# describe_data's fingerprint reads this much of each end of a file, and no more than this many
+# text files' contents (evenly spaced over the sorted list): cheap, yet any real edit shows.
+TOKEN_SAMPLE_BYTES = 2**20
+TEXT_SAMPLE_BYTES = 2**16
+MAX_SAMPLED_FILES = 10_000
+
+
 def prepared_folder(path: str | os.PathLike | None) -> Path | None:
-    """The folder ``prepare-data`` wrote that ``path`` is (or holds a token file of), else None."""
+    """The folder ``prepare-data`` wrote that ``path`` is (or holds a token file of), else None:
+    its train.bin or val.bin starts with the token-file magic. This decides what prepare-data
+    may replace and where a tokenizer.json is; whether a folder is *read* as prepared data is
+    :func:`_holds_splits` (any train.bin / val.bin, damaged or not)."""
     p = Path(path) if path is not None else None
-    folder = p if p and p.is_dir() else p.parent if p and _is_token_file(p) else None
-    return folder if folder and any(_is_token_file(folder / f"{s}.bin") for s in SPLITS) else None
+    folder = p if p and p.is_dir() else p.parent if p and _has_magic(p) else None
+    return folder if folder and any(_has_magic(folder / f) for f in SPLIT_FILES) else None
 
 
-def _is_token_file(p: Path) -> bool:
+def _has_magic(p: Path) -> bool:
     if not p.is_file() or p.suffix != ".bin":
         return False
     with open(p, "rb") as f:
         return f.read(len(MAGIC)) == MAGIC
+
+
+def _holds_splits(p: Path) -> bool:
+    """A folder with train.bin or val.bin is prepared data, whatever their content: they are
+    validated as token files (a damaged one is an error), never read as text."""
+    return p.is_dir() and any((p / f).is_file() for f in SPLIT_FILES)
+
+
+def _is_token_file(p: Path) -> bool:
+    """Whether a .bin passed on its own is a token file (validated as one): it starts with the
+    magic or a damaged one, or bears a split's name. Any other .bin is a legacy uint16 file."""
+    if not p.is_file() or p.suffix != ".bin":
+        return False
+    return p.name in SPLIT_FILES or looks_like_token_file(p)
 
 
 def _split_file(path: str | None, split: str) -> Path | None:
@@ -51,11 +88,20 @@ def _split_file(path: str | None, split: str) -> Path | None:
             return p
         raise ValueError(f"token file {path!r} is one file with no held-out {split} split: "
                          "pass the folder prepare-data wrote")
-    if p is not None and p.is_dir() and prepared_folder(p) is not None:
+    if p is not None and _holds_splits(p):
         if not (p / f"{split}.bin").is_file():
             raise ValueError(f"prepared data {path!r} has no {split}.bin")
         return p / f"{split}.bin"
     return None
+
+
+def _token_files(path: str) -> dict[str, Path]:
+    """Every split file of a prepared source (one for a single token file); {} for a raw one."""
+    p = Path(path)
+    if _is_token_file(p):
+        return {"train": p}
+    return {s: p / f"{s}.bin" for s in SPLITS if (p / f"{s}.bin").is_file()} \
+        if _holds_splits(p) else {}
 
 
 def _split_range(n_tokens: int, split: str, path: str | None) -> slice:
@@ -84,17 +130,39 @@ def text_files(p: Path) -> list[Path]:
                   and not any(part.startswith(".") for part in f.relative_to(p).parts))
 
 
+def _text_folder(p: Path) -> list[Path]:
+    """The files of a text-folder source; a .bin among them is refused, not read as text (it
+    is a token file, or a legacy one: either way its bytes are no text to train on)."""
+    files = text_files(p)
+    stray = next((f for f in files if f.suffix.lower() == ".bin"), None)
+    if stray is not None:
+        rel = stray.relative_to(p).as_posix()
+        raise ValueError(f"data folder {str(p)!r} holds {rel!r}: a .bin is a token file, never "
+                         f"read as text; pass it on its own (--data {p / rel}) or remove it")
+    return files
+
+
+def _stdlib_files() -> list[Path]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in stdlib.glob("*.py") if p.is_file())
+
+
+def _legacy_tokens(p: Path) -> int:
+    """How many uint16 tokens a legacy headerless .bin holds (an odd size is an error)."""
+    size = p.stat().st_size
+    if size % 2:
+        raise ValueError(f"token file {str(p)!r} has an odd size: not uint16 tokens")
+    return size // 2
+
+
 def _raw_tokens(path: str | None, max_bytes: int | None) -> np.ndarray:
     if path is None:
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        return _read_files(sorted(p for p in stdlib.glob("*.py") if p.is_file()), max_bytes)
+        return _read_files(_stdlib_files(), max_bytes)
     p = Path(path)
     if p.is_dir():
-        return _read_files(text_files(p), None)
-    if p.suffix == ".bin":
-        if p.stat().st_size % 2:
-            raise ValueError(f"token file {path!r} has an odd size: not uint16 tokens")
-        return np.memmap(p, dtype=np.uint16, mode="r") if p.stat().st_size else \
+        return _read_files(_text_folder(p), None)
+    if p.suffix == ".bin":              # not a token file (see _split_file): legacy uint16
+        return np.memmap(p, dtype=np.uint16, mode="r") if _legacy_tokens(p) else \
             np.zeros(0, np.uint16)
     return _read_files([p], None)
 
@@ -102,7 +170,8 @@ def _raw_tokens(path: str | None, max_bytes: int | None) -> np.ndarray:
 def load_tokens(path: str | None = None, max_bytes: int | None = DEFAULT_MAX_BYTES,
                 split: str = "train") -> np.ndarray:
     """The tokens of one split ("train" or "val") of a source (see the module docstring) as a
-    1-D array. ``max_bytes`` caps the stdlib corpus before it is split."""
+    1-D array. ``max_bytes`` caps the stdlib corpus before it is split. A damaged token file is
+    the same ValueError :func:`check_data` gives."""
     f = _split_file(path, split)
     if path is not None and not Path(path).exists():
         raise ValueError(f"data path {path!r} does not exist")
@@ -129,9 +198,11 @@ def data_vocab(path: str | None) -> int | None:
 def check_data(path: str | None, seq_len: int = 0, vocab_size: int | None = None,
                model: str = "", split: str = "train") -> None:
     """Fail fast (ValueError) on a data path that is missing, holds no bytes, is a token file
-    that is damaged or of an odd size, whose ``split`` holds fewer than ``seq_len + 2`` tokens,
-    or (with ``vocab_size``) that was tokenized with a larger vocabulary than the model's or
-    holds a token id it has no embedding for. Reads headers and sizes, and a legacy file's ids."""
+    that is damaged (any split file of a prepared folder: see the module docstring) or a legacy
+    one of an odd size, is a text folder holding a .bin, whose ``split`` holds fewer than
+    ``seq_len + 2`` tokens, or (with ``vocab_size``) that was tokenized with a larger vocabulary
+    than the model's or holds a token id it has no embedding for. Reads token files' headers and
+    document offsets, sizes, and a legacy file's ids."""
     f = _split_file(path, split)
     if path is None:
         return
@@ -139,7 +210,11 @@ def check_data(path: str | None, seq_len: int = 0, vocab_size: int | None = None
     if not p.exists():
         raise ValueError(f"data path {path!r} does not exist")
     if f is not None:
+        # Every split file, not only ``split``'s: the trainer also reads val.bin (its sample
+        # after training), and a damaged one must stop the run before it starts.
         h = read_header(f)
+        for other in [g for g in _token_files(path).values() if g != f]:
+            read_header(other)
         if vocab_size is not None and h.vocab_size > vocab_size:
             raise ValueError(f"data {path!r} was tokenized with a vocabulary of {h.vocab_size}, "
                              f"but model {model!r} has {vocab_size}: train a model of that "
@@ -147,13 +222,11 @@ def check_data(path: str | None, seq_len: int = 0, vocab_size: int | None = None
                              "with the model's tokenizer")
         check_length(h.n_tokens, seq_len, path, split if p.is_dir() else None)
         return
-    size = sum(f.stat().st_size for f in ([p] if p.is_file() else text_files(p)))
+    size = sum(f.stat().st_size for f in ([p] if p.is_file() else _text_folder(p)))
     if not size:
         raise ValueError(f"data {path!r} is empty")
     if p.is_file() and p.suffix == ".bin":
-        if size % 2:
-            raise ValueError(f"token file {path!r} has an odd size: not uint16 tokens")
-        size //= 2
+        size = _legacy_tokens(p)
         if vocab_size is not None:
             check_vocab(np.memmap(p, dtype=np.uint16, mode="r"), vocab_size, model, path)
     check_length(size, seq_len, path)
@@ -178,6 +251,97 @@ def check_length(n_tokens: int, seq_len: int, path: str | None, split: str | Non
     if n_tokens < seq_len + 2:
         raise ValueError(f"data {path or 'stdlib corpus'!r} has {n_tokens} tokens{where}, fewer "
                          f"than --seq-len + 2 = {seq_len + 2}")
+
+
+def describe_data(path: str | os.PathLike | None) -> dict:
+    """A JSON-able description of a source for a run to record: ``format`` ("prepared",
+    "token-file", "legacy-bin", "text" or "stdlib"), ``vocab_size`` (None for a legacy .bin),
+    ``splits`` ({"train": {"tokens": n}, "val": ...}), ``fingerprint`` (sha256 hex of cheap
+    identifying content: headers, document offsets, sizes, relative names and each file's ends -
+    never the location, so a moved folder keeps it) and, for information only, ``path``. A
+    damaged source is the ValueError :func:`check_data` gives. Reads a few MiB at most per token
+    file and 128 KiB per text file (of at most ``MAX_SAMPLED_FILES``)."""
+    if path is None:
+        return _describe_stdlib()
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"data path {str(path)!r} does not exist")
+    digest = hashlib.sha256()
+    files = _token_files(str(p))
+    if files:
+        fmt = "prepared" if p.is_dir() else "token-file"
+        headers = {s: _hash_token_file(digest, s, f) for s, f in files.items()}
+        if p.is_dir() and (p / TOKENIZER_FILE).is_file():  # how the ids decode is part of it
+            _hash_file(digest, TOKENIZER_FILE, p / TOKENIZER_FILE, None)
+        vocab = next(iter(headers.values())).vocab_size
+        splits = {s: {"tokens": h.n_tokens, "documents": h.n_docs} for s, h in headers.items()}
+    elif p.is_file() and p.suffix == ".bin":
+        fmt, vocab = "legacy-bin", None
+        splits = _raw_splits(_legacy_tokens(p))
+        _hash_file(digest, ".", p, TOKEN_SAMPLE_BYTES)
+    else:
+        fmt, vocab = "text", 256
+        splits = _raw_splits(_hash_text(digest, p))
+    digest.update(fmt.encode())
+    return {"format": fmt, "path": str(p.resolve()), "vocab_size": vocab, "splits": splits,
+            "fingerprint": digest.hexdigest()}
+
+
+def _describe_stdlib() -> dict:
+    """The stdlib corpus is identified by the Python version and how many bytes are read."""
+    n = min(DEFAULT_MAX_BYTES, sum(f.stat().st_size for f in _stdlib_files()))
+    python = platform.python_version()
+    digest = hashlib.sha256(f"stdlib\0{python}\0{n}".encode())
+    return {"format": "stdlib", "path": sysconfig.get_paths()["stdlib"], "vocab_size": 256,
+            "python": python, "bytes": n, "splits": _raw_splits(n),
+            "fingerprint": digest.hexdigest()}
+
+
+def _raw_splits(n_tokens: int) -> dict:
+    n_val = int(n_tokens * VAL_FRACTION)
+    return {"train": {"tokens": n_tokens - n_val}, "val": {"tokens": n_val}}
+
+
+def _hash_token_file(digest, name: str, f: Path) -> TokenHeader:
+    """Feed a (validated) token file's size, header and offsets, and its tokens' ends."""
+    h = read_header(f)
+    digest.update(f"{name}\0{h.file_bytes}\0".encode())
+    with open(f, "rb") as fh:
+        digest.update(fh.read(h.data_offset))                # header + document offsets
+        _hash_ends(digest, fh, h.data_offset, h.file_bytes, TOKEN_SAMPLE_BYTES)
+    return h
+
+
+def _hash_text(digest, p: Path) -> int:
+    """Feed the relative names and sizes of a text source's files, and the ends of (evenly
+    spaced) up to MAX_SAMPLED_FILES of them; returns their total bytes (= tokens)."""
+    files = [p] if p.is_file() else _text_folder(p)
+    sizes = [f.stat().st_size for f in files]
+    for f, size in zip(files, sizes):
+        digest.update(f"{f.relative_to(p).as_posix()}\0{size}\0".encode())
+    every = -(-len(files) // MAX_SAMPLED_FILES) or 1         # ceil: a deterministic stride
+    for f in files[::every]:
+        _hash_file(digest, f.relative_to(p).as_posix(), f, TEXT_SAMPLE_BYTES)
+    return sum(sizes)
+
+
+def _hash_file(digest, name: str, f: Path, ends: int | None) -> None:
+    """Feed a file's name, size and its first and last ``ends`` bytes (all of it for None)."""
+    size = f.stat().st_size
+    digest.update(f"{name}\0{size}\0".encode())
+    with open(f, "rb") as fh:
+        _hash_ends(digest, fh, 0, size, ends)
+
+
+def _hash_ends(digest, fh, start: int, end: int, n: int | None) -> None:
+    """Feed bytes [start, end) of an open file: all, or its first and last ``n``."""
+    fh.seek(start)
+    if n is None or end - start <= 2 * n:
+        digest.update(fh.read(end - start))
+        return
+    digest.update(fh.read(n))
+    fh.seek(end - n)
+    digest.update(fh.read(n))
 
 
 class BatchSampler:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -34,9 +35,31 @@ def _refuse(field: str, value, why: str):
     raise ValueError(f"Hugging Face config: {field}={value!r} {why}")
 
 
+_REQUIRED = object()
+
+
+def _field(hf: dict, key: str, kind: type, default=_REQUIRED):
+    """``hf[key]`` as a positive int or a float (``default`` when absent or null, if it has
+    one): a missing or ill-typed field is one error naming it, not a KeyError or TypeError."""
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"Hugging Face config: {key} is missing")
+        return default
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    whole = number and (isinstance(value, int) or value.is_integer())   # 64.0 is 64
+    if kind is int and not (whole and value >= 1):
+        _refuse(key, value, "is not a positive integer")
+    if not number:
+        _refuse(key, value, "is not a number")
+    return kind(value)
+
+
 def config_from_hf(hf: dict, pad_vocab_to: int = 128) -> GPTConfig:
     """The GPTConfig of a Hugging Face ``config.json`` (as a dict); one error naming the field
-    for what fastpar cannot represent."""
+    for what fastpar cannot represent, or a field missing or of the wrong type."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"Hugging Face config: not a JSON object but {type(hf).__name__}")
     kind = hf.get("model_type")
     if kind == "llama":
         if hf.get("hidden_act", "silu") != "silu":
@@ -46,19 +69,21 @@ def config_from_hf(hf: dict, pad_vocab_to: int = 128) -> GPTConfig:
         if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
             _refuse("attention_bias", hf.get("attention_bias"), "must equal mlp_bias "
                     f"({hf.get('mlp_bias')!r}): fastpar's layers have biases everywhere or nowhere")
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-        if head_dim * hf["num_attention_heads"] != hf["hidden_size"]:
-            _refuse("head_dim", head_dim, f"x num_attention_heads != hidden_size "
-                    f"{hf['hidden_size']}")
-        return GPTConfig(vocab_size=hf["vocab_size"], n_layers=hf["num_hidden_layers"],
-                         d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
-                         n_kv_heads=hf.get("num_key_value_heads"), d_ff=hf["intermediate_size"],
-                         max_seq_len=hf["max_position_embeddings"], norm="rmsnorm",
+        d, heads = _field(hf, "hidden_size", int), _field(hf, "num_attention_heads", int)
+        head_dim = _field(hf, "head_dim", int, d // heads)
+        if head_dim * heads != d:
+            _refuse("head_dim", head_dim, f"x num_attention_heads != hidden_size {d}")
+        return GPTConfig(vocab_size=_field(hf, "vocab_size", int),
+                         n_layers=_field(hf, "num_hidden_layers", int), d_model=d,
+                         n_heads=heads, n_kv_heads=_field(hf, "num_key_value_heads", int, None),
+                         d_ff=_field(hf, "intermediate_size", int),
+                         max_seq_len=_field(hf, "max_position_embeddings", int), norm="rmsnorm",
                          activation="swiglu", rotary=True,
-                         rotary_base=float(hf.get("rope_theta", 10000.0)),
+                         rotary_base=_field(hf, "rope_theta", float, 10000.0),
                          tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                          bias=bool(hf.get("attention_bias", False)),
-                         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), pad_vocab_to=pad_vocab_to)
+                         norm_eps=_field(hf, "rms_norm_eps", float, 1e-6),
+                         pad_vocab_to=pad_vocab_to)
     if kind == "gpt2":
         if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
             _refuse("activation_function", hf["activation_function"],
@@ -68,11 +93,13 @@ def config_from_hf(hf: dict, pad_vocab_to: int = 128) -> GPTConfig:
                 _refuse(field, hf[field], "is not supported")
         if hf.get("tie_word_embeddings", True) is False:
             _refuse("tie_word_embeddings", False, "is not supported for GPT-2 (its head is tied)")
-        return GPTConfig(vocab_size=hf["vocab_size"], n_layers=hf["n_layer"], d_model=hf["n_embd"],
-                         n_heads=hf["n_head"], d_ff=hf.get("n_inner") or 4 * hf["n_embd"],
-                         max_seq_len=hf["n_positions"], norm="layernorm", activation="gelu",
-                         rotary=False, tie_embeddings=True, bias=True,
-                         norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        d = _field(hf, "n_embd", int)
+        return GPTConfig(vocab_size=_field(hf, "vocab_size", int),
+                         n_layers=_field(hf, "n_layer", int), d_model=d,
+                         n_heads=_field(hf, "n_head", int), d_ff=_field(hf, "n_inner", int, 4 * d),
+                         max_seq_len=_field(hf, "n_positions", int), norm="layernorm",
+                         activation="gelu", rotary=False, tie_embeddings=True, bias=True,
+                         norm_eps=_field(hf, "layer_norm_epsilon", float, 1e-5),
                          pad_vocab_to=pad_vocab_to)
     raise ValueError(f"Hugging Face config: model_type={kind!r} is not supported (llama, gpt2)")
 
@@ -121,23 +148,105 @@ def _hf_name(kind: str, name: str) -> tuple[str, str | None]:
     return f"transformer.h.{i}.{inverse[module]}.{leaf}", None
 
 
+class _Source(NamedTuple):
+    """Where a fastpar tensor lives in a Hugging Face directory, and the shape it has there."""
+    name: str               # the Hugging Face tensor
+    part: str | None        # "q", "k" or "v" of GPT-2's fused c_attn, else None
+    conv: bool              # a GPT-2 Conv1D weight, stored transposed: (in, out)
+    offset: int             # where the part starts along c_attn's q|k|v dimension
+    want: list[int]         # fastpar's global shape without the vocabulary padding
+    shape: list[int]        # the stored tensor's shape the config needs
+
+
+def _hf_source(kind: str, config: GPTConfig, name: str, shape) -> _Source | None:
+    """Where fastpar tensor ``name`` (global shape ``shape``) is stored in a Hugging Face
+    directory of ``kind``; None for a tied head (it is the embedding). The one rule both
+    :func:`load_hf` and :func:`check_source` compare stored shapes by."""
+    if name == "head.weight" and config.tie_embeddings:
+        return None
+    src, part = _hf_name(kind, name)
+    conv = kind == "gpt2" and any(c in src for c in _GPT2_CONV1D) and src.endswith("weight")
+    want = list(shape)
+    if name in ("embed.weight", "head.weight"):
+        want[0] = config.vocab_size                 # stored without fastpar's padding
+    if part is not None:                            # one of c_attn's q, k, v
+        offset = "qkv".index(part) * config.d_model
+        stored = [want[1], 3 * want[0]] if conv else [3 * want[0]]
+    else:
+        offset = 0
+        stored = [want[1], want[0]] if conv and len(want) == 2 else want
+    return _Source(src, part, conv, offset, want, stored)
+
+
+def _read_json(file: Path):
+    """A JSON file's content; unreadable or invalid JSON is one ValueError naming the file."""
+    try:
+        return json.loads(file.read_text())
+    except OSError as e:
+        raise ValueError(f"{file} cannot be read ({e.strerror})") from None
+    except ValueError as e:         # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{file} is not valid JSON ({e})") from None
+
+
+def _hf_json(path: Path) -> dict | None:
+    """``config.json`` of ``path`` as a dict; None when there is none."""
+    file = path / "config.json"
+    if not file.is_file():
+        return None
+    hf = _read_json(file)
+    if not isinstance(hf, dict):
+        raise ValueError(f"{file} is not a JSON object")
+    return hf
+
+
+def _hf_config(path: Path) -> tuple[dict, GPTConfig]:
+    """A Hugging Face directory's ``config.json`` and its GPTConfig; errors name the file."""
+    hf = _hf_json(path)
+    if hf is None:
+        raise ValueError(f"{path} has no config.json")
+    try:
+        return hf, config_from_hf(hf)
+    except ValueError as e:
+        raise ValueError(f"{path / 'config.json'}: {e}") from None
+
+
+def _hf_index(path: Path) -> dict[str, str] | None:
+    """The index's weight_map (tensor -> shard file), or None for an unsharded directory."""
+    index = path / "model.safetensors.index.json"
+    if not index.exists():
+        return None
+    data = _read_json(index)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str)
+                                                   for f in weight_map.values()):
+        raise ValueError(f"{index} holds no weight_map (tensor name -> shard file)")
+    return weight_map
+
+
+def _hf_shards(path: Path, weight_map: dict[str, str] | None) -> list[str]:
+    """The safetensors files of a directory: those its index names, else every one there."""
+    if weight_map is None:
+        files = [p.name for p in sorted(path.glob("*.safetensors"))]
+    else:
+        files = sorted(set(weight_map.values()))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors file")
+    for f in files:
+        if Path(f).name != f:           # a shard outside the directory is never read
+            raise ValueError(f"{path}: the index names shard {f!r}, not a file name")
+        if not (path / f).is_file():
+            raise ValueError(f"{path}: shard {f} named by the index is missing")
+    return files
+
+
 class _Reader:
     """Lazy access to a directory's safetensors tensors, by name, through slices."""
 
     def __init__(self, path: Path):
         from safetensors import safe_open
 
-        index = path / "model.safetensors.index.json"
-        if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
-            files = [p.name for p in sorted(path.glob("*.safetensors"))]
-        if not files:
-            raise ValueError(f"{path}: no *.safetensors file")
         self.where, self._open = {}, []
-        for f in files:
-            if not (path / f).exists():
-                raise ValueError(f"{path}: shard {f} named by the index is missing")
+        for f in _hf_shards(path, _hf_index(path)):
             try:
                 handle = safe_open(str(path / f), framework="pt")
             except Exception as e:          # a truncated or corrupt file
@@ -165,27 +274,18 @@ def load_hf(path, modules, tp_size: int = 1, tp_rank: int = 0) -> GPTConfig:
     from .checkpoint import shard_specs
 
     path = Path(path)
-    hf = json.loads((path / "config.json").read_text())
-    config, kind, reader = config_from_hf(hf), hf["model_type"], _Reader(path)
+    hf, config = _hf_config(path)
+    kind, reader = hf["model_type"], _Reader(path)
     for name, (t, shape, dim, start, stop, _p, _rows) in shard_specs(modules, tp_size,
                                                                       tp_rank).items():
-        if name == "head.weight" and config.tie_embeddings:
+        source = _hf_source(kind, config, name, shape)
+        if source is None:
             continue
-        src, part = _hf_name(kind, name)
+        src, part, conv, off, want = source[:5]
         stored = reader.shape(src)
-        conv = kind == "gpt2" and any(c in src for c in _GPT2_CONV1D) and src.endswith("weight")
-        want = list(shape)
-        if name in ("embed.weight", "head.weight"):
-            want[0] = config.vocab_size                 # stored without fastpar's padding
-        if part is not None:                            # one of c_attn's q, k, v
-            off = "qkv".index(part) * config.d_model
-            want_src = [want[1], 3 * want[0]] if conv else [3 * want[0]]
-        else:
-            off = 0
-            want_src = [want[1], want[0]] if conv and len(want) == 2 else want
-        if stored != want_src:
+        if stored != source.shape:
             raise ValueError(f"{path}: tensor {src!r} has shape {stored}, the config needs "
-                             f"{want_src}")
+                             f"{source.shape}")
         d = 0 if dim is None else dim
         lo, hi = (start, stop) if dim is not None else (0, shape[d])
         hi_real = min(hi, want[d])                      # padded vocabulary rows are zero
@@ -245,22 +345,102 @@ def save_hf(model, out) -> Path:
 
 def is_hf_dir(path) -> bool:
     """Whether ``path`` is a Hugging Face directory (a config.json with a model_type), not a
-    fastpar checkpoint (a manifest.json)."""
-    config = Path(path) / "config.json"
-    return config.exists() and "model_type" in json.loads(config.read_text())
+    fastpar checkpoint (a manifest.json). A config.json that is not a JSON object raises."""
+    hf = _hf_json(Path(path))
+    return hf is not None and "model_type" in hf
+
+
+def _is_hf_source(path: Path) -> bool:
+    """Whether ``path`` is a Hugging Face directory (False: a fastpar checkpoint); anything
+    else is one ValueError saying what it is not."""
+    if not path.exists():
+        raise ValueError(f"{path} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a folder")
+    if is_hf_dir(path):
+        return True
+    if (path / "manifest.json").is_file():
+        return False
+    why = "; its config.json has no model_type" if (path / "config.json").is_file() else ""
+    raise ValueError(f"{path} is neither a Hugging Face directory (config.json with a "
+                     f"model_type) nor a fastpar checkpoint (manifest.json){why}")
 
 
 def source_config(path) -> GPTConfig:
-    """The model config of a Hugging Face directory or of a fastpar checkpoint."""
-    path = Path(path)
-    if is_hf_dir(path):
-        return config_from_hf(json.loads((path / "config.json").read_text()))
-    from .checkpoint import read_manifest
+    """The model config of a Hugging Face directory or of a fastpar checkpoint; anything wrong
+    with what it reads is one ValueError."""
+    from .checkpoint import checkpoint_config, read_manifest
 
-    if not (path / "manifest.json").exists():
-        raise ValueError(f"{path} is neither a Hugging Face directory (config.json) nor a "
-                         f"fastpar checkpoint (manifest.json)")
-    return GPTConfig(**read_manifest(path)["model_config"])
+    path = Path(path)
+    if _is_hf_source(path):
+        return _hf_config(path)[1]
+    return checkpoint_config(path, read_manifest(path))
+
+
+def check_source(path, tp: int = 1, pp: int = 1) -> GPTConfig:
+    """Everything loading ``path`` (HF directory or fastpar checkpoint) into a (tp, pp) layout
+    needs, checked without reading tensor data; returns its GPTConfig. Raises ValueError (one
+    line) naming the file and the value at fault.
+
+    The launcher calls it before any rank starts, so a bad ``--init-from`` is one line there
+    rather than a failure inside every rank: the config, every shard present and complete
+    (safetensors headers against file sizes; a fastpar checkpoint's sha256 too), every tensor
+    the model needs there with its shape, and the layout."""
+    from ..mesh.layout import require_positive
+    from .checkpoint import check_checkpoint
+
+    path = Path(path)
+    config = source_config(path)            # what the folder is, and its config
+    # The layout before the tensors: it is cheap, and a checkpoint's sha256 is not.
+    require_positive({"tp": tp, "pp": pp})
+    try:
+        config.check_tp(tp)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    if pp > config.n_layers:
+        raise ValueError(f"{path}: n_layers={config.n_layers} is fewer than pp={pp} stages")
+    shapes = _model_shapes(config)
+    if is_hf_dir(path):
+        _check_hf_tensors(path, shapes)
+    else:
+        check_checkpoint(path, shapes)
+    return config
+
+
+def _model_shapes(config: GPTConfig) -> dict[str, list[int]]:
+    """Every tensor a fastpar checkpoint of ``config`` holds: name -> full shape. The model is
+    built on the meta device: shapes only, nothing allocated, whatever its size."""
+    from ..models.gpt import GPT
+    from .checkpoint import shard_specs
+
+    with torch.device("meta"):
+        model = GPT(config)
+    return {name: spec[1] for name, spec in shard_specs([model], 1, 0).items()}
+
+
+def _check_hf_tensors(path: Path, shapes: dict[str, list[int]]) -> None:
+    """Every shard's header against its file size, and every tensor the model needs (by
+    :func:`_hf_source`) in the shard the index names, of its shape, floating point."""
+    from .checkpoint import check_header_tensor, safetensors_header
+
+    hf, config = _hf_config(path)
+    weight_map = _hf_index(path)
+    headers = {f: safetensors_header(path / f) for f in _hf_shards(path, weight_map)}
+    where = weight_map if weight_map is not None else \
+        {name: f for f, header in headers.items() for name in header}
+    for name, shape in shapes.items():
+        source = _hf_source(hf["model_type"], config, name, shape)
+        if source is None:
+            continue
+        file = where.get(source.name)
+        if file is None:
+            holder = "the index names no shard for" if weight_map else "no shard holds"
+            raise ValueError(f"{path}: {holder} tensor {source.name!r}, which the model needs")
+        if source.name not in headers[file]:
+            raise ValueError(f"{path / file} lacks tensor {source.name!r}, which the index "
+                             f"places there")
+        check_header_tensor(path / file, headers[file], source.name, source.shape,
+                            "the config")
 
 
 def export_checkpoint(ckpt, out) -> Path:

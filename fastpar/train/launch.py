@@ -156,17 +156,33 @@ def _describe(failures: dict, max_restarts: int) -> str:
             f"the ranks' own messages are above")
 
 
+def check_inputs(cfg: TrainConfig, world: int, local_ranks: int) -> None:
+    """Every check of what a run is given, before anything is created or any rank starts (and
+    on every rank under torchrun): the layout, the data (each split it reads), the weights of
+    ``--init-from`` (every shard present and complete, shapes against the layout) and whether
+    the layout fits in memory (the planner's estimate per rank, unless ``--no-memory-check``).
+    Raises ValueError (one line)."""
+    from .data import check_data
+    from .hf import check_source
+    from .memory_check import check_memory
+
+    cfg.check_layout(world)
+    for split in ("train", "val") if cfg.eval_every else ("train",):
+        check_data(cfg.data, cfg.seq_len, cfg.model_config.vocab_size, cfg.model, split)
+    if cfg.init_from:
+        check_source(cfg.init_from, cfg.tp, cfg.pp)
+    if not cfg.no_memory_check:
+        check_memory(cfg, world, local_ranks)
+
+
 def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0) -> None:
     """Run ``cfg`` on ``nproc`` local ranks (checks the configuration first, in this process).
     A failed job raises ``SystemExit(1)`` after printing one line (see the module doc)."""
-    from .data import check_data
-    from .outdir import prepare_out, resolve_out
+    from .outdir import check_out, prepare_out, resolve_out
     from .trainer import check_resume
 
-    cfg.check_layout(nproc)
-    for split in ("train", "val") if cfg.eval_every else ("train",):
-        check_data(cfg.data, cfg.seq_len, cfg.model_config.vocab_size, cfg.model, split)
     spawn = "RANK" not in os.environ and nproc > 1
+    check_inputs(cfg, nproc, nproc if spawn else int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if not spawn:                       # one process, or a torchrun rank: train() does the rest
         cfg = resolve_out(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         try:
@@ -177,10 +193,13 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0) -> None:
                 print(interrupted(cfg, signum), file=sys.stderr, flush=True)
             raise SystemExit(128 + signum) from None
         return
-    # Here, once, before any rank starts: the run's folder (a fresh one, or an earlier run moved
-    # aside by --overwrite), and the checkpoint to resume from with every file's sha256.
-    cfg = prepare_out(resolve_out(cfg, 1))
+    # Here, once, before any rank starts: the checkpoint to resume from (with every file's
+    # sha256, and that it continues the run), then the run's folder (a fresh one, or an
+    # earlier run moved aside by --overwrite).
+    cfg = resolve_out(cfg, 1)
+    check_out(cfg)
     check_resume(cfg, full=True)
+    cfg = prepare_out(cfg)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry

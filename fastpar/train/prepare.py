@@ -3,20 +3,21 @@
 Each input file is one document. The last documents (about ``--val-fraction`` of the input's
 bytes, at least one) go to ``val.bin``, the rest to ``train.bin``; a single document is cut at
 its last ``--val-fraction`` of tokens instead. With a tokenizer that has an end-of-text token,
-that token separates the documents of a split. The folder is written under a temporary name and
-renamed into place, so an error leaves nothing behind (and an earlier folder as it was).
+that token separates the documents of a split. A ``.bin`` in an input folder is refused (a token
+file is never read as text). The folder is written under a temporary name and renamed into place,
+so an error leaves nothing behind; a destination that holds anything is refused unless
+``--overwrite`` moves it aside (:func:`fastpar.train.outdir.fresh_folder`).
 """
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .data import VAL_FRACTION, prepared_folder, text_files
+from .data import VAL_FRACTION, text_files
+from .outdir import check_fresh, fresh_folder
 from .token_file import TokenFileWriter, TokenHeader
 from .tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_file
 
@@ -49,7 +50,11 @@ def add_prepare(sub) -> None:
                         "own merges need a download, which fastpar never does); PATH: a "
                         "tokenizer.json, or a folder holding one (a Hugging Face model "
                         "directory), used as is")
-    p.add_argument("--out", required=True, metavar="DATA", help="the data folder to write")
+    p.add_argument("--out", required=True, metavar="DATA",
+                   help="the data folder to write (a new one: see --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="if DATA holds anything, move it aside to DATA.replaced-<time> once the "
+                        "new folder is written")
     p.add_argument("--vocab-size", type=int, default=None, metavar="N",
                    help=f"vocabulary of the BPE that --tokenizer gpt2 trains (default "
                         f"{DEFAULT_VOCAB}, at least {MIN_BPE_VOCAB})")
@@ -63,7 +68,7 @@ def add_prepare(sub) -> None:
 def run_prepare(args) -> int:
     try:
         done = prepare_data(args.inputs, args.tokenizer, args.out, args.vocab_size,
-                            args.val_fraction, args.seed)
+                            args.val_fraction, args.seed, args.overwrite)
     except ValueError as e:
         print(f"fastpar prepare-data: error: {e}", file=sys.stderr)
         return 2
@@ -75,31 +80,22 @@ def run_prepare(args) -> int:
 
 
 def prepare_data(inputs, tokenizer: str, out, vocab_size: int | None = None,
-                 val_fraction: float = VAL_FRACTION, seed: int | None = None) -> Prepared:
+                 val_fraction: float = VAL_FRACTION, seed: int | None = None,
+                 overwrite: bool = False) -> Prepared:
     """Tokenize ``inputs`` into ``out``/{train,val}.bin (see the module docstring)."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"--val-fraction={val_fraction} must be in (0, 1)")
     out = Path(out)
     files = input_files(inputs, exclude=out)
     _check_tokenizer(tokenizer, vocab_size)
-    _check_out(out)
+    check_fresh(out, "--out", overwrite, "prepare-data")
     if seed is not None:
         files = [files[i] for i in np.random.default_rng(seed).permutation(len(files))]
-    created = [d for d in [out.parent, *out.parent.parents] if not d.exists()]
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    try:
-        tmp.mkdir(parents=True)
+    with fresh_folder(out, "--out", overwrite, "prepare-data") as tmp:
         tok = _make_tokenizer(tokenizer, files, vocab_size or DEFAULT_VOCAB)
         if not isinstance(tok, ByteTokenizer):
             tok.save(tmp / TOKENIZER_FILE)
         train, val = _write_splits(files, tok, tmp, val_fraction)
-        _move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for d in created:                                # the parents made for it, if empty
-            if d.exists() and not any(d.iterdir()):
-                d.rmdir()
-        raise
     return Prepared(out, tokenizer if tokenizer in ("bytes", "gpt2") else tok.name, train, val)
 
 
@@ -114,8 +110,13 @@ def input_files(inputs, exclude: Path | None = None) -> list[Path]:
         if p.is_file() and p.stat().st_size == 0:       # named by the user: a mistake
             raise ValueError(f"input file {str(name)!r} is empty")
         # In a folder an empty file (a package's __init__.py, say) is no document: skipped.
-        files += [f for f in (text_files(p) if p.is_dir() else [p])
-                  if (skip is None or skip not in f.resolve().parents) and f.stat().st_size]
+        found = [f for f in (text_files(p) if p.is_dir() else [p])
+                 if skip is None or skip not in f.resolve().parents]
+        stray = next((f for f in found if p.is_dir() and f.suffix.lower() == ".bin"), None)
+        if stray is not None:       # token files are no documents (the output folder aside)
+            raise ValueError(f"input folder {str(name)!r} holds {str(stray)!r}: a .bin is a "
+                             "token file, never read as text; leave it out of the inputs")
+        files += [f for f in found if f.stat().st_size]
     if not files:
         raise ValueError(f"no input files with any text in "
                          f"{', '.join(map(repr, map(str, inputs)))}")
@@ -132,14 +133,6 @@ def _check_tokenizer(spec: str, vocab_size: int | None) -> None:
     if spec == "gpt2" and vocab_size is not None and vocab_size < MIN_BPE_VOCAB:
         raise ValueError(f"--vocab-size={vocab_size} is too small for a byte-level BPE: it "
                          f"needs at least {MIN_BPE_VOCAB} (256 bytes + {EOS})")
-
-
-def _check_out(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is a file, not a folder")
-    if out.is_dir() and any(out.iterdir()) and prepared_folder(out) is None:
-        raise ValueError(f"--out {str(out)!r} is a folder that prepare-data did not write and "
-                         "is not empty: pick another")
 
 
 def _progress(files, desc: str):
@@ -219,18 +212,3 @@ def _write_splits(files, tok, folder: Path, val_fraction: float):
         train.abort()
         val.abort()
         raise
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished folder to ``out``; an earlier ``out`` is replaced only then."""
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        os.replace(old, out)
-        raise
-    shutil.rmtree(old)

@@ -72,24 +72,36 @@ def tokenizer_file(spec: str | Path) -> Path | None:
     return p if p.is_file() and p.suffix == ".json" else None
 
 
+def source_tokenizer_file(data, init_from=None) -> Path | None:
+    """The ``tokenizer.json`` that decodes the token ids of a run on ``data``: the prepared data
+    folder's; for token files prepared without one (ids of a vocabulary other than bytes) the
+    ``--init-from`` directory's; None for bytes (text sources, a byte-tokenized folder)."""
+    from .data import data_vocab, prepared_folder
+
+    folder = prepared_folder(data) if data else None
+    if folder is not None and tokenizer_file(folder) is not None:
+        return tokenizer_file(folder)
+    if init_from and data and data_vocab(data) not in (None, 256):
+        return tokenizer_file(init_from)
+    return None
+
+
 def run_tokenizer_file(ckpt: str | Path) -> Path | None:
     """The ``tokenizer.json`` of the run a checkpoint (``runs/x/checkpoints/step_N``) belongs
-    to: its prepared data's, else the one in its ``--init-from`` directory; None for bytes."""
-    from .data import prepared_folder
-
-    run_config = Path(ckpt).parent.parent / "config.json"
-    if not run_config.is_file():
+    to: the copy in the run's folder (:mod:`fastpar.train.run_record`); for a run written before
+    runs kept one, the one its ``config.json`` points at; None for bytes."""
+    run = Path(ckpt).parent.parent
+    if (run / TOKENIZER_FILE).is_file():
+        return run / TOKENIZER_FILE
+    if not (run / "config.json").is_file():
         return None
     try:
-        train = json.loads(run_config.read_text())["train"]
+        train = json.loads((run / "config.json").read_text())["train"]
         data, init = train.get("data"), train.get("init_from")
     except (ValueError, KeyError, TypeError, AttributeError):
-        raise ValueError(f"{run_config} is not the config.json of a fastpar run") from None
-    folder = prepared_folder(data) if data else None
-    for spec in (folder, init):
-        if spec is not None and tokenizer_file(spec) is not None:
-            return tokenizer_file(spec)
-    return None
+        raise ValueError(f"{run / 'config.json'} is not the config.json of a fastpar "
+                         "run") from None
+    return source_tokenizer_file(data, init) if data is None or Path(data).exists() else None
 
 
 def load_tokenizer(spec: str | Path):

@@ -1,6 +1,6 @@
 """``--profile-steps A:B``: a ``torch.profiler`` trace of steps A to B on every rank.
 
-Each rank writes ``OUT/profile/rank<R>.json`` (Chrome trace format: open it in
+Each rank writes ``OUT/profile/steps-A-B/rank<R>.json`` (Chrome trace format: open it in
 https://ui.perfetto.dev or chrome://tracing). fastpar's own ranges are named ``fastpar: ...``
 (:func:`fastpar.mesh.profiling.span`): each step, each micro-batch's forward and backward, each
 tensor-parallel collective and fused GEMM + collective, each data-parallel bucket's start and
@@ -15,13 +15,19 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
+def profile_folder(out, window: tuple[int, int]) -> Path:
+    """Where the traces of steps A to B go: a folder of their own, so a resumed run that
+    profiles other steps adds traces and replaces none (the launcher refuses the same steps)."""
+    return Path(out) / "profile" / f"steps-{window[0]}-{window[1]}"
+
+
 class StepProfiler:
     """Starts the profiler before step A (or the first step run, when resuming past A) and writes
     the trace after step B."""
 
     def __init__(self, window: tuple[int, int] | None, out: str, rank: int):
         self.window, self.rank, self.prof = window, rank, None
-        self.path = Path(out) / "profile" / f"rank{rank}.json"
+        self.path = profile_folder(out, window) / f"rank{rank}.json" if window else None
 
     def before(self, step: int, first: bool) -> None:
         if self.window is None or self.prof is not None:

@@ -15,7 +15,6 @@ optionally written in the background (:mod:`.checkpoint_writer`).
 from __future__ import annotations
 
 import functools
-import json
 import os
 import time
 from pathlib import Path
@@ -40,7 +39,8 @@ from .config import TrainConfig
 from .data import BatchSampler, check_length, check_vocab, load_tokens
 from .guard import NonFiniteError, NonFiniteGuard
 from .metrics import Metrics
-from .outdir import nothing_to_resume, prepare_out, resolve_out
+from .outdir import check_out, nothing_to_resume, prepare_out, resolve_out
+from .run_record import check_changes, legacy_record, run_record, write_run_files
 from .lr_schedule import lr_at
 from .step import evaluate, forward_backward, loss_fn
 from .sample import print_sample
@@ -142,6 +142,7 @@ def check_resume(cfg: TrainConfig, full: bool = False, say=None) -> Path | None:
     if diff:
         raise ValueError(f"checkpoint {path} is of another model shape: "
                          + ", ".join(f"{k} {a} (saved) != {b}" for k, (a, b) in diff.items()))
+    check_changes(manifest.get("run") or legacy_record(cfg.out), cfg, path, say)
     if say:
         say(f"fastpar train: resuming from {path} (step {manifest['data_step']} of "
             f"{cfg.steps})")
@@ -153,7 +154,10 @@ def train(cfg: TrainConfig) -> list[dict]:
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     dp = cfg.check_layout(world)               # every check before any collective
     say = print if rank == 0 else None
-    cfg = prepare_out(resolve_out(cfg, world), rank, say or (lambda _: None))
+    cfg = resolve_out(cfg, world)
+    check_out(cfg)
+    resume_from = check_resume(cfg, say=say)
+    cfg = prepare_out(cfg, rank, say or (lambda _: None))
     if say:
         say(f"fastpar train: writing to {cfg.out}")
     tokens = load_tokens(cfg.data)
@@ -163,7 +167,6 @@ def train(cfg: TrainConfig) -> list[dict]:
     if val is not None:
         check_length(len(val), cfg.seq_len, f"{cfg.data or 'stdlib corpus'} (validation split)")
         check_vocab(val, cfg.model_config.vocab_size, cfg.model, cfg.data)
-    resume_from = check_resume(cfg, say=say)
     if say and cfg.warmup < cfg.warmup_steps:
         say(f"fastpar train: --warmup-steps {cfg.warmup_steps} is more than half of "
             f"--steps {cfg.steps}: warming up for {cfg.warmup} steps, then decaying")
@@ -195,10 +198,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         start = load_checkpoint(resume_from, chunks, opt, mesh)["data_step"]
     out = Path(cfg.out)
     if mesh.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(
-            {"train": cfg.to_dict(), "model": cfg.model_config.to_dict(), "world_size": world,
-             "dp": dp}, indent=2))
+        write_run_files(cfg, world, dp, fresh=start == 0)
     mc = cfg.model_config
     step_tokens = cfg.global_batch_size * cfg.seq_len
     flops = mc.train_flops(cfg.seq_len, step_tokens)      # model FLOPs, as MFU counts them
@@ -210,6 +210,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     guard = NonFiniteGuard(cfg.max_skipped_steps, mesh.device, verbose=mesh.rank == 0)
     writer = CheckpointWriter(out / "checkpoints", mesh, cfg.keep_last, cfg.async_save,
                               cfg.timeout, lambda s: faults.during_save(fault, s, mesh.rank))
+    record = run_record(cfg)            # what every checkpoint says the run depends on
     rows = []
     for step in range(start + 1, cfg.steps + 1):
         faults.before_step(fault, step, mesh.rank)
@@ -254,7 +255,7 @@ def train(cfg: TrainConfig) -> list[dict]:
             with wd.region(step, "saving the checkpoint"):
                 layout = {"tp": cfg.tp, "pp": cfg.pp, "dp": dp, "cp": cfg.cp}
                 writer.save(step, chunks, opt, {"data_step": step, "model_config": mc.to_dict(),
-                                                "layout": layout})
+                                                "layout": layout, "run": record})
         traced = prof.after(step)
         if traced is not None and say:
             say(f"fastpar train: profiled steps {cfg.profile_steps}: {traced.parent}/rank*.json "
