@@ -58,7 +58,7 @@ def free_port() -> int:
 # server imports and runs nothing else (no thread pool exists to be forked). Its environment is
 # the one it started with, so each rank takes the caller's whole environment and applies what is
 # read only at start: the thread count and glibc's allocator thresholds (mallopt).
-_PRELOAD = ["torch", "torch.distributed", "fastpar"]
+_PRELOAD = ["torch", "torch.distributed", "fastpar.extension", "fastpar.mesh"]
 _context = None
 
 

@@ -74,6 +74,14 @@ def test_calibrate_writes_a_profile(tmp_path, capsys, monkeypatch):
     assert hw.hbm_gbps > 0 and hw.name == "cpu" and hw.kind == "cpu"
     assert hw.matmul_curve == ((1e6, 0.5), (1e8, 1.0)) and hw.attention_efficiency == 0.3
     assert len(hw.memory_curve) >= 2 and hw.kernel_overhead_us >= 5.0
+    # An existing profile is not replaced unasked; --overwrite replaces it.
+    before = (tmp_path / "cpu.json").read_bytes()
+    capsys.readouterr()
+    assert main(["plan", "--calibrate", "--out", str(tmp_path / "cpu.json")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "is an existing file: pass --overwrite" in err
+    assert (tmp_path / "cpu.json").read_bytes() == before
+    assert main(["plan", "--calibrate", "--out", str(tmp_path / "cpu.json"), "--overwrite"]) == 0
 
 
 @pytest.mark.parametrize("gpus,cp", [(8, 1), (16, 1), (8, 2)])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from ..models import PRESETS, GPTConfig, get_config
 from ..models import RECOMPUTE
@@ -48,7 +49,10 @@ def add_plan(sub) -> None:
     p.add_argument("--json", action="store_true", help="print JSON (an object, or a list)")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine (and, under torchrun, its links); write a profile")
-    p.add_argument("--out", default="hardware.json", help="where --calibrate writes the profile")
+    p.add_argument("--out", default="hardware.json",
+                   help="where --calibrate writes the profile (a new file: see --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="let --calibrate replace an existing --out file")
 
 
 def _model(args) -> GPTConfig:
@@ -69,7 +73,12 @@ def run_plan(args) -> int:
     if args.calibrate:
         from .calibrate import calibrate
 
-        hw, path = calibrate(args.out)
+        out = Path(args.out)
+        if out.is_dir() or (out.exists() and not args.overwrite):
+            what = "a folder" if out.is_dir() else "an existing file: pass --overwrite to replace it"
+            print(f"fastpar plan: error: --out {out} is {what}", file=sys.stderr)
+            return 2
+        hw, path = calibrate(out)
         print(json.dumps(hw.to_dict(), indent=2) if args.json else f"wrote {path}")
         return 0
     try:

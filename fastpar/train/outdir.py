@@ -183,9 +183,10 @@ def prepare_out(cfg: TrainConfig, rank: int = 0, say=print) -> TrainConfig:
     out = Path(cfg.out)
     check_writable(out)
     if cfg.overwrite and not cfg.resume and rank == 0 and (previous_run(out) or foreign(out)):
+        what = "content of" if foreign(out) else "run in"
         aside = move_aside(out)
         out.mkdir()
-        say(f"fastpar train: --overwrite: moved the earlier content of {out} to {aside}")
+        say(f"fastpar train: --overwrite: moved the earlier {what} {out} to {aside}")
     return replace(cfg, overwrite=False)
 
 
