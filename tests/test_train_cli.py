@@ -83,8 +83,11 @@ def test_resume_says_what_it_does(tmp_path):
     assert _train("--steps", "4", "--out", "r", "--save-every", "2", cwd=tmp_path).returncode == 0
     ckpt = tmp_path / "r" / "checkpoints"
     (ckpt / "latest").write_text("step_6")
-    res = _train("--steps", "6", "--out", "r", "--resume", cwd=tmp_path)
+    _one_error(_train("--steps", "6", "--out", "r", "--resume", cwd=tmp_path),
+               "--steps 4 (the run) -> 6 (now)")            # a longer run is another schedule
+    res = _train("--steps", "6", "--out", "r", "--resume", "--adopt-changes", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
+    assert "--adopt-changes: --steps 4 (the run) -> 6 (now)" in res.stdout
     assert f"{ckpt.relative_to(tmp_path) / 'latest'} names step_6, which is missing; using " \
            "step_4, the newest complete checkpoint" in res.stdout, res.stdout
     assert "resuming from r/checkpoints/step_4 (step 4 of 6)" in res.stdout
