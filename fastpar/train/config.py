@@ -166,5 +166,12 @@ class TrainConfig(ParallelConfig):
         such as softmax, stay fp32 with bf16 parameters too)."""
         return self.precision == "amp" or self.bf16_params(device_type)
 
+    def train_context(self, device_type: str):
+        """The one context of training, evaluation and generation: bf16 autocast when
+        :meth:`autocast` (bf16 parameters, or autocast over fp32 ones), else none."""
+        import torch
+
+        return torch.autocast(device_type, torch.bfloat16, enabled=self.autocast(device_type))
+
     def to_dict(self) -> dict:
         return asdict(self)

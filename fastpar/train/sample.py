@@ -148,7 +148,7 @@ def print_sample(cfg, chunks, mesh, tokens, say) -> None:
         return
     prompt = [int(t) for t in tokens[:16]]
     n = min(cfg.sample_tokens, chunks[0].config.max_seq_len - len(prompt))
-    with torch.autocast(mesh.device.type, torch.bfloat16, enabled=cfg.autocast(mesh.device.type)):
+    with cfg.train_context(mesh.device.type):
         new = generate(chunks[0], prompt, n, temperature=0.8, top_k=40, seed=cfg.seed)
     if say:
         say(f"fastpar train: sample ({n} tokens after a held-out prompt):\n"

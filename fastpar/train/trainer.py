@@ -1,4 +1,5 @@
-"""The training loop: GPT over any (tp, pp, dp) layout, one function per concern.
+"""The training loop: GPT over any (tp, pp, dp) layout, as setup -> a :class:`Run`, one
+:func:`train_step` per optimizer step, and the evaluation and checkpoint hooks after it.
 
     from fastpar.train import TrainConfig, train
     train(TrainConfig(model="tiny", tp=2, steps=100))     # under torchrun, or one process
@@ -17,8 +18,11 @@ from __future__ import annotations
 import functools
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -26,6 +30,7 @@ import torch.nn as nn
 import fastpar
 from ..context_parallel import shard_sequence
 from ..data_parallel import DataParallel, DistributedOptimizer
+from ..mesh import Mesh
 from ..mesh.profiling import span
 from ..mesh.watchdog import CollectiveTimeoutError, Watchdog
 from ..models import GPT
@@ -149,8 +154,40 @@ def check_resume(cfg: TrainConfig, full: bool = False, say=None) -> Path | None:
     return path
 
 
-def train(cfg: TrainConfig) -> list[dict]:
-    """Run ``cfg`` on this process's rank; returns the per-step metrics (all ranks)."""
+@dataclass
+class Run:
+    """What :func:`setup` builds on one rank: the model chunks, their DataParallel wrapper and
+    optimizer, the pipeline (pp > 1), the data, and the hooks around each step."""
+
+    cfg: TrainConfig
+    mesh: Mesh
+    dp: int
+    chunks: list[GPT]
+    ddp: DataParallel
+    opt: DistributedOptimizer
+    pipe: PipelineExecutor | None
+    sampler: BatchSampler
+    val: np.ndarray | None        # the held-out tokens, read when evaluating
+    held_out: list | None         # the same held-out batches at every evaluation
+    start: int                    # the step a resumed run continues after (0: fresh)
+    resume_from: Path | None
+    watchdog: Watchdog
+    guard: NonFiniteGuard
+    writer: CheckpointWriter
+    metrics: Metrics
+    profiler: StepProfiler
+    fault: faults.Faults | None   # FASTPAR_FAULT's injected faults (tests)
+    say: Callable | None          # print on the first rank, else None
+
+    @property
+    def micro_batches(self) -> int:
+        return self.cfg.num_microbatches(self.cfg.global_batch_size, self.dp)
+
+
+def setup(cfg: TrainConfig) -> Run:
+    """Everything before the first step, on this rank: the output folder and the checkpoint to
+    resume from (checked before any collective), the data, the mesh, the model (its initial,
+    fine-tuning or resumed weights), the optimizer and the hooks."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     dp = cfg.check_layout(world)               # every check before any collective
     say = print if rank == 0 else None
@@ -160,13 +197,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     cfg = prepare_out(cfg, rank, say or (lambda _: None))
     if say:
         say(f"fastpar train: writing to {cfg.out}")
-    tokens = load_tokens(cfg.data)
-    check_length(len(tokens), cfg.seq_len, cfg.data)
-    check_vocab(tokens, cfg.model_config.vocab_size, cfg.model, cfg.data)
-    val = load_tokens(cfg.data, split="val") if cfg.eval_every else None
-    if val is not None:
-        check_length(len(val), cfg.seq_len, f"{cfg.data or 'stdlib corpus'} (validation split)")
-        check_vocab(val, cfg.model_config.vocab_size, cfg.model, cfg.data)
+    tokens = _tokens(cfg, "train")
+    val = _tokens(cfg, "val") if cfg.eval_every else None
     if say and cfg.warmup < cfg.warmup_steps:
         say(f"fastpar train: --warmup-steps {cfg.warmup_steps} is more than half of "
             f"--steps {cfg.steps}: warming up for {cfg.warmup} steps, then decaying")
@@ -182,92 +214,125 @@ def train(cfg: TrainConfig) -> list[dict]:
     if cfg.init_from and resume_from is None:   # fine-tuning: the weights, not the optimizer
         _init_from(cfg.init_from, chunks, mesh, say)
     ddp, opt = _wrap(cfg, chunks, mesh, dp)
-    sampler = BatchSampler(tokens, cfg.seq_len, cfg.global_batch_size, cfg.seed,
-                           mesh.dp_rank, dp)
-    held_out = None         # the same held-out batches at every evaluation
+    held_out = None
     if val is not None:
         vs = BatchSampler(val, cfg.seq_len, cfg.global_batch_size, cfg.seed, mesh.dp_rank, dp)
         held_out = [_cp_shard(vs.batch(k), mesh) for k in range(cfg.eval_batches)]
-    M = cfg.num_microbatches(cfg.global_batch_size, dp)
     pipe = None
     if cfg.pp > 1:
-        sched = build_schedule(cfg.schedule, cfg.pp, M, cfg.virtual_stages)
+        sched = build_schedule(cfg.schedule, cfg.pp, cfg.num_microbatches(
+            cfg.global_batch_size, dp), cfg.virtual_stages)
         pipe = PipelineExecutor(chunks, sched, mesh.pp_group, loss_fn=loss_fn(mesh.tp_group))
-    start = 0
-    if resume_from is not None:
-        start = load_checkpoint(resume_from, chunks, opt, mesh)["data_step"]
-    out = Path(cfg.out)
+    start = 0 if resume_from is None else \
+        load_checkpoint(resume_from, chunks, opt, mesh)["data_step"]
     if mesh.rank == 0:
         write_run_files(cfg, world, dp, fresh=start == 0)
-    mc = cfg.model_config
+    return Run(
+        cfg, mesh, dp, chunks, ddp, opt, pipe,
+        BatchSampler(tokens, cfg.seq_len, cfg.global_batch_size, cfg.seed, mesh.dp_rank, dp),
+        val, held_out, start, resume_from, Watchdog(mesh, cfg.timeout),
+        NonFiniteGuard(cfg.max_skipped_steps, mesh.device, verbose=mesh.rank == 0),
+        CheckpointWriter(Path(cfg.out) / "checkpoints", mesh, cfg.keep_last, cfg.async_save,
+                         cfg.timeout, lambda s: faults.during_save(fault, s, mesh.rank)),
+        Metrics(cfg.out, mesh.rank == 0, cfg.steps, start, cfg.log_every,
+                cfg.peak_tflops * 1e12 if cfg.peak_tflops else None, resume=start > 0,
+                tensorboard=cfg.tensorboard),
+        StepProfiler(cfg.profile_window, cfg.out, mesh.rank), fault, say)
+
+
+def _tokens(cfg: TrainConfig, split: str):
+    """One split of the run's data, checked against the sequence length and the vocabulary."""
+    tokens = load_tokens(cfg.data, split=split)
+    where = cfg.data if split == "train" else f"{cfg.data or 'stdlib corpus'} (validation split)"
+    check_length(len(tokens), cfg.seq_len, where)
+    check_vocab(tokens, cfg.model_config.vocab_size, cfg.model, cfg.data)
+    return tokens
+
+
+def train_step(run: Run, step: int) -> tuple[float, float, bool]:
+    """One optimizer step: the learning rate, forward and backward over the micro-batches
+    (through the pipeline when pp > 1), the loss averaged over the data-parallel ranks,
+    clipping by the global norm, and the optimizer step unless the step is not finite.
+    Returns (loss, lr, whether the optimizer stepped)."""
+    cfg, mesh, wd, opt = run.cfg, run.mesh, run.watchdog, run.opt
+    lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    x, y = _cp_shard(run.sampler.batch(step), mesh)
+    x, y = x.to(mesh.device), y.to(mesh.device)
+    with wd.region(step, "forward and backward", ("tp", "cp", "pp", "dp")), \
+            cfg.train_context(mesh.device.type), span("step", step):
+        loss = forward_backward(run.chunks, run.ddp, run.pipe, x, y, run.micro_batches, mesh)
+    faults.poison(run.fault, step, mesh.rank, loss, run.chunks)
+    with wd.region(step, "the loss all-reduce", ("dp", "cp")):
+        dist.all_reduce(loss, group=mesh.dp_cp_group)
+    loss = loss.item() / (run.dp * cfg.cp)
+    with wd.region(step, "the gradient-norm all-reduce", ("tp", "pp", "dp")), \
+            span("gradient clipping"):
+        norm = _clip(run.chunks, mesh, cfg.grad_clip, opt)
+    with wd.region(step, "the non-finite check", ("world",)):
+        ok = run.guard.check(step, loss, norm)
+    if ok:
+        with wd.region(step, "the optimizer step", ("dp",)), span("optimizer step"):
+            opt.step()          # ZeRO-1 all-gathers the updated shards here
+    opt.zero_grad(set_to_none=True)
+    if run.guard.exhausted:
+        raise run.guard.error(run.writer.wait() or run.resume_from)
+    return loss, lr, ok
+
+
+def evaluate_hook(run: Run, step: int) -> float | None:
+    """The validation loss after ``step`` when it is an evaluation step, else None."""
+    cfg = run.cfg
+    if not run.held_out or (step % cfg.eval_every and step != cfg.steps):
+        return None
+    with run.watchdog.region(step, "the evaluation", ("tp", "cp", "pp", "dp")), \
+            cfg.train_context(run.mesh.device.type), span("evaluation"):
+        return evaluate(run.chunks, run.pipe, run.held_out, run.micro_batches, run.mesh)
+
+
+def checkpoint_hook(run: Run, step: int, record: dict) -> None:
+    """Save after every ``save_every``-th step and the last (unless ``no_save``)."""
+    cfg = run.cfg
+    if cfg.no_save or not ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
+        return
+    with run.watchdog.region(step, "saving the checkpoint"):
+        layout = {"tp": cfg.tp, "pp": cfg.pp, "dp": run.dp, "cp": cfg.cp}
+        run.writer.save(step, run.chunks, run.opt, {
+            "data_step": step, "model_config": cfg.model_config.to_dict(), "layout": layout,
+            "run": record})
+
+
+def train(cfg: TrainConfig) -> list[dict]:
+    """Run ``cfg`` on this process's rank; returns the per-step metrics (all ranks)."""
+    run = setup(cfg)
+    cfg, mesh = run.cfg, run.mesh
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     step_tokens = cfg.global_batch_size * cfg.seq_len
-    flops = mc.train_flops(cfg.seq_len, step_tokens)      # model FLOPs, as MFU counts them
-    metrics = Metrics(cfg.out, mesh.rank == 0, cfg.steps, start, cfg.log_every,
-                      cfg.peak_tflops * 1e12 if cfg.peak_tflops else None, resume=start > 0,
-                      tensorboard=cfg.tensorboard)
-    prof = StepProfiler(cfg.profile_window, cfg.out, mesh.rank)
-    wd = Watchdog(mesh, cfg.timeout)
-    guard = NonFiniteGuard(cfg.max_skipped_steps, mesh.device, verbose=mesh.rank == 0)
-    writer = CheckpointWriter(out / "checkpoints", mesh, cfg.keep_last, cfg.async_save,
-                              cfg.timeout, lambda s: faults.during_save(fault, s, mesh.rank))
+    flops = cfg.model_config.train_flops(cfg.seq_len, step_tokens)  # model FLOPs, as MFU counts
     record = run_record(cfg)            # what every checkpoint says the run depends on
     rows = []
-    for step in range(start + 1, cfg.steps + 1):
-        faults.before_step(fault, step, mesh.rank)
-        prof.before(step, first=step == start + 1)
+    for step in range(run.start + 1, cfg.steps + 1):
+        faults.before_step(run.fault, step, mesh.rank)
+        run.profiler.before(step, first=step == run.start + 1)
         t0 = time.perf_counter()
-        lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        x, y = _cp_shard(sampler.batch(step), mesh)
-        x, y = x.to(mesh.device), y.to(mesh.device)
-        # bf16 parameters or autocast over fp32 ones (by default on GPU; on CPU if asked).
-        with wd.region(step, "forward and backward", ("tp", "cp", "pp", "dp")), \
-                torch.autocast(mesh.device.type, torch.bfloat16,
-                               enabled=cfg.autocast(mesh.device.type)), span("step", step):
-            loss = forward_backward(chunks, ddp, pipe, x, y, M, mesh)
-        faults.poison(fault, step, mesh.rank, loss, chunks)
-        with wd.region(step, "the loss all-reduce", ("dp", "cp")):
-            dist.all_reduce(loss, group=mesh.dp_cp_group)
-        loss = loss.item() / (dp * cfg.cp)
-        with wd.region(step, "the gradient-norm all-reduce", ("tp", "pp", "dp")), \
-                span("gradient clipping"):
-            norm = _clip(chunks, mesh, cfg.grad_clip, opt)
-        with wd.region(step, "the non-finite check", ("world",)):
-            ok = guard.check(step, loss, norm)
-        if ok:
-            with wd.region(step, "the optimizer step", ("dp",)), span("optimizer step"):
-                opt.step()          # ZeRO-1 all-gathers the updated shards here
-        opt.zero_grad(set_to_none=True)
-        if guard.exhausted:
-            raise guard.error(writer.wait() or resume_from)
+        loss, lr, ok = train_step(run, step)
         step_time = time.perf_counter() - t0    # the evaluation is not part of the step
-        val_loss = None
-        if held_out and (step % cfg.eval_every == 0 or step == cfg.steps):
-            with wd.region(step, "the evaluation", ("tp", "cp", "pp", "dp")), \
-                    torch.autocast(mesh.device.type, torch.bfloat16,
-                                   enabled=cfg.autocast(mesh.device.type)), span("evaluation"):
-                val_loss = evaluate(chunks, pipe, held_out, M, mesh)
-        rows.append(metrics.log(step, loss, lr, step_tokens, step_time, flops, world,
-                                skipped=not ok, val_loss=val_loss))
-        if not cfg.no_save and ((cfg.save_every and step % cfg.save_every == 0)
-                                or step == cfg.steps):
-            with wd.region(step, "saving the checkpoint"):
-                layout = {"tp": cfg.tp, "pp": cfg.pp, "dp": dp, "cp": cfg.cp}
-                writer.save(step, chunks, opt, {"data_step": step, "model_config": mc.to_dict(),
-                                                "layout": layout, "run": record})
-        traced = prof.after(step)
-        if traced is not None and say:
-            say(f"fastpar train: profiled steps {cfg.profile_steps}: {traced.parent}/rank*.json "
-                "(open in https://ui.perfetto.dev)")
-        faults.after_step(fault, step, mesh.rank)
-    with wd.region(cfg.steps, "writing the last checkpoint"):
-        writer.wait()
-    metrics.close()
-    if cfg.sample_tokens and start < cfg.steps:
-        with wd.region(cfg.steps, "the sample after training", ("tp",)):
-            print_sample(cfg, chunks, mesh, load_tokens(cfg.data, split="val") if val is None
-                         else val, say)
+        rows.append(run.metrics.log(step, loss, lr, step_tokens, step_time, flops, world,
+                                    skipped=not ok, val_loss=evaluate_hook(run, step)))
+        checkpoint_hook(run, step, record)
+        traced = run.profiler.after(step)
+        if traced is not None and run.say:
+            run.say(f"fastpar train: profiled steps {cfg.profile_steps}: {traced.parent}/"
+                    "rank*.json (open in https://ui.perfetto.dev)")
+        faults.after_step(run.fault, step, mesh.rank)
+    with run.watchdog.region(cfg.steps, "writing the last checkpoint"):
+        run.writer.wait()
+    run.metrics.close()
+    if cfg.sample_tokens and run.start < cfg.steps:
+        with run.watchdog.region(cfg.steps, "the sample after training", ("tp",)):
+            print_sample(cfg, run.chunks, mesh, load_tokens(cfg.data, split="val")
+                         if run.val is None else run.val, run.say)
     return rows
 
 
