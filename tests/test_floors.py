@@ -1,6 +1,6 @@
-"""The house's floors (DESIGN.md): each part of the package imports only from the floors below
-it, and the parallelisms (floor 3) not from each other, so each is usable alone. Every
-import counts, also one inside a function."""
+"""The floors (README, "Dive into the code"): each part of the package imports only from the
+floors below it, and the parallelisms (floor 3) not from each other, so each is usable alone.
+Every import counts, also one inside a function."""
 import ast
 from pathlib import Path
 

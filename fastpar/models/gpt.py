@@ -164,9 +164,7 @@ class GPT(nn.Module):
         z = self.logits(x)
         if targets is None:
             return z
-        loss = vocab_parallel_cross_entropy(z, targets, tp_group=self.tp_group)   # (B, S)
-        valid = (targets != -100).sum().clamp(min=1)
-        return loss.sum() / valid
+        return token_loss(z, targets, self.tp_group)
 
     def _positions(self, local_len: int) -> torch.Tensor:
         """The true positions of this CP rank's ``local_len`` tokens of each sequence."""
@@ -187,3 +185,10 @@ class GPT(nn.Module):
             x = layer(x, rope, kv=cache.layers[name])
         cache.advance(S)
         return self.logits(x) if self.post_process else x
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """The model's loss, for every layout (the pipeline's last stage too): the mean
+    cross-entropy over the targets that are not ignored (-100), from vocabulary-sharded logits."""
+    loss = vocab_parallel_cross_entropy(logits, targets, tp_group=tp_group)   # (B, S)
+    return loss.sum() / (targets != -100).sum().clamp(min=1)

@@ -129,7 +129,10 @@ class TrainConfig(ParallelConfig):
         if self.init_from and self.vocab_size is not None:
             raise ValueError(f"--vocab-size={self.vocab_size} contradicts --init-from: the "
                              "model's vocabulary is that of the weights it starts from")
-        base = source_config(self.init_from) if self.init_from else get_config(self.model)
+        try:
+            base = source_config(self.init_from) if self.init_from else get_config(self.model)
+        except ValueError as e:
+            raise ValueError(f"--init-from: {e}" if self.init_from else str(e)) from None
         if self.vocab_size is not None:
             require_positive({"vocab_size": self.vocab_size}, flags=True)
             base = base.replace(vocab_size=self.vocab_size)

@@ -9,19 +9,19 @@ over the global batch.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from ..data_parallel import DataParallel
 from ..mesh.profiling import span
-from ..tensor_parallel import vocab_parallel_cross_entropy
+from ..models.gpt import token_loss
 
 
 def loss_fn(tp_group):
-    """The pipeline's loss: mean cross-entropy over a micro-batch's (vocabulary-sharded) logits."""
-    def loss(logits, targets):
-        return vocab_parallel_cross_entropy(logits, targets, tp_group=tp_group).mean()
-    return loss
+    """The pipeline's loss: the model's own (:func:`fastpar.models.gpt.token_loss`)."""
+    return functools.partial(token_loss, tp_group=tp_group)
 
 
 def forward_backward(chunks, ddp, pipe, x, y, M: int, mesh, overlap: bool = True) -> torch.Tensor:

@@ -337,7 +337,7 @@ def train(cfg: TrainConfig) -> list[dict]:
 
 
 def _set_deterministic(on: bool) -> None:
-    """Deterministic kernels on GPU (see the README's determinism section); CPU always is."""
+    """Deterministic kernels on GPU (see docs/training.md, Determinism); CPU always is."""
     if not on or not torch.cuda.is_available():
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")     # before cuBLAS starts
