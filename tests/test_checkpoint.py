@@ -8,7 +8,8 @@ import torch.distributed as dist
 import fastpar
 from fastpar.models import GPT, GPTConfig
 from fastpar.testing import run_ranks
-from fastpar.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fastpar.train.checkpoint import latest_checkpoint, load_checkpoint
+from fastpar.train.checkpoint_writer import save_checkpoint
 
 CFG = dict(vocab_size=64, n_layers=2, d_model=32, n_heads=4, max_seq_len=8, pad_vocab_to=64)
 

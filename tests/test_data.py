@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 
 from fastpar.train import ByteTokenizer as ExportedByteTokenizer
-from fastpar.train.data import (VAL_FRACTION, BatchSampler, ByteTokenizer, check_data, data_vocab,
-                                 load_tokens, write_token_file)
+from fastpar.train.data import (VAL_FRACTION, BatchSampler, check_data, data_vocab, load_tokens,
+                                 write_token_file)
+from fastpar.train.tokenizer import ByteTokenizer
 from fastpar.train.tokenizer import ByteTokenizer as TheByteTokenizer
 
 

@@ -60,3 +60,54 @@ def test_every_import_goes_down_a_floor():
                 wrong.append(f"fastpar/{rel}:{line} ({mine}, floor {FLOORS[mine]}) imports "
                              f"{module} ({other}, floor {FLOORS[other]})")
     assert not wrong, "\n".join(wrong)
+
+
+def _module_of(name: str, modules: set[str]) -> str | None:
+    """The fastpar module (a file) an imported dotted name lies in: the longest prefix that is
+    one (``fastpar.train.data.load_tokens`` -> ``fastpar.train.data``)."""
+    parts = name.split(".")
+    for n in range(len(parts), 1, -1):
+        if ".".join(parts[:n]) in modules:
+            return ".".join(parts[:n])
+    return None
+
+
+def test_no_import_cycle_between_modules():
+    """No two modules import each other, directly or round a loop, not even through an import
+    inside a function (a package's ``__init__`` re-exporting its modules aside)."""
+    files = {("fastpar." + ".".join(rel.with_suffix("").parts)).removesuffix(".__init__"):
+             (rel, path) for rel, path in _files()}
+    graph = {}
+    for mod, (rel, path) in files.items():
+        if rel.name == "__init__.py":
+            continue
+        graph[mod] = {m for _, name in _imports(rel, path)
+                      if (m := _module_of(name, set(files))) and m != mod
+                      and files[m][0].name != "__init__.py"}
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def visit(v):               # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, "modules that import each other: " + "; ".join(map(str, cycles))

@@ -9,8 +9,8 @@ from fastpar.models import GPT, GPTConfig
 from fastpar.testing import RankError, run_ranks
 from fastpar.train import TrainConfig
 from fastpar.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, \
-    read_manifest, save_checkpoint, verify_checkpoint
-from fastpar.train.checkpoint_writer import CheckpointWriter
+    read_manifest, verify_checkpoint
+from fastpar.train.checkpoint_writer import CheckpointWriter, save_checkpoint
 
 CFG = dict(vocab_size=64, n_layers=2, d_model=32, n_heads=4, max_seq_len=8, pad_vocab_to=64)
 

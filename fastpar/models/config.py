@@ -77,15 +77,21 @@ class GPTConfig:
             if value % tp:
                 raise ValueError(f"GPTConfig: {name}={value} is not divisible by tp={tp}")
 
-    def num_params(self) -> int:
-        """Parameters of the full model (padded vocabulary), for FLOP and memory estimates."""
+    def layer_params(self) -> int:
+        """Parameters of one Transformer block (all TP ranks; weights of the projections and
+        the MLP, and the two norms' scales)."""
         d, f, hd = self.d_model, self.ffn_dim, self.head_dim
         attn = d * (self.n_heads * hd) * 2 + d * (self.kv_heads * hd) * 2
         mlp = d * f * (3 if self.activation == "swiglu" else 2)
-        layer = attn + mlp + 2 * d
+        return attn + mlp + 2 * d
+
+    def num_params(self) -> int:
+        """Parameters of the full model (padded vocabulary), for FLOP and memory estimates."""
+        d = self.d_model
         emb = self.padded_vocab * d
         pos = 0 if self.rotary else self.max_seq_len * d
-        return self.n_layers * layer + emb * (1 if self.tie_embeddings else 2) + pos + d
+        return self.n_layers * self.layer_params() + emb * (1 if self.tie_embeddings else 2) \
+            + pos + d
 
     def layer_flops(self, seq_len: int, tokens: int = 1) -> dict[str, float]:
         """Forward FLOPs of one layer for ``tokens`` tokens of ``seq_len``-long sequences, by

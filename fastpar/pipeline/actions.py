@@ -11,16 +11,26 @@ gradient when the schedule also has ``W``), ``W`` the deferred weight gradient. 
 it. Consecutive communication actions on a rank form one batch, posted together with
 ``batch_isend_irecv``. A send's ``chunk`` is the sender's chunk; a receive's is the receiver's.
 
-Every :class:`Schedule` is checked in ``__post_init__`` (see :mod:`.validate`): each micro-batch's
+Every :class:`Schedule` is checked in ``__post_init__`` (:func:`validate`): each micro-batch's
 F precedes its B precedes its W on every chunk, every stage receives what it consumes and sends what
 it produces, sends and receives pair up across ranks in the same order, and the schedule cannot
 deadlock even if every batch blocks its rank until all of its sends and receives have met their
 peers (the strictest p2p model; gloo's and NCCL's async p2p are looser). The peak number of live
 activations per rank comes out of the same pass.
+
+The checks (:func:`validate`) return ``(split_backward, peak_activations)`` or raise
+``ScheduleError`` naming the rank, the action and what is wrong. The deadlock check runs the comm
+batches under the strictest model: a rank that reaches a batch of sends and receives stays there
+until every one of them has met its peer, and its peer's op counts as posted once the peer has
+reached that op's batch. If the schedule finishes under that model it finishes under any looser
+one (async sends, early receives).
 """
 from __future__ import annotations
 
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+
+from ..mesh.layout import require_positive
 
 KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 COMPUTE_KINDS = ("F", "B", "W")
@@ -64,8 +74,6 @@ class Schedule:
     peak_activations: tuple = field(init=False)     # per rank: most micro-batch chunks alive
 
     def __post_init__(self):
-        from .validate import validate
-
         object.__setattr__(self, "actions", tuple(tuple(a) for a in self.actions))
         split, peaks = validate(self)
         object.__setattr__(self, "split_backward", split)
@@ -107,3 +115,180 @@ class Schedule:
         """The compute order of every rank, one line each (communication left out)."""
         return "\n".join(f"rank {r}: " + " ".join(map(repr, self.compute(r)))
                          for r in range(self.pp_size))
+
+
+_PRODUCES = {"F": "SEND_F", "B": "SEND_B"}     # what a compute action sends after it
+_NEEDS = {"F": "RECV_F", "B": "RECV_B"}        # what it must have received before it
+
+
+def validate(s) -> tuple[bool, list[int]]:
+    _check_shape(s)
+    split = _check_compute(s)
+    _check_dataflow(s)
+    _check_channels(s)
+    _check_deadlock(s)
+    return split, _peaks(s, split)
+
+
+def _check_shape(s) -> None:
+    require_positive({k: getattr(s, k) for k in ("pp_size", "num_microbatches",
+                                                 "virtual_stages")}, error=ScheduleError)
+    if len(s.actions) != s.pp_size:
+        raise ScheduleError(f"schedule {s.name!r} has action lists for {len(s.actions)} ranks, "
+                            f"pp_size={s.pp_size}")
+    for rank, acts in enumerate(s.actions):
+        for i, a in enumerate(acts):
+            if not isinstance(a, Action) or a.kind not in KINDS:
+                raise ScheduleError(f"rank {rank} action {i}: {a!r} is not an Action with a kind "
+                                    f"in {KINDS}")
+            if not (0 <= a.microbatch < s.num_microbatches and 0 <= a.chunk < s.virtual_stages):
+                raise ScheduleError(f"rank {rank} action {i} {a!r}: micro-batch {a.microbatch} "
+                                    f"or chunk {a.chunk} out of range (num_microbatches="
+                                    f"{s.num_microbatches}, virtual_stages={s.virtual_stages})")
+
+
+def _check_compute(s) -> bool:
+    """Each (micro-batch, chunk) runs F, B (and W) exactly once each, in that order; or only F
+    on every rank (a forward-only schedule, for evaluation)."""
+    kinds = {a.kind for acts in s.actions for a in acts if a.is_compute}
+    split = "W" in kinds
+    expected = ("F", "B", "W") if split else ("F", "B") if "B" in kinds else ("F",)
+    for rank, acts in enumerate(s.actions):
+        seen = defaultdict(list)
+        for a in acts:
+            if a.is_compute:
+                seen[(a.microbatch, a.chunk)].append(a.kind)
+        for m in range(s.num_microbatches):
+            for c in range(s.virtual_stages):
+                got = tuple(seen.get((m, c), ()))
+                if got != expected:
+                    raise ScheduleError(
+                        f"rank {rank}, micro-batch {m}, chunk {c}: compute actions in order "
+                        f"{list(got)}, expected {list(expected)}"
+                        + (" (W appears on some ranks, so every B needs its W)" if split else ""))
+    return split
+
+
+def _check_dataflow(s) -> None:
+    """Every stage receives its input before F / its output gradient before B, and sends after."""
+    last = s.num_stages - 1
+    for rank, acts in enumerate(s.actions):
+        done: set = set()
+        counts = Counter((a.kind, a.microbatch, a.chunk) for a in acts if not a.is_compute)
+        for key, n in counts.items():
+            if n > 1:
+                raise ScheduleError(f"rank {rank}: {Action(*key)!r} appears {n} times")
+        for i, a in enumerate(acts):
+            stage = s.stage_index(rank, a.chunk)
+            key = (a.microbatch, a.chunk)
+            if a.kind in _NEEDS:
+                boundary = stage > 0 if a.kind == "F" else stage < last
+                if boundary and (_NEEDS[a.kind], *key) not in done:
+                    raise ScheduleError(f"rank {rank} action {i} {a!r} (stage {stage}) runs "
+                                        f"before its {_NEEDS[a.kind]}{a.microbatch}")
+            elif not a.is_compute:
+                fwd = a.kind.endswith("F")
+                boundary = {"SEND_F": stage < last, "RECV_F": stage > 0,
+                            "SEND_B": stage > 0, "RECV_B": stage < last}[a.kind]
+                if not boundary:
+                    raise ScheduleError(f"rank {rank} action {i} {a!r}: stage {stage} of "
+                                        f"{s.num_stages} has no such neighbour")
+                if a.kind.startswith("SEND") and ("F" if fwd else "B", *key) not in done:
+                    raise ScheduleError(f"rank {rank} action {i} {a!r} sends before "
+                                        f"{'F' if fwd else 'B'}{a.microbatch} computed it")
+            done.add((a.kind, *key))
+        for a in acts:
+            if a.kind in _PRODUCES:
+                stage = s.stage_index(rank, a.chunk)
+                boundary = stage < last if a.kind == "F" else stage > 0
+                if boundary and (_PRODUCES[a.kind], a.microbatch, a.chunk) not in done:
+                    raise ScheduleError(f"rank {rank}: {a!r} (stage {stage}) is never followed "
+                                        f"by its {_PRODUCES[a.kind]}")
+
+
+def _check_channels(s) -> None:
+    """Between any two ranks, messages are received in the order they are sent."""
+    sent, received = defaultdict(list), defaultdict(list)
+    for rank, acts in enumerate(s.actions):
+        for a in acts:
+            if a.kind.startswith("SEND"):
+                sent[(rank, s.peer(rank, a))].append(s.message(rank, a))
+            elif a.kind.startswith("RECV"):
+                received[(s.peer(rank, a), rank)].append(s.message(rank, a))
+    for pair in sorted(set(sent) | set(received)):
+        a, b = sent.get(pair, []), received.get(pair, [])
+        if a != b:
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            raise ScheduleError(
+                f"rank {pair[0]} -> rank {pair[1]}: message {i} sent is "
+                f"{_fmt(a[i]) if i < len(a) else 'nothing'} but received as "
+                f"{_fmt(b[i]) if i < len(b) else 'nothing'} ({len(a)} sent, {len(b)} received)")
+
+
+def _fmt(msg) -> str:
+    kind, m, stage = msg
+    return (f"activation of micro-batch {m} into stage {stage}" if kind == "F"
+            else f"gradient of micro-batch {m} out of stage {stage}")
+
+
+def _steps(acts) -> list[list[Action]]:
+    """A rank's list as steps: each compute action alone, each run of comm actions as a batch."""
+    steps: list[list[Action]] = []
+    for a in acts:
+        if not a.is_compute and steps and not steps[-1][0].is_compute:
+            steps[-1].append(a)
+        else:
+            steps.append([a])
+    return steps
+
+
+def _check_deadlock(s) -> None:
+    steps = [_steps(acts) for acts in s.actions]
+    where = {}                                  # (rank, message) -> index of the step that has it
+    for rank, rank_steps in enumerate(steps):
+        for i, step in enumerate(rank_steps):
+            for a in step:
+                if not a.is_compute:
+                    where[(rank, a.kind[:4], s.message(rank, a))] = i
+    pos = [0] * s.pp_size
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(s.pp_size):
+            while pos[rank] < len(steps[rank]) and _ready(s, rank, steps, pos, where):
+                pos[rank] += 1
+                progress = True
+    stuck = [r for r in range(s.pp_size) if pos[r] < len(steps[r])]
+    if stuck:
+        lines = [f"rank {r} waits at {steps[r][pos[r]]} (step {pos[r]})" for r in stuck]
+        raise ScheduleError(f"schedule {s.name!r} deadlocks: " + "; ".join(lines))
+
+
+def _ready(s, rank, steps, pos, where) -> bool:
+    """Can ``rank`` finish its current step: is every op's peer op posted?"""
+    step = steps[rank][pos[rank]]
+    if step[0].is_compute:
+        return True
+    for a in step:
+        peer = s.peer(rank, a)
+        other = "RECV" if a.kind.startswith("SEND") else "SEND"
+        j = where.get((peer, other, s.message(rank, a)))
+        if j is None or pos[peer] < j:
+            return False
+    return True
+
+
+def _peaks(s, split: bool) -> list[int]:
+    """Per rank, the most (micro-batch, chunk) pairs whose F has run and whose backward has not
+    finished (B, or W when the schedule splits it off)."""
+    peaks = []
+    for acts in s.actions:
+        live = peak = 0
+        for a in acts:
+            if a.kind == "F":
+                live += 1
+                peak = max(peak, live)
+            elif a.kind == ("W" if split else "B"):
+                live -= 1
+        peaks.append(peak)
+    return peaks

@@ -379,14 +379,6 @@ def exposed(comm: float, compute: float, chunks: int) -> float:
     return max(0.0, comm - compute) + min(comm, compute) / max(chunks, 1)
 
 
-def layer_params(model: GPTConfig) -> int:
-    """Parameters of one Transformer block (all TP ranks)."""
-    d, f, hd = model.d_model, model.ffn_dim, model.head_dim
-    attn = d * model.n_heads * hd * 2 + d * model.kv_heads * hd * 2
-    mlp = d * f * (3 if model.activation == "swiglu" else 2)
-    return attn + mlp + 2 * d
-
-
 # Bytes per element of the torch reference ops' arithmetic (what fastpar runs off CUDA): they
 # compute in torch.promote_types(x.dtype, float32), fp32 for bf16 and fp32 activations alike
 # (fastpar/kernels/rms_norm.py, layer_norm.py, swiglu.py, bias_gelu.py: ``*_reference``).

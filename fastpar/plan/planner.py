@@ -202,7 +202,7 @@ def _memory(work, cluster, cfg, feat, ranges, peaks) -> dict:
     best = None
     for rank in range(pp):
         mine = [s for s in range(len(ranges)) if s % pp == rank]
-        params = sum(len(ranges[s]) for s in mine) * cost.layer_params(m) / t
+        params = sum(len(ranges[s]) for s in mine) * m.layer_params() / t
         acts = peaks[rank] * max(len(ranges[s]) for s in mine) * per_layer
         if cfg.recompute == "full":
             acts += full                           # one layer's activations while it recomputes

@@ -1,5 +1,6 @@
 """The trainer, its data, checkpoints and metrics."""
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint
+from .checkpoint_writer import save_checkpoint
 from .config import TrainConfig
 from .data import BatchSampler, check_data, data_vocab, load_tokens, write_token_file
 from .tokenizer import ByteTokenizer, load_tokenizer, tokenizer_for_data

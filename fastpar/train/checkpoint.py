@@ -68,7 +68,7 @@ def shard_specs(modules: list[nn.Module], tp_size: int, tp_rank: int) -> dict:
     return out
 
 
-def _per_param(optimizer):
+def per_param(optimizer):
     """The optimizer whose state is saved per parameter (loadable into any layout), or None:
     a sharded (ZeRO-1) optimizer saves its shard per rank instead."""
     return None if optimizer is None or getattr(optimizer, "shard", False) else optimizer
@@ -98,9 +98,9 @@ def snapshot(modules, optimizer, mesh, rank_tensors: dict | None = None,
     rank = mesh.rank if mesh is not None else 0
     tp, pp, dp = (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank) if mesh else (0, 0, 0)
     dp += mesh.cp_rank if mesh else 0       # CP ranks hold the same weights as cp rank 0
-    if optimizer is not None and _per_param(optimizer) is None:
+    if optimizer is not None and per_param(optimizer) is None:
         rank_tensors = {**(rank_tensors or {}), **optimizer.shard_tensors()}
-    optimizer = _per_param(optimizer)
+    optimizer = per_param(optimizer)
     files: dict[str, dict | str] = {}
     if dp == 0:     # the first data-parallel replica writes the (tp, pp) shards
         tensors, index = {}, {}
@@ -124,15 +124,6 @@ def snapshot(modules, optimizer, mesh, rank_tensors: dict | None = None,
     if rank_tensors:
         files[f"rank{rank}.safetensors"] = {k: cpu(v) for k, v in rank_tensors.items()}
     return files
-
-
-def save_checkpoint(root, step: int, modules, optimizer, mesh, manifest: dict,
-                    rank_tensors: dict | None = None) -> Path:
-    """Write ``root/step_{step}`` now (see the module docstring); every rank calls it.
-    ``rank_tensors``: this rank's own tensors (e.g. a ZeRO optimizer shard), kept per rank."""
-    from .checkpoint_writer import CheckpointWriter
-
-    return CheckpointWriter(root, mesh).save(step, modules, optimizer, manifest, rank_tensors)
 
 
 def file_digest(path: Path) -> dict:
@@ -321,7 +312,7 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
     verify = Verifier(path, manifest)
     index = _read_indexes(path, verify)
     specs = shard_specs(modules, mesh.tp_size if mesh else 1, mesh.tp_rank if mesh else 0)
-    sharded, optimizer = optimizer, _per_param(optimizer)
+    sharded, optimizer = optimizer, per_param(optimizer)
     with torch.no_grad():
         for name, (t, shape, dim, start, stop, base, rows) in specs.items():
             weight = _read_slice(path, index, name, shape, dim, start, stop, verify)

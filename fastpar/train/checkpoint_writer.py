@@ -24,7 +24,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from ..mesh.watchdog import CollectiveTimeoutError, default_store, run_prefix
-from .checkpoint import _per_param, complete_checkpoints, file_digest, snapshot
+from .checkpoint import per_param, complete_checkpoints, file_digest, snapshot
 
 
 class CheckpointWriter:
@@ -57,7 +57,7 @@ class CheckpointWriter:
         key = self._key()
         # zero1: the optimizer state is in per-rank files (loadable into this layout only).
         manifest = dict(manifest, step=step,
-                        zero1=optimizer is not None and _per_param(optimizer) is None)
+                        zero1=optimizer is not None and per_param(optimizer) is None)
         if self.async_save:
             self._thread = threading.Thread(target=self._run, args=(step, files, manifest, key),
                                             name=f"fastpar-save-{step}", daemon=True)
@@ -148,3 +148,10 @@ class CheckpointWriter:
             for old in complete_checkpoints(self.root)[:-self.keep_last]:
                 if old != final:
                     shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(root, step: int, modules, optimizer, mesh, manifest: dict,
+                    rank_tensors: dict | None = None) -> Path:
+    """Write ``root/step_{step}`` now (see :mod:`.checkpoint`); every rank calls it.
+    ``rank_tensors``: this rank's own tensors (e.g. a ZeRO optimizer shard), kept per rank."""
+    return CheckpointWriter(root, mesh).save(step, modules, optimizer, manifest, rank_tensors)

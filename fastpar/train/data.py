@@ -30,11 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .token_file import (MAGIC, TokenFileWriter, TokenHeader, check_token_file,  # noqa: F401
-                         looks_like_token_file, read_header, read_token_file,    # (re-exported)
-                         token_dtype, write_token_file)
-from .tokenizer import TOKENIZER_FILE
-from .tokenizer import ByteTokenizer  # noqa: F401 - re-exported: fastpar.train.data.ByteTokenizer
+from .token_file import (MAGIC, TOKENIZER_FILE, TokenFileWriter,  # noqa: F401 (re-exported)
+                         TokenHeader, check_token_file, looks_like_token_file, read_header,
+                         read_token_file, token_dtype, write_token_file)
 
 DEFAULT_MAX_BYTES = 8 * 2**20   # of the stdlib corpus: plenty for the tiny model, quick to read
 VAL_FRACTION = 0.05             # of a raw source's tokens, at its end: the "val" split

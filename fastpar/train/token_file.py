@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = b"FPTOKENS"
+TOKENIZER_FILE = "tokenizer.json"    # beside the token files of a prepared folder
 FORMAT_VERSION = 1
 HEADER_BYTES = 64
 _HEADER = struct.Struct("<8sIIQQQ")     # magic, version, token bytes, vocab, tokens, documents

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-TOKENIZER_FILE = "tokenizer.json"
+from .token_file import TOKENIZER_FILE
+
 # End-of-text tokens of common tokenizers, tried in order when tokenizer_config.json names none.
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 
