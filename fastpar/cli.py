@@ -98,7 +98,7 @@ def _main(argv: list[str] | None) -> int:
     import json
 
     from .plan.cli import add_plan, run_plan
-    from .train.prepare import add_prepare, run_prepare
+    from .data.prepare import add_prepare, run_prepare
     from .train.sample import add_generate, run_generate
 
     parser = argparse.ArgumentParser(prog="fastpar", description=__doc__.splitlines()[0])
@@ -155,66 +155,22 @@ def _main(argv: list[str] | None) -> int:
 
 def _add_train(sub) -> None:
     import argparse
-    import dataclasses
-    import typing
 
     from .train.config import TrainConfig
+    from .train.flags import add_flags, field_help, resume_arg
 
     p = sub.add_parser("train", help="train a GPT with any mix of TP, PP and DP",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Train a GPT. Without torchrun it starts its own ranks "
                                    "(--nproc, default tp*cp*pp*dp) and restarts failed ones.")
-    # One flag per TrainConfig field: its type from the annotation, its help from the comment
-    # after the field in the class body.
-    hints, helps, defaults = typing.get_type_hints(TrainConfig), _field_help(TrainConfig), \
-        TrainConfig()
-    for f in dataclasses.fields(TrainConfig):
-        name, value, flag = f.name, getattr(defaults, f.name), "--" + f.name.replace("_", "-")
-        kind = [t for t in typing.get_args(hints[name]) if t is not type(None)] or [hints[name]]
-        text = helps.get(name, "").replace("%", "%%")
-        if name == "resume":
-            p.add_argument(flag, nargs="?", const=True, default=False, type=_resume_arg,
-                           metavar="auto", help=text)
-        elif kind == [bool]:
-            p.add_argument(flag, action="store_true", default=value, help=text)
-        else:
-            p.add_argument(flag, type=kind[0], default=value, help=text)
+    add_flags(p, TrainConfig, skip=("resume",))        # one flag per TrainConfig field
+    p.add_argument("--resume", nargs="?", const=True, default=False, type=resume_arg,
+                   metavar="auto", help=field_help(TrainConfig)["resume"])
     p.add_argument("--nproc", type=int, default=None,
                    help="ranks to start on this machine (default tp*cp*pp*dp, dp=2 if not "
                         "given)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart failed workers this many times, resuming from the checkpoint")
-
-
-def _field_help(cls) -> dict[str, str]:
-    """Each dataclass field's trailing comment in its class body, with the comment-only lines
-    that continue it, for the classes ``cls`` is built from."""
-    import dataclasses
-    import inspect
-    import re
-
-    names, out = {f.name for f in dataclasses.fields(cls)}, {}
-    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
-        last = None
-        for line in inspect.getsource(klass).splitlines():
-            field_line = re.match(r"\s+(\w+): [^#]*?(?:#\s*(.*))?$", line)
-            more = re.match(r"\s+#\s*(.*)$", line)
-            if field_line and field_line.group(1) in names:
-                last = field_line.group(1)
-                out[last] = field_line.group(2) or ""
-            elif more and last:
-                out[last] += " " + more.group(1)
-            else:
-                last = None
-    return out
-
-
-def _resume_arg(value: str):
-    import argparse
-
-    if value != "auto":
-        raise argparse.ArgumentTypeError(f"--resume takes no value or 'auto', not {value!r}")
-    return value
 
 
 def _train(args) -> int:

@@ -3,10 +3,10 @@ import numpy as np
 import pytest
 
 from fastpar.train import ByteTokenizer as ExportedByteTokenizer
-from fastpar.train.data import (VAL_FRACTION, BatchSampler, check_data, data_vocab, load_tokens,
+from fastpar.data.sources import (VAL_FRACTION, BatchSampler, check_data, data_vocab, load_tokens,
                                  write_token_file)
-from fastpar.train.tokenizer import ByteTokenizer
-from fastpar.train.tokenizer import ByteTokenizer as TheByteTokenizer
+from fastpar.data.tokenizer import ByteTokenizer
+from fastpar.data.tokenizer import ByteTokenizer as TheByteTokenizer
 
 
 def test_sources(tmp_path):

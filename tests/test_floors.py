@@ -10,7 +10,7 @@ ROOT = Path(fastpar.__file__).resolve().parent
 FLOORS = {"kernels": 1, "extension": 1, "_C": 1, "mesh": 2, "split_backward": 2,
           "tensor_parallel": 3, "data_parallel": 3, "pipeline": 3, "context_parallel": 3,
           "models": 4,
-          "train": 5, "plan": 5, "cli": 5, "__main__": 5}
+          "data": 5, "train": 5, "plan": 5, "cli": 5, "__main__": 5}
 PARALLELISMS = {"tensor_parallel", "data_parallel", "pipeline", "context_parallel"}
 
 
@@ -64,7 +64,7 @@ def test_every_import_goes_down_a_floor():
 
 def _module_of(name: str, modules: set[str]) -> str | None:
     """The fastpar module (a file) an imported dotted name lies in: the longest prefix that is
-    one (``fastpar.train.data.load_tokens`` -> ``fastpar.train.data``)."""
+    one (``fastpar.data.sources.load_tokens`` -> ``fastpar.data.sources``)."""
     parts = name.split(".")
     for n in range(len(parts), 1, -1):
         if ".".join(parts[:n]) in modules:

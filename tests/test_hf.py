@@ -152,7 +152,7 @@ FINE_TUNE = dict(seq_len=32, global_batch_size=4, micro_batch_size=2, steps=2, w
 def test_init_from_a_hugging_face_directory_starts_at_its_loss(tmp_path, world, layout):
     import torch.nn.functional as F
 
-    from fastpar.train.data import BatchSampler, load_tokens
+    from fastpar.data.sources import BatchSampler, load_tokens
 
     ref = _save("llama", tmp_path / "hf")
     losses = run_ranks(_train, world, dict(FINE_TUNE, init_from=str(tmp_path / "hf"),

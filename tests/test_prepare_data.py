@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from fastpar.cli import main
-from fastpar.train.data import (check_data, data_vocab, load_tokens, read_header, read_token_file,
+from fastpar.data.sources import (check_data, data_vocab, load_tokens, read_header, read_token_file,
                                 write_token_file)
-from fastpar.train.prepare import prepare_data
-from fastpar.train.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_for_data
+from fastpar.data.prepare import prepare_data
+from fastpar.data.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_for_data
 
 WORDS = ["the", "quick", "brown", "fox", "héllo", "wörld", "naïve", "日本語", "🎉", "\t", "  ",
          "\n", "\r\n", "x<|endoftext|>y", "3.14", "don't", "—"]

@@ -12,11 +12,11 @@ import time
 import numpy as np
 import pytest
 
-from fastpar.train.data import (check_data, data_vocab, describe_data, load_tokens, read_header,
+from fastpar.data.sources import (check_data, data_vocab, describe_data, load_tokens, read_header,
                                 write_token_file)
-from fastpar.train.prepare import prepare_data
-from fastpar.train.token_file import HEADER_BYTES, MAGIC
-from fastpar.train.tokenizer import tokenizer_for_data
+from fastpar.data.prepare import prepare_data
+from fastpar.data.token_file import HEADER_BYTES, MAGIC
+from fastpar.data.tokenizer import tokenizer_for_data
 
 N_TOKENS, STARTS = 300, (0, 40, 100)          # the good file: 3 documents, vocabulary 1000
 

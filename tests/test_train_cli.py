@@ -168,10 +168,10 @@ def test_every_train_flag_has_the_help_of_its_config_field():
     import dataclasses
     import re
 
-    from fastpar.cli import _field_help
     from fastpar.train import TrainConfig
+    from fastpar.train.flags import field_help
 
-    helps = _field_help(TrainConfig)
+    helps = field_help(TrainConfig)
     out = subprocess.run([sys.executable, "-m", "fastpar", "train", "--help"], env=_env(),
                          capture_output=True, text=True, timeout=60, check=True).stdout
     flat = re.sub(r"\s+", " ", out)

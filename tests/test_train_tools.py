@@ -23,7 +23,7 @@ def _held_out_loss(rank, world_size, ckpt, batches):
     import fastpar
     from fastpar.models import GPT, get_config
     from fastpar.train import load_checkpoint
-    from fastpar.train.data import BatchSampler, load_tokens
+    from fastpar.data.sources import BatchSampler, load_tokens
 
     mesh = fastpar.init(tp=1, pp=1, dp=1)
     model = GPT(get_config("tiny"))
@@ -132,8 +132,8 @@ def test_profile_window():
 
 
 def test_prepared_data_trains_a_model_of_its_vocabulary(tmp_path):
-    from fastpar.train.data import data_vocab
-    from fastpar.train.prepare import prepare_data
+    from fastpar.data.sources import data_vocab
+    from fastpar.data.prepare import prepare_data
 
     texts = tmp_path / "texts"
     texts.mkdir()

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from fastpar.train.token_file import read_header
+from fastpar.data.token_file import read_header
 
 SMALL = ["--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2",
          "--warmup-steps", "2", "--log-every", "1", "--sample-tokens", "0"]

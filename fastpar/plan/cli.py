@@ -6,14 +6,16 @@ import sys
 from pathlib import Path
 
 from ..models import PRESETS, GPTConfig, get_config
-from ..models import RECOMPUTE
 from .hardware import BUILTIN, get_hardware
 from ..mesh.layout import check_sizes, require_positive
 from ..models.parallel_config import ParallelConfig
-from ..pipeline.schedules import SCHEDULES
 from .planner import Cluster, Workload, evaluate, search
+from ..train.config import TrainConfig
+from ..train.flags import add_flags, flags_of
 
 _FIXED = ("virtual_stages", "micro_batch_size", "schedule", "recompute", "cp")
+# The layout fields a plan can pin, as fastpar train names them (dp follows from --gpus).
+LAYOUT_FLAGS = ("tp", "pp") + _FIXED + ("sequence_parallel", "zero1")
 
 
 def add_plan(sub) -> None:
@@ -34,17 +36,9 @@ def add_plan(sub) -> None:
     c.add_argument("--gpus-per-node", type=int, default=8)
     c.add_argument("--hardware", default="a100-80gb",
                    help=f"one of {', '.join(sorted(BUILTIN))}, or a JSON profile")
-    k = p.add_argument_group("configuration (with --tp and --pp: evaluate one; else search)")
-    k.add_argument("--tp", type=int)
-    k.add_argument("--pp", type=int)
-    k.add_argument("--virtual-stages", type=int)
-    k.add_argument("--micro-batch-size", type=int)
-    k.add_argument("--schedule", choices=tuple(SCHEDULES))
-    k.add_argument("--recompute", choices=RECOMPUTE)
-    k.add_argument("--sequence-parallel", action="store_true")
-    k.add_argument("--zero1", action="store_true")
-    k.add_argument("--cp", type=int, help="context-parallel size (a search tries cp = 1 only "
-                                          "unless this pins it)")
+    k = p.add_argument_group("configuration (with --tp and --pp: evaluate one; else search; "
+                             "a search tries cp = 1 only unless --cp pins it)")
+    add_flags(k, ParallelConfig, LAYOUT_FLAGS, unset=True)   # fastpar train's, unset
     p.add_argument("--top", type=int, default=5, help="configurations shown by a search")
     p.add_argument("--json", action="store_true", help="print JSON (an object, or a list)")
     p.add_argument("--calibrate", action="store_true",
@@ -140,17 +134,10 @@ def describe_layout(cfg: ParallelConfig) -> str:
 def train_command(cfg: ParallelConfig, work: Workload, cluster: Cluster,
                   preset: str | None) -> str:
     """The ``fastpar train`` line that runs ``cfg`` (a torchrun line per node on several)."""
-    flags = [f"--tp {cfg.tp}", f"--pp {cfg.pp}", f"--dp {cfg.dp}"] + \
-        ([f"--cp {cfg.cp}"] if cfg.cp > 1 else []) + [
-            f"--global-batch-size {work.global_batch}",
-            f"--micro-batch-size {cfg.micro_batch_size}", f"--seq-len {work.seq_len}"]
-    if cfg.pp > 1:
-        flags.append(f"--schedule {cfg.schedule}")
-    if cfg.virtual_stages > 1:
-        flags.append(f"--virtual-stages {cfg.virtual_stages}")
-    if cfg.recompute != "none":
-        flags.append(f"--recompute {cfg.recompute}")
-    flags += ["--sequence-parallel"] * cfg.sequence_parallel + ["--zero1"] * cfg.zero1
+    names = ("tp", "pp", "dp") + tuple(k for k in LAYOUT_FLAGS[2:]
+                                       if k != "schedule" or cfg.pp > 1)
+    flags = flags_of(cfg, names, TrainConfig(), always=("tp", "pp", "dp"))
+    flags += [f"--global-batch-size {work.global_batch}", f"--seq-len {work.seq_len}"]
     model = f"--model {preset}" if preset else "--model <preset>"
     args = " ".join([model] + flags)
     nodes = -(-cluster.gpus // cluster.gpus_per_node)

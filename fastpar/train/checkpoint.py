@@ -21,51 +21,12 @@ import re
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
 from ..models.config import GPTConfig
+from ..tensor_parallel.sharding import shard_specs
 
 _OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
-
-
-def tp_params(modules: list[nn.Module]) -> list[tuple[nn.Parameter, bool]]:
-    """Every parameter once, with whether it is split over TP (else replicated)."""
-    out = []
-    for root in modules:
-        for module in root.modules():
-            # Declared by the tensor-parallel layers; none: replicated.
-            dims, tp = getattr(module, "tp_shard_dims", {}), getattr(module, "tp_size", 1)
-            out += [(p, dims.get(pname) is not None and tp > 1)
-                    for pname, p in module.named_parameters(recurse=False)]
-    return out
-
-
-def shard_specs(modules: list[nn.Module], tp_size: int, tp_rank: int) -> dict:
-    """name -> (tensor, global shape, split dim or None, start, stop, parameter, rows) for every
-    tensor a checkpoint holds; ``rows`` are ``(offset, count)`` of the parameter's first dim
-    when the tensor is one part of it, else None. A column-parallel linear of several parts (q, k, v fused) is saved as one
-    tensor per part, named after the part (``attn.q.weight``), ``tensor`` being this rank's rows
-    of it: the files do not depend on the fusion, and separate q / k / v weights load into it."""
-    out = {}
-    for root in modules:
-        for mname, module in root.named_modules():
-            dims = getattr(module, "tp_shard_dims", {})      # see tp_params
-            named = bool(dims) and getattr(module, "parts", (("", 0),))[0][0] != ""
-            for pname, p in module.named_parameters(recurse=False):
-                pieces = [(f"{mname}.{pname}" if mname else pname, p, None)]
-                if named:   # one tensor per part, each split as the whole parameter is
-                    parent = mname.rsplit(".", 1)[0] + "." if "." in mname else ""
-                    pieces = [(f"{parent}{part}.{pname}", p.narrow(0, offset, rows),
-                               (offset, rows)) for part, offset, rows in module.local_parts()]
-                for name, t, part_rows in pieces:
-                    dim = dims.get(pname) if tp_size > 1 else None
-                    shape, start, stop = list(t.shape), 0, 0
-                    if dim is not None:
-                        start, stop = t.shape[dim] * tp_rank, t.shape[dim] * (tp_rank + 1)
-                        shape[dim] *= tp_size
-                    out[name] = (t, shape, dim, start, stop, p, part_rows)
-    return out
 
 
 def per_param(optimizer):

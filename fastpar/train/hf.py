@@ -7,8 +7,8 @@ fills a GPT chunk of any (tp, pp) layout, each rank reading only the rows or col
 (safetensors slices, no full copy); the padded vocabulary rows are zero. :func:`hf_state_dict`
 and :func:`save_hf` go back: full tensors of a whole model, the padding dropped.
 
-The names follow the checkpoint's (:func:`fastpar.train.checkpoint.shard_specs`: ``attn.q``, ``mlp.gate``,
-...), one rule per family. GPT-2's Conv1D weights are stored transposed ((in, out)) and its q, k,
+The names follow the checkpoint's (:func:`fastpar.tensor_parallel.sharding.shard_specs`:
+``attn.q``, ``mlp.gate``, ...), one rule per family. GPT-2's Conv1D weights are stored transposed ((in, out)) and its q, k,
 v live in one ``c_attn``: they are transposed and cut on the way in and joined on the way out.
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from ..models.config import GPTConfig
+from ..tensor_parallel.sharding import shard_specs
 
 _LLAMA_LAYER = {"self_attn.q_proj": "attn.q", "self_attn.k_proj": "attn.k",
                 "self_attn.v_proj": "attn.v", "self_attn.o_proj": "attn.o",
@@ -271,8 +272,6 @@ def load_hf(path, modules, tp_size: int = 1, tp_rank: int = 0) -> GPTConfig:
     """Load the Hugging Face directory ``path`` into ``modules`` (this rank's GPT chunks, built
     with ``config_from_hf``'s config); returns that config. Each tensor is read as the slice
     this rank holds; a shape that does not match the config raises naming the tensor."""
-    from .checkpoint import shard_specs
-
     path = Path(path)
     hf, config = _hf_config(path)
     kind, reader = hf["model_type"], _Reader(path)
@@ -305,14 +304,12 @@ def load_hf(path, modules, tp_size: int = 1, tp_rank: int = 0) -> GPTConfig:
 @torch.no_grad()
 def hf_state_dict(model, kind: str | None = None) -> dict[str, torch.Tensor]:
     """The Hugging Face tensors of a whole fastpar GPT (one process, tp=1), padding dropped."""
-    from .checkpoint import shard_specs
-
     c = model.config
     kind = kind or config_to_hf(c)["model_type"]
     out: dict[str, torch.Tensor] = {}
-    for name, (t, *_rest) in shard_specs([model], 1, 0).items():
+    for name, spec in shard_specs([model], 1, 0).items():
         src, part = _hf_name(kind, name)
-        x = t.detach()
+        x = spec.tensor.detach()
         if name in ("embed.weight", "head.weight"):
             x = x[:c.vocab_size]
         conv = kind == "gpt2" and any(m in src for m in _GPT2_CONV1D) and src.endswith("weight")
@@ -411,11 +408,9 @@ def _model_shapes(config: GPTConfig) -> dict[str, list[int]]:
     """Every tensor a fastpar checkpoint of ``config`` holds: name -> full shape. The model is
     built on the meta device: shapes only, nothing allocated, whatever its size."""
     from ..models.gpt import GPT
-    from .checkpoint import shard_specs
-
     with torch.device("meta"):
         model = GPT(config)
-    return {name: spec[1] for name, spec in shard_specs([model], 1, 0).items()}
+    return {name: spec.shape for name, spec in shard_specs([model], 1, 0).items()}
 
 
 def _check_hf_tensors(path: Path, shapes: dict[str, list[int]]) -> None:
@@ -447,7 +442,7 @@ def export_checkpoint(ckpt, out) -> Path:
     """A fastpar checkpoint of any layout as a Hugging Face directory (``fastpar export``)."""
     from ..models.gpt import GPT
     from .checkpoint import load_checkpoint
-    from .tokenizer import run_tokenizer_file
+    from ..data.tokenizer import run_tokenizer_file
 
     model = GPT(source_config(ckpt))
     load_checkpoint(ckpt, [model], None, None)

@@ -162,7 +162,7 @@ def check_inputs(cfg: TrainConfig, world: int, local_ranks: int) -> None:
     ``--init-from`` (every shard present and complete, shapes against the layout) and whether
     the layout fits in memory (the planner's estimate per rank, unless ``--no-memory-check``).
     Raises ValueError (one line)."""
-    from .data import check_data
+    from ..data.sources import check_data
     from .hf import check_source
     from .memory_check import check_memory
 

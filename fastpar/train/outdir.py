@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .checkpoint import complete_checkpoints
 from .config import TrainConfig
-from .trace import profile_folder
+from .profiler import profile_folder
 
 RUN_FILES = ("metrics.jsonl", "config.json")
 # Everything a run writes into its folder (a checkpoint's temporary folder lives in checkpoints/).

@@ -4,7 +4,7 @@ resume continues exactly that run.
 A run's folder holds, besides its metrics and checkpoints:
 
 - ``config.json``: every option, with the paths (``out``, ``data``, ``init_from``) absolute;
-- ``data.json``: the data's description (:func:`fastpar.train.data.describe_data`: format,
+- ``data.json``: the data's description (:func:`fastpar.data.sources.describe_data`: format,
   vocabulary, split sizes and a fingerprint of its content that does not depend on where it
   lies);
 - ``tokenizer.json``: a copy of the tokenizer that decodes the run's token ids (the prepared
@@ -27,8 +27,8 @@ import shutil
 from pathlib import Path
 
 from .config import TrainConfig
-from .data import describe_data
-from .tokenizer import TOKENIZER_FILE, source_tokenizer_file
+from ..data.sources import describe_data
+from ..data.tokenizer import TOKENIZER_FILE, source_tokenizer_file
 
 # What the schedule (steps, lr, min_lr, warm-up), the optimization (decay, clipping) and the data
 # order (seed, batch sizes, sequence length) of a run depend on.

@@ -19,7 +19,7 @@ import torch
 
 from .hf import is_hf_dir, source_config
 from .checkpoint import latest_checkpoint
-from .tokenizer import load_tokenizer, run_tokenizer_file, tokenizer_file, tokenizer_for_data
+from ..data.tokenizer import load_tokenizer, run_tokenizer_file, tokenizer_file, tokenizer_for_data
 
 
 def add_generate(sub) -> None:

@@ -37,11 +37,12 @@ from ..models import GPT
 from .hf import is_hf_dir, load_hf
 from ..pipeline import PipelineExecutor, build_schedule, build_stages
 from . import faults
+from ..tensor_parallel.sharding import tp_params
 from .checkpoint import Verifier, latest_checkpoint, load_checkpoint, pointer_note, \
-    read_manifest, tp_params
+    read_manifest
 from .checkpoint_writer import CheckpointWriter
 from .config import TrainConfig
-from .data import BatchSampler, check_length, check_vocab, load_tokens
+from ..data.sources import BatchSampler, check_length, check_vocab, load_tokens
 from .guard import NonFiniteError, NonFiniteGuard
 from .metrics import Metrics
 from .outdir import check_out, nothing_to_resume, prepare_out, resolve_out
@@ -49,7 +50,7 @@ from .run_record import check_changes, legacy_record, run_record, write_run_file
 from .lr_schedule import lr_at
 from .step import evaluate, forward_backward, loss_fn
 from .sample import print_sample
-from .trace import StepProfiler
+from .profiler import StepProfiler
 
 
 def build_model(cfg: TrainConfig, mesh) -> list[GPT]:

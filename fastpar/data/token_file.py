@@ -6,7 +6,7 @@ start offset (u64), then the tokens: uint16 when the vocabulary fits, else uint3
 holds at least one token (:class:`TokenFileWriter` refuses an empty one).
 
 :func:`check_token_file` is the one validation every reader goes through (``read_header``,
-``read_token_file``, and so ``fastpar.train.data``'s ``check_data`` before launch and
+``read_token_file``, and so ``fastpar.data.sources``'s ``check_data`` before launch and
 ``load_tokens`` in each rank). It checks each header field - magic, version, token size, a
 vocabulary that is >= 1 and whose ids fit the token size, token and document counts, zero
 padding - the file's size against the header, and the document offsets (0 first, increasing,

@@ -77,7 +77,7 @@ def source_tokenizer_file(data, init_from=None) -> Path | None:
     """The ``tokenizer.json`` that decodes the token ids of a run on ``data``: the prepared data
     folder's; for token files prepared without one (ids of a vocabulary other than bytes) the
     ``--init-from`` directory's; None for bytes (text sources, a byte-tokenized folder)."""
-    from .data import data_vocab, prepared_folder
+    from .sources import data_vocab, prepared_folder
 
     folder = prepared_folder(data) if data else None
     if folder is not None and tokenizer_file(folder) is not None:
@@ -136,7 +136,7 @@ def tokenizer_for_data(path: str | Path | None):
     """The tokenizer a data source was prepared with: a prepared folder's tokenizer.json (or the
     one beside a prepared token file), else bytes. A source tokenized with a vocabulary other
     than 256 and no tokenizer.json beside it is an error (its ids cannot be decoded)."""
-    from .data import data_vocab, prepared_folder
+    from .sources import data_vocab, prepared_folder
 
     if path is None:
         return ByteTokenizer()

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import VAL_FRACTION, text_files
-from .outdir import check_fresh, fresh_folder
+from .sources import VAL_FRACTION, text_files
+from ..train.outdir import check_fresh, fresh_folder
 from .token_file import TokenFileWriter, TokenHeader
 from .tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_file
 
