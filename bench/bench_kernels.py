@@ -1,15 +1,14 @@
 """fastpar.kernels against torch eager and torch.compile at 1-8B-parameter shapes, on one GPU.
 
-    python bench/bench_kernels.py [--ops rms_norm,matmul] [--quick] [--no-compile] [--budget 400]
+    python bench/bench_kernels.py [--ops rms_norm,swiglu] [--quick] [--no-compile] [--budget 400]
 
 Shapes (bf16): "4k" = 4096 tokens of a hidden-4096 model (FFN 11008, 32 heads, vocab 32000) and
 "16k" = 16384 tokens of a hidden-8192 model (FFN 28672, 64 heads, vocab 128256). For each op,
 shape and pass (forward, forward + backward) it prints the median time of each implementation
 (``triton.testing.do_bench``, L2 flushed between runs), the fused kernels' bandwidth from the
-fewest bytes the op must move (GB/s and % of this device's measured copy bandwidth) or TFLOP/s for
-matmul, the speedup over each peer (peer time / fastpar time), and the peak memory one call
-allocates above its inputs. The matmul peers are cuBLAS alone (``a @ w.t()``), cuBLAS with the
-epilogue in eager torch, and torch.compile of the latter. Rows go to bench/results/kernels.json.
+fewest bytes the op must move (GB/s and % of this device's measured copy bandwidth), the speedup
+over each peer (peer time / fastpar time), and the peak memory one call allocates above its
+inputs. Rows go to bench/results/kernels.json.
 
 On a machine without CUDA it refuses at once: under the Triton interpreter these shapes would take
 hours.
@@ -29,9 +28,8 @@ import common  # noqa: E402
 
 SHAPES = {"4k": dict(tokens=4096, hidden=4096, ffn=11008, heads=32, kv=8, vocab=32000),
           "16k": dict(tokens=16384, hidden=8192, ffn=28672, heads=64, kv=8, vocab=128256)}
-COLUMNS = ["op", "shape", "pass", "fastpar_ms", "eager_ms", "compile_ms", "cublas_ms", "GB/s",
-           "%copy", "TFLOP/s", "x_eager", "x_compile", "x_cublas", "peak_MiB", "eager_peak_MiB",
-           "compile_peak_MiB", "max_rel_err"]
+COLUMNS = ["op", "shape", "pass", "fastpar_ms", "eager_ms", "compile_ms", "GB/s", "%copy",
+           "x_eager", "x_compile", "peak_MiB", "eager_peak_MiB", "compile_peak_MiB", "max_rel_err"]
 
 
 def _bench(fn) -> float:
@@ -58,7 +56,7 @@ def copy_bandwidth() -> float:
 
 
 def _cases(s: dict, dev: str):
-    """(op, inputs, fused, eager, cublas, fwd bytes, bwd bytes, fwd flops) for one shape."""
+    """(op, inputs, fused, eager, fwd bytes, bwd bytes) for one shape."""
     import fastpar.kernels as K
 
     bf = dict(dtype=torch.bfloat16, device=dev)
@@ -74,7 +72,6 @@ def _cases(s: dict, dev: str):
     cos, sin = phase.cos().to(torch.bfloat16), phase.sin().to(torch.bfloat16)
     logits = torch.randn(T, V, **bf) * 3
     target = torch.randint(0, V, (T,), device=dev)
-    a, wl = torch.randn(T, H, **bf), torch.randn(4 * H, H, **bf) * H**-0.5
 
     def rope(t):
         c, sn = cos[:, None, :], sin[:, None, :]
@@ -85,28 +82,19 @@ def _cases(s: dict, dev: str):
     QK = (q.numel() + k.numel()) * es
     return [
         ("rms_norm", (x, w), lambda x, w: K.rms_norm(x, w),
-         lambda x, w: F.rms_norm(x, (H,), w, 1e-6), None, 2 * MH, 3 * MH, None),
+         lambda x, w: F.rms_norm(x, (H,), w, 1e-6), 2 * MH, 3 * MH),
         ("layer_norm", (x, w, b), lambda x, w, b: K.layer_norm(x, w, b),
-         lambda x, w, b: F.layer_norm(x, (H,), w, b), None, 2 * MH, 3 * MH, None),
-        ("swiglu", (g, u), K.swiglu, lambda g, u: F.silu(g) * u, None, 3 * MF, 5 * MF, None),
+         lambda x, w, b: F.layer_norm(x, (H,), w, b), 2 * MH, 3 * MH),
+        ("swiglu", (g, u), K.swiglu, lambda g, u: F.silu(g) * u, 3 * MF, 5 * MF),
         ("bias_gelu", (h4, b4), K.bias_gelu,
-         lambda x, b: F.gelu(x + b, approximate="tanh"), None, 2 * M4, 3 * M4, None),
+         lambda x, b: F.gelu(x + b, approximate="tanh"), 2 * M4, 3 * M4),
         ("bias_dropout_add", (x, b, x.clone()),
          lambda x, b, r: K.bias_dropout_add(x, b, r, 0.1, True, seed=1, offset=0),
-         lambda x, b, r: r + F.dropout(x + b, 0.1, True), None, 3 * MH, 2 * MH, None),
+         lambda x, b, r: r + F.dropout(x + b, 0.1, True), 3 * MH, 2 * MH),
         ("rotary", (q, k), lambda q, k: K.rotary(q, k, cos, sin),
-         lambda q, k: (rope(q), rope(k)), None, 2 * QK, 2 * QK, None),
+         lambda q, k: (rope(q), rope(k)), 2 * QK, 2 * QK),
         ("cross_entropy", (logits,), lambda z: K.cross_entropy(z, target),
-         lambda z: F.cross_entropy(z, target, reduction="none"), None,
-         T * V * es, 2 * T * V * es, None),
-        ("matmul+bias+gelu", (a, wl, b4),
-         lambda a, w, b: K.matmul(a, w.t(), b, "gelu"),
-         lambda a, w, b: F.gelu(F.linear(a, w, b), approximate="tanh"),
-         lambda a, w, b: a @ w.t(), None, None, 2 * T * H * 4 * H),
-        ("matmul+residual", (h4, wl.t().contiguous(), x),
-         lambda a, w, r: K.matmul(a, w.t(), residual=r),
-         lambda a, w, r: F.linear(a, w) + r,
-         lambda a, w, r: a @ w.t(), None, None, 2 * T * H * 4 * H),
+         lambda z: F.cross_entropy(z, target, reduction="none"), T * V * es, 2 * T * V * es),
     ]
 
 
@@ -132,32 +120,24 @@ def _rel_err(fused, eager, inputs) -> float:
 
 
 def run_case(case, shape, compile_peers, copy_gbs) -> list[dict]:
-    op, inputs, fused, eager, cublas, fwd_bytes, bwd_bytes, flops = case
+    op, inputs, fused, eager, fwd_bytes, bwd_bytes = case
     compiled = torch.compile(eager) if compile_peers else None
     err = _rel_err(fused, eager, inputs) if not op.startswith("bias_dropout") else None
     rows = []
-    passes = [("fwd", False)] + ([] if op.startswith("matmul") else [("fwd+bwd", True)])
-    for name, backward in passes:
+    for name, backward in [("fwd", False), ("fwd+bwd", True)]:
         row = {"op": op, "shape": shape, "pass": name, "max_rel_err": err}
-        impls = {"fastpar": fused, "eager": eager, "compile": compiled,
-                 "cublas": cublas if not backward else None}
+        impls = {"fastpar": fused, "eager": eager, "compile": compiled}
         for impl, fn in impls.items():
             if fn is None:
                 continue
             step = _step(fn, inputs, backward)
-            step()                                   # compile / autotune outside the timing
+            step()                                   # compile outside the timing
             row[f"{impl}_ms"] = _bench(step)
-            if impl != "cublas":
-                key = "peak_MiB" if impl == "fastpar" else f"{impl}_peak_MiB"
-                row[key] = _peak_mib(step)
+            row["peak_MiB" if impl == "fastpar" else f"{impl}_peak_MiB"] = _peak_mib(step)
         ms = row["fastpar_ms"]
-        if flops:
-            row["TFLOP/s"] = flops / ms / 1e9
-        else:
-            moved = fwd_bytes + (bwd_bytes if backward else 0)
-            row["GB/s"] = moved / ms / 1e6
-            row["%copy"] = 100 * row["GB/s"] / copy_gbs
-        for peer in ("eager", "compile", "cublas"):
+        row["GB/s"] = (fwd_bytes + (bwd_bytes if backward else 0)) / ms / 1e6
+        row["%copy"] = 100 * row["GB/s"] / copy_gbs
+        for peer in ("eager", "compile"):
             if f"{peer}_ms" in row:
                 row[f"x_{peer}"] = row[f"{peer}_ms"] / ms
         rows.append(row)
@@ -187,11 +167,9 @@ def main() -> None:
     ops = set(filter(None, args.ops.split(",")))
     rows, skipped = [], []
     for shape in ["4k"] if args.quick else ["16k", "4k"]:   # the 8B shapes first
-        # The matmul first: the slowest case to tune, and a run cut short by its budget should
-        # still have it.
-        cases = sorted(_cases(SHAPES[shape], "cuda"), key=lambda c: not c[0].startswith("matmul"))
+        cases = _cases(SHAPES[shape], "cuda")
         for case in cases:
-            if ops and case[0] not in ops and case[0].split("+")[0] not in ops:
+            if ops and case[0] not in ops:
                 continue
             if time.time() - start > args.budget:
                 skipped.append(f"{case[0]}@{shape}")

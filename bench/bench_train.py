@@ -226,9 +226,8 @@ def _measure(rank, world_size, a, model):
     variants, shares = {}, {}
     for name in a.layouts:
         dims = LAYOUTS[name]
-        mesh = fastpar.init(**{k: v for k, v in dims.items() if k in ("tp", "pp", "dp")})
         cfg = BenchConfig(**base, **dims)
-        cfg.check_layout(world_size)
+        mesh = fastpar.init(layout=cfg.check_layout(world_size))
         shares[name] = x.chunk(mesh.dp_size)[mesh.dp_rank], y.chunk(mesh.dp_size)[mesh.dp_rank]
         variants[f"fastpar {name}"] = fastpar_variant(cfg, mesh)
         variants[f"torch {name}"] = TORCH[name](cfg, mesh)

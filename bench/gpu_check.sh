@@ -8,11 +8,11 @@
 #   3. tp-nccl   the extension's GEMM<->collective ops, the overlapped TP autograd Functions under
 #                CUDA bf16 autocast, DataParallel's CUDA path and mixed precision (bf16
 #                parameters, fp32 main gradients, fused AdamW on fp32 masters), on a one-rank
-#                NCCL group
+#                NCCL group (tests/test_tp_gpu.py)
 #   4. accuracy  rms_norm / layer_norm at hidden 8192 and 16384, cross-entropy at 16K tokens x
-#                128K vocabulary, compiled, against torch (bench/gpu_kernel_check.py)
-#   5. bench     the kernels against torch eager / torch.compile / cuBLAS, matmul first, with a
-#                time budget (bench/bench_kernels.py)
+#                128K vocabulary, compiled, against torch (tests/test_kernel_gpu_accuracy.py)
+#   5. bench     the kernels against torch eager / torch.compile, with a time budget
+#                (bench/bench_kernels.py)
 #   6. train-1b  a few steps of the 1b preset on this GPU (--precision bf16, the GPU default),
 #                no checkpoint: tokens/s, MFU; the last step evaluated and traced by the
 #                profiler (CUDA kernels under fastpar's ranges), then a KV-cache sample
@@ -21,7 +21,8 @@
 #   PYTHON=/path/to/python STEPS="build kernels" bash bench/gpu_check.sh    # some steps only
 #
 # Exit status: the number of failed steps. tests/conftest.py sets TRITON_INTERPRET=1 only when it
-# is unset, so TRITON_INTERPRET=0 here runs the kernel tests compiled on the GPU.
+# is unset, so TRITON_INTERPRET=0 here runs the kernel tests compiled on the GPU. Steps 2-4 are
+# pytest: the kernel tests without the tests marked gpu, then each gpu-marked file on its own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -71,7 +72,11 @@ kernel_tests() {
   local parallel=()
   "$PY" -c "import xdist" 2>/dev/null && parallel=(-n 8)
   TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider ${parallel[@]+"${parallel[@]}"} \
-    tests/test_kernel_*.py
+    -m "not gpu" tests/test_kernel_*.py
+}
+# gpu_tests FILE: the tests of FILE marked gpu, compiled kernels, each test's numbers printed.
+gpu_tests() {
+  TRITON_INTERPRET=0 "$PY" -m pytest -q -s -rs -p no:cacheprovider -m gpu "$@"
 }
 train_1b() {
   # PEAK_TFLOPS: the GPU's dense bf16 peak (H100/H200 SXM: 989). The stdlib corpus, byte tokens.
@@ -104,14 +109,14 @@ PY
 }
 
 export PY arch
-export -f build kernel_tests train_1b
+export -f build kernel_tests gpu_tests train_1b
 
 # Limits (s): sum of the later steps' minimum needs is kept in RESERVE so an early overrun
 # cannot starve them.
 RESERVE=300 step build 150 build
 RESERVE=240 step kernels 90 kernel_tests
-RESERVE=180 step tp-nccl 60 "$PY" bench/gpu_tp_check.py
-RESERVE=120 step accuracy 90 "$PY" bench/gpu_kernel_check.py
+RESERVE=180 step tp-nccl 60 gpu_tests tests/test_tp_gpu.py
+RESERVE=120 step accuracy 90 gpu_tests tests/test_kernel_gpu_accuracy.py
 RESERVE=100 step bench 120 "$PY" bench/bench_kernels.py --budget 80 ${BENCH_ARGS:-}
 RESERVE=0 step train-1b 110 train_1b
 

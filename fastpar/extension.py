@@ -1,9 +1,13 @@
 """The Python face of the C++/CUDA extension fastpar._C: its torch ops (``torch.ops.fastpar.*``).
 
 Registers fake (meta) implementations so torch.compile can trace through them, and gives each op
-a typed wrapper that takes a ProcessGroup instead of its name.
+a typed wrapper that takes a ProcessGroup instead of its name. :class:`EventLog`: the one event
+log type, of the ops (:data:`events`) and of data parallelism (``DataParallel.events``).
 """
 from __future__ import annotations
+
+import heapq
+import time
 
 import torch
 import torch.distributed as dist
@@ -69,14 +73,32 @@ def column_linear_backward(grad_out, x, w, group: dist.ProcessGroup, sequence_pa
     return (gi if need_input_grad else None), (gw if need_weight_grad else None)
 
 
-def trace(enable: bool) -> None:
-    """Clear the overlap event log and switch it on or off (see :func:`trace_events`)."""
-    _C.trace_enable(enable)
+class EventLog:
+    """(event, index, nanoseconds) tuples recorded while enabled, on one clock for all logs
+    (``time.perf_counter_ns``; C++'s ``steady_clock`` on Linux). ``native=True`` (only
+    :data:`events`) adds the C++ ops' ``comm_start/pending/ready/done`` of a chunk's collective,
+    ``gemm_begin/end`` of its GEMM and ``coll:<op>`` (index: bytes)."""
+
+    def __init__(self, native: bool = False):
+        self.native, self.enabled, self._events = native, False, []
+
+    def enable(self, on: bool = True) -> None:
+        """Clear the log and switch recording on or off."""
+        self._events, self.enabled = [], on
+        if self.native:
+            _C.trace_enable(on)
+
+    def record(self, name: str, index: int = -1) -> None:
+        if self.enabled:
+            self._events.append((name, index, time.perf_counter_ns()))
+
+    def take(self) -> list[tuple[str, int, int]]:
+        """The recorded events since the last take, oldest first."""
+        out, self._events = self._events, []
+        return list(heapq.merge(out, _C.trace_take(), key=lambda e: e[2])) if self.native else out
 
 
-def trace_events() -> list[tuple[str, int, int]]:
-    """The recorded (event, index, nanoseconds) tuples since :func:`trace`, then cleared."""
-    return _C.trace_take()
+events = EventLog(native=True)          # the C++ ops' overlap log
 
 
 # Multi-tensor pack / unpack / scale: in-place ops (they return nothing), so the fakes do nothing.

@@ -54,7 +54,7 @@ def free_port() -> int:
 
 
 # Ranks are forked from one server process that has imported torch and fastpar already: a fresh
-# interpreter spends ~3 s of CPU importing torch, more than most tests' ranks then compute. The
+# interpreter spends seconds of CPU importing torch, more than most tests' ranks then compute. The
 # server imports and runs nothing else (no thread pool exists to be forked). Its environment is
 # the one it started with, so each rank takes the caller's whole environment and applies what is
 # read only at start: the thread count and glibc's allocator thresholds (mallopt).

@@ -6,8 +6,6 @@
     rotary                           RoPE on q and k, in place or out of place
     cross_entropy                    per-row loss, fused softmax backward; the vocab-parallel
     cross_entropy_shard_stats/_grad  building blocks for tensor-parallel cross-entropy
-    matmul                           a @ b with a fused bias / gelu / silu / residual epilogue
-                                     (standalone and benchmarked; the model does not use it)
 
 Every op picks its implementation through :func:`impl_for`: Triton for CUDA tensors, the torch
 reference otherwise. ``FASTPAR_KERNEL_IMPL=triton`` forces Triton (on CPU that needs
@@ -20,11 +18,9 @@ from .bias_gelu import bias_gelu
 from .cross_entropy import cross_entropy, cross_entropy_shard_grad, cross_entropy_shard_stats
 from .dispatch import impl_for
 from .layer_norm import layer_norm
-from .matmul import matmul
 from .rms_norm import rms_norm
 from .rotary import rotary
 from .swiglu import swiglu
 
 __all__ = ["bias_dropout_add", "bias_gelu", "cross_entropy", "cross_entropy_shard_grad",
-           "cross_entropy_shard_stats", "impl_for", "layer_norm", "matmul", "rms_norm", "rotary",
-           "swiglu"]
+           "cross_entropy_shard_stats", "impl_for", "layer_norm", "rms_norm", "rotary", "swiglu"]

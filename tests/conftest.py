@@ -15,7 +15,7 @@ SLOW_FILES = {
     "test_reliability_inputs.py", "test_mixed_precision.py", "test_kernel_hopper_compile.py",
     "test_model_triton.py", "test_harness.py", "test_package.py", "test_init_from_checks.py",
     "test_cp_model.py", "test_generate.py", "test_hf.py", "test_nccl_rules.py",
-    "test_pp_executor.py", "test_memory_check.py", "test_dp_pp_overlap.py",
+    "test_pp_executor.py", "test_memory_check.py", "test_dp_pp_overlap.py", "test_own_model.py",
 }
 
 
@@ -23,6 +23,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "fast: the development tier (python -m pytest -m fast)")
     config.addinivalue_line("markers", "slow: whole training runs, the command in subprocesses, "
                                        "every kernel compiled (in the full run only)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU, skipped without one "
+                                       "(bench/gpu_check.sh runs them: -m gpu)")
 
 
 def pytest_collection_modifyitems(config, items):

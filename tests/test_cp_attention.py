@@ -1,6 +1,7 @@
 """Ring attention (fastpar.context_parallel) against causal SDPA of the full sequence: outputs and
 every gradient at cp = 2, 3, 4 (GQA and MHA, odd chunks), under NCCL's p2p rules, in bf16; the
 load-balanced sharding helpers; and proof that the k/v transfer moves while a block computes."""
+import threading
 import time
 
 import pytest
@@ -268,27 +269,48 @@ def test_kv_transfer_completes_while_a_block_computes():
 
 
 class _TimedWork:
-    """A work whose waits add up the seconds the host spent blocked in them."""
+    """A work whose waits add up the seconds the host spent blocked in them. It can be polled:
+    the first poll starts a thread that waits for it (a gloo p2p work learns it is done only in
+    a wait, and is waited exactly once), and the host's wait then waits for that thread."""
 
     def __init__(self, work, index, blocked):
         self.work, self.index, self.blocked = work, index, blocked
+        self.watch, self.done, self.error = None, threading.Event(), None
+
+    def _wait(self):
+        try:
+            self.work.wait()
+        except Exception as e:  # noqa: BLE001 - raised again by wait
+            self.error = e
+        self.done.set()
+
+    def is_completed(self) -> bool:
+        if self.watch is None and not self.done.is_set():
+            self.watch = threading.Thread(target=self._wait, daemon=True)
+            self.watch.start()
+        return self.done.is_set()
 
     def wait(self, timeout=None):
         start = time.perf_counter()
-        self.work.wait()
+        if self.watch is None:
+            self._wait()
+        self.done.wait()
         self.blocked[self.index] = self.blocked.get(self.index, 0.0) + time.perf_counter() - start
+        if self.error is not None:
+            raise self.error
         return True
 
 
 def _waits(rank, cp):
     """On plain gloo: how long the host blocks in each batch's waits, against the transfer
-    alone. gloo moves the data on its own threads; with overlap the wait after a block is free."""
+    alone. gloo moves the data on its own threads; with overlap the wait after a block is free.
+    A block computes until the batches posted before it are done (polled, see _TimedWork)."""
     blocked = {}
 
     def on_block(new, run):
         deadline = time.monotonic() + PAD_S
         result = run()
-        _busy_until(deadline)
+        _busy_until(deadline, lambda: all(w.is_completed() for ws in new for w in ws))
         return result
     probe = _Probe(on_block, wrap=lambda works, i: [_TimedWork(w, i, blocked) for w in works])
     full = _full(*SHAPE[:3], 2 * cp * SHAPE[3], SHAPE[4])

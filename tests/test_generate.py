@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from fastpar.cli import main
 from fastpar.models import GPT, GPTConfig, KVCache, generate
-from fastpar.train.hf import config_from_hf, load_hf
+from fastpar.models.hf import config_from_hf, load_hf
 from fastpar.testing import run_ranks
 
 VOCAB = 300         # not a multiple of 128: the last vocabulary shard holds -inf padding

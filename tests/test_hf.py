@@ -9,7 +9,7 @@ import torch.distributed as dist
 import transformers
 
 from fastpar.models import GPT
-from fastpar.train.hf import config_from_hf, load_hf, save_hf
+from fastpar.models.hf import config_from_hf, load_hf, save_hf
 from fastpar.testing import run_ranks
 
 VOCAB = 300         # not a multiple of the 128 fastpar pads to: the last shard holds padding

@@ -69,6 +69,32 @@ def test_bad_configuration_raises_on_every_rank_before_any_collective():
     assert out[0] == out[1]
 
 
+def _init_with_layout(rank, world_size):
+    from fastpar.mesh import Layout
+
+    lay = Layout(world_size, tp=2)
+    errors = []
+    for kwargs in (dict(layout=lay, tp=2), dict(layout=Layout(4, tp=2))):
+        try:
+            fastpar.init(**kwargs)
+        except ValueError as e:
+            errors.append(str(e))
+        assert not dist.is_initialized(), f"{kwargs}: torch.distributed started before the error"
+    mesh = fastpar.init(layout=lay)
+    return errors, mesh.layout is lay, mesh.tp_rank
+
+
+def test_init_takes_a_layout_made_once():
+    """fastpar.init(layout=...) uses the object it is given (the trainer's, checked against the
+    run) without sizing it again; sizes beside it, or a layout of another world, are refused
+    before torch.distributed starts."""
+    out = run_ranks(_init_with_layout, 2, init_pg=False, timeout=60)
+    for rank, (errors, same, tp_rank) in enumerate(out):
+        assert errors == ["init: pass layout= or the sizes, not both ({'tp': 2})",
+                          "init: the layout is of 4 ranks, this world of 2"]
+        assert same and tp_rank == rank
+
+
 def test_single_process_without_launcher():
     code = ("import fastpar, torch, torch.distributed as dist; m = fastpar.init(); "
             "t = torch.ones(1); dist.all_reduce(t, group=m.dp_group); "

@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 from fastpar.models import GPT, GPTConfig
 from fastpar.train.checkpoint import file_digest
 from fastpar.train.checkpoint_writer import save_checkpoint
-from fastpar.train.hf import check_source, config_from_hf, source_config
+from fastpar.models.hf import config_from_hf
+from fastpar.train.init_from import check_source, source_config
 
 FASTPAR = GPTConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, max_seq_len=64)
 

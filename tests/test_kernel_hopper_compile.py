@@ -1,9 +1,9 @@
 """Every Triton kernel compiles for Hopper (sm_90) with no GPU: ``triton.compile`` of an
 ``ASTSource`` with ``GPUTarget("cuda", 90, 32)`` down to PTX and cubin, at the block sizes the
-launchers pick for 1-8B-parameter shapes and with every matmul autotuning config. GPU-only compile
-errors (layouts, shared memory, register spills that ptxas rejects) are caught here. ``ptxas -v``
-on each kernel's PTX reports its register spills: the norms must not spill even on rows of 16K and
-64K elements (a whole such row held in registers spills up to ~9 KB a thread).
+launchers pick for 1-8B-parameter shapes. GPU-only compile errors (layouts, shared memory,
+register spills that ptxas rejects) are caught here. ``ptxas -v`` on each kernel's PTX reports its
+register spills: the norms must not spill even on rows of 16K and 64K elements (a whole such row
+held in registers spills up to ~9 KB a thread).
 
 The compiles run in subprocesses with the interpreter off (``triton.jit`` then yields compilable
 JITFunctions): this file, run as a script, is that worker.
@@ -32,10 +32,10 @@ def _specs():
     from fastpar.kernels.launch import elementwise_blocks, row_blocks, warps_for
 
     # The op modules (fastpar.kernels.<op> as an attribute is the op's function).
-    (bias_dropout_add, bias_gelu, cross_entropy, layer_norm, matmul, rms_norm, rotary,
+    (bias_dropout_add, bias_gelu, cross_entropy, layer_norm, rms_norm, rotary,
      swiglu) = (importlib.import_module(f"fastpar.kernels.{op}") for op in (
-        "bias_dropout_add", "bias_gelu", "cross_entropy", "layer_norm", "matmul", "rms_norm",
-        "rotary", "swiglu"))
+        "bias_dropout_add", "bias_gelu", "cross_entropy", "layer_norm", "rms_norm", "rotary",
+        "swiglu"))
 
     def norms(hidden, suffix=""):
         """The norm kernels at the blocks their launchers pick for rows of ``hidden``."""
@@ -75,46 +75,8 @@ def _specs():
          dict(num_warps=warps_for(bv))),
         ("cross_entropy_bwd", cross_entropy._cross_entropy_bwd_kernel, dict(BLOCK_V=bv),
          dict(num_warps=warps_for(bv))),
-        ("matmul_bwd_gelu", matmul._matmul_bwd_kernel,
-         dict(elem, ACTIVATION=1, HAS_BIAS=True), dict(num_warps=ew)),
     ]
-    # Every autotuning config of the matmul, bf16 with the full epilogue and an nn.Linear weight
-    # (b = w.t()); the layouts of the backward's two products; fp32 on the configs the pruning
-    # keeps for 4-byte inputs (IEEE products, torch's default for fp32). Unit strides are
-    # specialized to 1, as the JIT does.
-    epilogue = dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True)
-    linear = dict(stride_ak=1, stride_bk=1, stride_rn=1)
-    plain = dict(HAS_BIAS=False, ACTIVATION=0, HAS_RESIDUAL=False, STORE_PRE=False)
-    configs = matmul._configs()
-    for i, cfg in enumerate(configs):
-        opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        specs.append((f"matmul_fwd_bf16_cfg{i}", matmul._matmul_fwd_kernel,
-                      dict(cfg.kwargs, **epilogue, **linear, INPUT_PRECISION="tf32"), opts))
-        if i == 0 or cfg.kwargs["BLOCK_K"] == 32:
-            specs.append((f"matmul_fwd_fp32_cfg{i}", matmul._matmul_fwd_kernel,
-                          dict(cfg.kwargs, **dict(plain, ACTIVATION=2), **linear,
-                               INPUT_PRECISION="ieee"),
-                          dict(opts, dtype="fp32")))
-    cfg = configs[1] if len(configs) > 1 else configs[0]
-    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    specs += [
-        ("matmul_da_bf16", matmul._matmul_fwd_kernel,                  # dz @ w: row-major b
-         dict(cfg.kwargs, **plain, stride_ak=1, stride_bn=1, INPUT_PRECISION="tf32"),
-         opts),
-        ("matmul_dw_bf16", matmul._matmul_fwd_kernel,                  # a^T @ dz: column-major a
-         dict(cfg.kwargs, **plain, stride_am=1, stride_bn=1, INPUT_PRECISION="tf32"),
-         opts),
-    ]
-    return [(name, _jit_function(k), c, o) for name, k, c, o in specs]
-
-
-def _jit_function(kernel):
-    """The JITFunction under decorators such as ``triton.autotune``."""
-    from triton.runtime.jit import JITFunction
-
-    while not isinstance(kernel, JITFunction):
-        kernel = kernel.fn
-    return kernel
+    return specs
 
 
 def _compile(kernel, constexprs, options):
@@ -124,20 +86,18 @@ def _compile(kernel, constexprs, options):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    options = dict(options)
-    dtype = options.pop("dtype", "bf16")
     pointer = {"rstd_ptr": "fp32", "mean_ptr": "fp32", "dw_part_ptr": "fp32",
                "db_part_ptr": "fp32", "max_ptr": "fp32", "sumexp_ptr": "fp32", "zt_ptr": "fp32",
                "logsum_ptr": "fp32", "dloss_ptr": "fp32", "stats_ptr": "fp32", "t_ptr": "i64"}
     scalar = {"eps": "fp32", "scale": "fp32", "seed": "i64", "offset": "i64"}
-    sizes = {"M", "N", "K", "V", "D", "H", "T", "R2"}
+    sizes = {"M", "N", "V", "D", "H", "T", "R2"}
     signature, attrs = {}, {}
     for i, p in enumerate(kernel.params):
         if p.is_constexpr or p.name in constexprs:
             signature[p.name] = "constexpr"
             continue
         if p.name.endswith("_ptr"):
-            signature[p.name] = "*" + pointer.get(p.name, dtype)
+            signature[p.name] = "*" + pointer.get(p.name, "bf16")
         else:
             signature[p.name] = scalar.get(p.name, "i32")
         if p.name.endswith("_ptr") or p.name in sizes or p.name.startswith("stride"):
@@ -211,14 +171,11 @@ def test_every_kernel_compiles_for_hopper(compiled):
     expected = {"rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd", "swiglu_fwd",
                 "swiglu_bwd", "bias_gelu_fwd_tanh", "bias_gelu_bwd_erf", "bias_gelu_bwd_tanh_no_bias",
                 "bias_dropout_add_fwd",
-                "bias_dropout_add_bwd", "rotary_fwd", "cross_entropy_fwd", "cross_entropy_bwd",
-                "matmul_bwd_gelu", "matmul_fwd_bf16_cfg0", "matmul_fwd_fp32_cfg0",
-                "matmul_da_bf16", "matmul_dw_bf16"}
+                "bias_dropout_add_bwd", "rotary_fwd", "cross_entropy_fwd", "cross_entropy_bwd"}
     assert expected <= set(compiled), expected - set(compiled)
-    assert sum(name.startswith("matmul_fwd_bf16") for name in compiled) > 1   # every config
 
 
-def test_matmul_configs_fit_hopper_shared_memory(compiled):
+def test_every_kernel_fits_hopper_shared_memory(compiled):
     too_big = {k: v["shared"] for k, v in compiled.items() if v["ok"] and v["shared"] > MAX_SHARED}
     assert not too_big, f"over {MAX_SHARED} bytes of shared memory: {too_big}"
 

@@ -10,8 +10,8 @@ import torch
 from fastpar.kernels import launch
 from kernel_testing import assert_close, randn, triton_path
 
-OPS = ("bias_dropout_add", "bias_gelu", "cross_entropy", "layer_norm", "matmul", "rms_norm",
-       "rotary", "swiglu")
+OPS = ("bias_dropout_add", "bias_gelu", "cross_entropy", "layer_norm", "rms_norm", "rotary",
+       "swiglu")
 MODULES = {op: importlib.import_module(f"fastpar.kernels.{op}") for op in OPS}
 SMS = 132                                 # H100 / H200: reduction programs, one per SM
 
@@ -21,16 +21,14 @@ HUGE = [(1, 2**26 + 5), (70000, 8192), (2**25, 16), (3, 2**30)]
 
 
 class _Recorder:
-    """Stands in for a JIT kernel: ``kernel[grid](*args, **meta)`` records the grid, runs nothing.
-    A callable grid (autotuned matmul) is evaluated at the smallest tile, the most programs."""
+    """Stands in for a JIT kernel: ``kernel[grid](*args, **meta)`` records the grid, runs nothing."""
 
     def __init__(self, log):
         self.log = log
 
     def __getitem__(self, grid):
         def launch_(*args, **meta):
-            self.log.append(tuple(grid(dict(meta, BLOCK_M=64, BLOCK_N=64)) if callable(grid)
-                                  else grid))
+            self.log.append(tuple(grid))
         return launch_
 
 
@@ -72,9 +70,6 @@ def _launch_every_op(M, N):
     target = _meta(M, dtype=torch.int64)
     m["cross_entropy"].cross_entropy_forward(x, target)
     m["cross_entropy"].cross_entropy_backward(x, target, stats, stats, stats)
-    b = _meta(N, 64)
-    m["matmul"].matmul_forward(x, b, _meta(64), "gelu")
-    m["matmul"].matmul_backward(_meta(M, 64), x, b, _meta(M, 64), "gelu", True)
     cos = _meta(M, N // 2 // 2 or 1, dtype=torch.float32)
     m["rotary"].rotary_forward(_meta(1, M, 1, N), cos, cos)
 
@@ -83,7 +78,7 @@ def _launch_every_op(M, N):
 def test_every_launcher_grid_obeys_cuda_limits_at_huge_shapes(grids, shape):
     M, N = shape
     _launch_every_op(M, N)
-    assert len(grids) >= 15, grids
+    assert len(grids) >= 13, grids
     for grid in grids:
         assert 1 <= len(grid) <= 3, grid
         assert all(1 <= g for g in grid), grid

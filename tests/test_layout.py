@@ -102,3 +102,44 @@ def test_context_parallel_is_the_fourth_dimension():
         fastpar.layout(16, tp=2, cp=3)
     with pytest.raises(ValueError, match="cp=0 must be >= 1"):
         fastpar.layout(4, cp=0)
+
+
+def test_layout_is_sized_and_checked_in_one_place():
+    """Layout itself sizes dp and checks the sizes: the function, ParallelConfig.check and the
+    trainer's config all return the object it makes."""
+    from fastpar.mesh import Layout
+    from fastpar.models import get_config
+    from fastpar.models.parallel_config import ParallelConfig
+    from fastpar.train import TrainConfig
+
+    assert Layout(8, tp=2, pp=2).dp == 2 and Layout(8, tp=2, cp=2).dp == 2
+    assert Layout(8, tp=2, pp=2) == fastpar.layout(8, tp=2, pp=2) == Layout(8, 2, 2, 2)
+    for kwargs, message in ((dict(tp=3), "world_size=8 is not divisible by tp*pp = 3*1 = 3"),
+                            (dict(tp=2, dp=2), "tp*pp*dp = 2*1*2 = 4 != world_size=8"),
+                            (dict(tp=0), "tp=0 must be >= 1"),
+                            (dict(dp=0), "dp=0 must be >= 1"),
+                            (dict(order="tp-dp"), "order='tp-dp' must be")):
+        with pytest.raises(ValueError, match=message.replace("*", r"\*")):
+            Layout(8, **kwargs)
+    lay = ParallelConfig(tp=2).check(get_config("tiny"), 4, 8, 64)
+    assert isinstance(lay, Layout) and (lay.world_size, lay.tp, lay.dp) == (4, 2, 2)
+    with pytest.raises(ValueError, match="gpus=6"):
+        ParallelConfig(tp=4).check(get_config("tiny"), 6, 8, 64, world_name="gpus=")
+    cfg = TrainConfig(tp=2, cp=2, seq_len=64)
+    assert cfg.check_layout(8) == Layout(8, tp=2, cp=2)
+    assert cfg.check_layout(8).sizes() == {"tp": 2, "pp": 1, "dp": 2, "cp": 2}
+
+
+@pytest.mark.parametrize("kwargs", [dict(tp=2, dp=2, cp=2), dict(tp=2, pp=2, dp=2),
+                                    dict(cp=4, dp=2), dict(dp=2, cp=2, tp=2, order="dp-tp-pp")])
+def test_one_replica_of_each_shard_is_copy_zero(kwargs):
+    """The ranks that hold the same (tp, pp) shard of the weights (the dp x cp group) number
+    their copies 0..dp*cp-1 in that group's order; exactly one, copy 0, saves the shard."""
+    from fastpar.mesh import Layout, Mesh
+
+    lay = Layout(8, **kwargs)
+    meshes = [Mesh(lay, r, None, None, None, None) for r in range(8)]
+    for m in meshes:
+        assert m.group_ranks("dp-cp").index(m.rank) == m.replica_rank
+    writers = [(m.tp_rank, m.pp_rank) for m in meshes if m.replica_rank == 0]
+    assert sorted(writers) == sorted({(m.tp_rank, m.pp_rank) for m in meshes})

@@ -86,7 +86,7 @@ def test_calibrate_writes_a_profile(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize("gpus,cp", [(8, 1), (16, 1), (8, 2)])
 def test_search_prints_the_train_command_of_its_best_layout(capsys, monkeypatch, gpus, cp):
-    import fastpar.cli as cli
+    import fastpar.train.cli as cli
     from fastpar.train import TrainConfig
 
     plan = ["plan", "--model", "1b", "--gpus", str(gpus), "--seq-len", "2048",
@@ -107,10 +107,10 @@ def test_search_prints_the_train_command_of_its_best_layout(capsys, monkeypatch,
         opts = {k: v for k, v in vars(args).items()
                 if k not in ("command", "version", "nproc", "max_restarts")}
         cfg = TrainConfig(**opts)
-        seen["dp"] = cfg.check_layout(gpus)
+        seen["dp"] = cfg.check_layout(gpus).dp
         seen["cfg"] = cfg
         return 0
-    monkeypatch.setattr(cli, "_train", fake_train)
+    monkeypatch.setattr(cli, "run_train", fake_train)
     assert main(argv) == 0
     cfg = seen["cfg"]
     got = dict(tp=cfg.tp, pp=cfg.pp, dp=seen["dp"], micro_batch_size=cfg.micro_batch_size,

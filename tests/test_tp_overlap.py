@@ -1,4 +1,6 @@
 """The extension's GEMM <-> collective ops: results, bad input, and proof that they overlap."""
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -89,10 +91,10 @@ def test_ops_match_plain_collectives(tp):
 
 def _trace(fn):
     """The (event, index, ns) tuples the extension records over one run of ``fn``."""
-    extension.trace(True)
+    extension.events.enable()
     fn()
-    ev = extension.trace_events()
-    extension.trace(False)
+    ev = extension.events.take()
+    extension.events.enable(False)
     return ev
 
 
@@ -140,11 +142,18 @@ def test_collectives_are_in_flight_during_the_next_gemm(tp):
 
 
 def _seen(fn):
-    """Which indices' collectives were pending right after issue and which had finished before
-    anyone waited for them, over one run of ``fn``."""
+    """Which indices' collectives were pending right after issue, which had finished before
+    anyone waited for them, and when each was issued (ns), over one run of ``fn``."""
     ev = _trace(fn)
     return ({i for name, i, _ in ev if name == "comm_pending"},
-            {i for name, i, _ in ev if name == "comm_ready"})
+            {i for name, i, _ in ev if name == "comm_ready"},
+            {i: t for name, i, t in ev if name == "comm_start"})
+
+
+# The ranks but one start each run LEAD_S late (doubled while the one issued nothing first, up to
+# GRACE_S): what it issued before any peer cannot have finished, unless the issue waited for it.
+# Runs go on (up to MAX_RUNS) while a rank saw no collective finish during the GEMMs.
+LEAD_S, GRACE_S, MAX_RUNS = 0.1, 30.0, 16
 
 
 def _progress(rank, tp):
@@ -170,16 +179,27 @@ def _progress(rank, tp):
     }
     out = {}
     for name, (fn, issued, may_finish) in cases.items():
-        pending_share, finished = [], set()
-        for _ in range(4):                  # a peer descheduled for a whole GEMM can miss one
-            dist.barrier(group=g)
-            pending, ready = _seen(fn)
-            # A collective can finish between its issue and the check when the issuing thread
-            # is descheduled as gloo's wakes (2 ranks' threads on 2 cores): most, not all, are
-            # still in flight; a blocking issue leaves none.
-            pending_share.append(len(pending & set(issued)) / len(issued))
+        first, pending, finished, run, all_finished = 0, 0, set(), 0, False
+        while run < 4 or (run < MAX_RUNS and not all_finished):
+            lead, delay = run % tp, LEAD_S              # each rank in turn starts on time
+            while True:
+                dist.barrier(group=g)
+                if rank != lead:
+                    time.sleep(delay)
+                seen_pending, ready, starts = _seen(fn)
+                every = [None] * tp
+                dist.all_gather_object(every, (starts, bool(finished | ready & may_finish)),
+                                       group=g)
+                ahead = [[i for i in issued if all(every[r][0][i] < s[i] for q, (s, _) in
+                                                   enumerate(every) if q != r)] for r in range(tp)]
+                if ahead[lead] or delay > GRACE_S:
+                    break
+                delay *= 2
+            # Issued before every peer: still in flight, unless the issue blocked.
+            first, pending = first + len(ahead[rank]), pending + len(seen_pending & {*ahead[rank]})
             finished |= ready & may_finish
-        out[name] = (sum(pending_share) / len(pending_share), sorted(finished))
+            all_finished, run = all(f for _, f in every), run + 1
+        out[name] = (pending / max(first, 1), sorted(finished))
     return out
 
 

@@ -17,10 +17,10 @@ def _close(a, b, what):
 
 def _collectives(fn, event="comm_start") -> int:
     """How many collectives (or, with event="gemm_begin", GEMMs) the extension ran in fn."""
-    extension.trace(True)
+    extension.events.enable()
     fn()
-    n = sum(1 for name, _, _ in extension.trace_events() if name == event)
-    extension.trace(False)
+    n = sum(1 for name, _, _ in extension.events.take() if name == event)
+    extension.events.enable(False)
     return n
 
 

@@ -150,3 +150,41 @@ def test_prepared_data_trains_a_model_of_its_vocabulary(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "val loss" in out.stdout and "fastpar train: sample" in out.stdout
     assert json.loads((tmp_path / "b" / "config.json").read_text())["model"]["vocab_size"] == vocab
+
+
+def _layouts_made(rank, world_size, out, kwargs):
+    """How many Layouts this rank makes through a whole launch (torchrun's path: the launcher's
+    checks, then training), and the mesh's layout is the one the checks made."""
+    import importlib
+
+    import fastpar
+    from fastpar.train import TrainConfig
+    from fastpar.train.launch import launch
+
+    module = importlib.import_module("fastpar.mesh.layout")
+    made, meshes, original = [], [], module.Layout.__post_init__
+    init = fastpar.init
+
+    def counted(self, world_name):
+        made.append(self)
+        original(self, world_name)
+
+    def recorded(**kw):
+        meshes.append(init(**kw))
+        return meshes[-1]
+    module.Layout.__post_init__ = counted
+    fastpar.init = recorded
+    launch(TrainConfig(steps=1, seq_len=32, global_batch_size=4, micro_batch_size=2, out=out,
+                       no_save=True, sample_tokens=0, no_memory_check=True, **kwargs),
+           world_size)
+    return len(made), meshes[0].layout is made[0], meshes[0].layout.sizes()
+
+
+@pytest.mark.parametrize("kwargs", [dict(tp=2), dict(cp=2)])
+def test_a_launch_sizes_its_layout_once(tmp_path, kwargs):
+    """The launcher's checks make the run's Layout; training, fastpar.init and the checkpoint
+    use that object (the memory estimate, left out here, goes through the planner's entry,
+    which checks what it is given)."""
+    out = run_ranks(_layouts_made, 2, str(tmp_path / "run"), kwargs, init_pg=False, timeout=120)
+    sizes = {"tp": 1, "pp": 1, "dp": 1, "cp": 1, **kwargs}
+    assert out == [(1, True, sizes)] * 2

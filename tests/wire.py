@@ -45,14 +45,14 @@ class WireRecorder(TorchDispatchMode):
         self.records: list[tuple[str, int]] = []
 
     def __enter__(self):
-        extension.trace(True)
+        extension.events.enable()
         return super().__enter__()
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
-        self.records += [(name[5:], n) for name, n, _ in extension.trace_events()
+        self.records += [(name[5:], n) for name, n, _ in extension.events.take()
                          if name.startswith("coll:")]
-        extension.trace(False)
+        extension.events.enable(False)
         return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

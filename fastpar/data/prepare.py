@@ -36,7 +36,7 @@ class Prepared:
     val: TokenHeader
 
 
-def add_prepare(sub) -> None:
+def add_prepare_data(sub) -> None:
     p = sub.add_parser("prepare-data", help="tokenize text files into fastpar token files",
                        description="Tokenize text files into a data folder for fastpar train "
                        "--data: DATA/train.bin, DATA/val.bin (the held-out split) and, unless "
@@ -65,7 +65,7 @@ def add_prepare(sub) -> None:
                         "keep their order)")
 
 
-def run_prepare(args) -> int:
+def run_prepare_data(args) -> int:
     try:
         done = prepare_data(args.inputs, args.tokenizer, args.out, args.vocab_size,
                             args.val_fraction, args.seed, args.overwrite)

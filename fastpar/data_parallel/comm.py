@@ -1,4 +1,4 @@
-"""Asynchronous bucket collectives, the stream they are issued on, and an opt-in event log.
+"""Asynchronous bucket collectives and the stream they are issued on.
 
 On CUDA every bucket collective (and the packing or scaling just before it) is issued on a
 dedicated comm stream that first waits for the compute stream, so backward keeps computing while
@@ -8,7 +8,6 @@ no-op. A group of size 1 (or ``None``) communicates nothing.
 """
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 
 import torch
@@ -131,28 +130,3 @@ class CommStream:
         if self.stream is not None:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
-
-class EventLog:
-    """(event, bucket, nanoseconds) tuples of one wrapper, recorded only while enabled.
-
-    Events: ``launch`` (a bucket's collective is started), ``done`` (its wait returned),
-    ``backward_end`` (the autograd engine finished computing gradients).
-    """
-
-    def __init__(self):
-        self.enabled = False
-        self._events: list[tuple[str, int, int]] = []
-
-    def enable(self, on: bool = True) -> None:
-        """Clear the log and switch recording on or off."""
-        self._events = []
-        self.enabled = on
-
-    def record(self, name: str, index: int = -1) -> None:
-        if self.enabled:
-            self._events.append((name, index, time.perf_counter_ns()))
-
-    def take(self) -> list[tuple[str, int, int]]:
-        """The recorded events since the last take, oldest first."""
-        out, self._events = self._events, []
-        return out

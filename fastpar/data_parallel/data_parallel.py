@@ -22,8 +22,8 @@ import torch.nn as nn
 
 from .buckets import BucketSpec, assign_buckets
 from .checks import broadcast_state, check_options, check_params, check_same_params, resolve_group
+from ..extension import EventLog
 from ..mesh.groups import group_rank, group_size
-from .comm import EventLog
 from .reducer import GradReducer
 
 # As torch DDP: the first bucket closes at 1 MiB, so the first reduction starts right away.
@@ -90,7 +90,7 @@ class DataParallel(nn.Module):
             [(p.numel(), p.dtype) for p in params], int(bucket_cap_mb * 2**20),
             pad_to=self.dp_size, reduce_dtype=wire,
             first_cap_bytes=int((first_mb or bucket_cap_mb) * 2**20))
-        self.events = EventLog()
+        self.events = EventLog()    # "launch", "done" (index: bucket), "backward_end"
         self._reducer = GradReducer(params, [n for n, _ in named], self.bucket_specs, group,
                                     self.dp_size, reduce_dtype=reduce_dtype, overlap=overlap,
                                     find_unused=find_unused_parameters, events=self.events,

@@ -41,8 +41,7 @@ from torch.autograd import Variable
 from .. import extension
 from ..mesh.profiling import span
 from .buckets import BucketSpec
-from .comm import (CommStream, EventLog, all_reduce_async, needs_scratch,
-                   reduce_scatter_async)
+from .comm import CommStream, all_reduce_async, needs_scratch, reduce_scatter_async
 
 
 class _Bucket:
@@ -136,7 +135,7 @@ class GradReducer:
 
     def __init__(self, params: list[nn.Parameter], names: list[str], specs: list[BucketSpec],
                  group, world: int, *, reduce_dtype, overlap: bool, find_unused: bool,
-                 events: EventLog, device: torch.device, main_grads: bool = False):
+                 events: extension.EventLog, device: torch.device, main_grads: bool = False):
         self.params, self.names, self.group, self.world = params, names, group, world
         self.overlap, self.find_unused, self.events = overlap, find_unused, events
         self.stream = CommStream(device)

@@ -9,7 +9,7 @@ outermost cut. An order of the three others alone (``"tp-dp-pp"``) puts cp right
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from functools import cached_property
 from itertools import product
 from typing import NamedTuple
@@ -66,19 +66,31 @@ def _parse_order(order: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Layout:
-    """ranks -> (dp, pp, tp, cp); built by :func:`layout`, which validates the sizes."""
+    """ranks -> (dp, pp, tp, cp): the one object that sizes and checks a layout.
+
+    ``dp=None`` means ``world_size // (tp * cp * pp)``. Construction raises ``ValueError`` naming
+    the numbers when a size is < 1, the sizes do not multiply to ``world_size`` (called
+    ``world_name`` in the message), or ``order`` is not a permutation; launch, the trainer,
+    :func:`fastpar.init` and the checkpoint all read the one it makes."""
 
     world_size: int
-    tp: int
-    pp: int
-    dp: int
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None
     order: str = "tp-cp-dp-pp"
     cp: int = 1
+    world_name: InitVar[str] = "world_size="
 
-    def __post_init__(self):
-        require_positive({k: getattr(self, k) for k in ("world_size", "tp", "pp", "dp", "cp")})
-        check_sizes(self.world_size, self.tp, self.pp, self.dp, cp=self.cp)
+    def __post_init__(self, world_name: str):
+        require_positive({k: getattr(self, k) for k in ("world_size", "tp", "pp", "dp", "cp")
+                          if k != "dp" or self.dp is not None})
+        object.__setattr__(self, "dp", check_sizes(self.world_size, self.tp, self.pp, self.dp,
+                                                   world_name, cp=self.cp))
         _parse_order(self.order)
+
+    def sizes(self) -> dict[str, int]:
+        """``{"tp": .., "pp": .., "dp": .., "cp": ..}``, as a checkpoint's manifest records it."""
+        return {d: self.size(d) for d in ("tp", "pp", "dp", "cp")}
 
     @cached_property
     def _dims(self) -> tuple[str, ...]:
@@ -148,13 +160,6 @@ class Layout:
 
 def layout(world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
            order: str = "tp-cp-dp-pp", cp: int = 1) -> Layout:
-    """Lay ``world_size`` ranks out into tensor-, context-, pipeline- and data-parallel groups.
-
-    ``dp=None`` means ``world_size // (tp * cp * pp)``. Raises ``ValueError`` naming the numbers
-    when the sizes do not multiply to ``world_size``, a size is < 1, or ``order`` is not a
-    permutation.
-    """
-    require_positive({"world_size": world_size, "tp": tp, "pp": pp, "cp": cp,
-                      **({} if dp is None else {"dp": dp})})
-    return Layout(world_size=world_size, tp=tp, pp=pp,
-                  dp=check_sizes(world_size, tp, pp, dp, cp=cp), order=order, cp=cp)
+    """``Layout(world_size, tp, pp, dp, order, cp)``: lay ``world_size`` ranks out into tensor-,
+    context-, pipeline- and data-parallel groups (see :class:`Layout`)."""
+    return Layout(world_size, tp, pp, dp, order, cp)

@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .layout import Coords, Layout, layout
+from .layout import Coords, Layout
 from .watchdog import nccl_debug_env
 
 _BACKENDS = ("gloo", "nccl")
@@ -56,6 +56,12 @@ class Mesh:
     dp_rank = property(lambda self: self.coords.dp)
     cp_size = property(lambda self: self.layout.cp)
     cp_rank = property(lambda self: self.coords.cp)
+
+    @property
+    def replica_rank(self) -> int:
+        """Which copy of this rank's (tp, pp) shard of the model it holds: its rank in the
+        dp x cp group (CP ranks hold the same weights too). Copy 0 saves the shard."""
+        return self.dp_rank * self.cp_size + self.cp_rank
 
     def group_ranks(self, dim: str) -> list[int]:
         """Global ranks of this rank's ``dim`` group ("tp", "cp", "pp", "dp" or "dp-cp"), in
@@ -139,11 +145,23 @@ def group_options(backend: str):
     return options
 
 
+def _layout_of(world_size: int, given: Layout | None, *sizes) -> Layout:
+    if given is None:
+        return Layout(world_size, *sizes)
+    if given.world_size != world_size:
+        raise ValueError(f"init: the layout is of {given.world_size} ranks, this world of "
+                         f"{world_size}")
+    return given
+
+
 def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-cp-dp-pp",
          backend: str | None = None, timeout: float | timedelta = 600.0,
-         nccl_trace: str | None = None, cp: int = 1) -> Mesh:
+         nccl_trace: str | None = None, cp: int = 1, layout: Layout | None = None) -> Mesh:
     """Initialise torch.distributed from torchrun's environment and build the tp/pp/dp groups
-    (and with ``cp`` > 1 the cp and dp x cp groups).
+    (and with ``cp`` > 1 the cp and dp x cp groups) of the :class:`Layout` of ``tp``, ``pp``,
+    ``dp``, ``cp`` and ``order`` over the world, or of ``layout``, one already made (the
+    trainer's, checked against the run): then it must be of this world's size and no size is
+    passed beside it.
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Without RANK and WORLD_SIZE
     it runs as a single process (world size 1 on a free local port). If torch.distributed is
@@ -159,6 +177,10 @@ def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-cp-dp
     per-rank dumps (see :func:`fastpar.mesh.watchdog.nccl_debug_env`). NCCL groups get
     high-priority streams (:func:`group_options`).
     """
+    given = {k: v for k, v in dict(tp=tp, pp=pp, dp=dp, cp=cp, order=order).items()
+             if v != {"dp": None, "order": "tp-cp-dp-pp"}.get(k, 1)}
+    if layout is not None and given:
+        raise ValueError(f"init: pass layout= or the sizes, not both ({given})")
     timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
     if timeout.total_seconds() <= 0:
         raise ValueError(f"timeout={timeout.total_seconds():g}s must be > 0")
@@ -166,13 +188,13 @@ def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-cp-dp
         rank, world_size = dist.get_rank(), dist.get_world_size()
         backend = dist.get_backend()
         local_rank = _env_int("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1))
-        lay = layout(world_size, tp=tp, pp=pp, dp=dp, order=order, cp=cp)
+        lay = _layout_of(world_size, layout, tp, pp, dp, order, cp)
     else:
         single = "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
         rank = 0 if single else _env_int("RANK")
         world_size = 1 if single else _env_int("WORLD_SIZE")
         local_rank = _env_int("LOCAL_RANK", 0 if single else rank)
-        lay = layout(world_size, tp=tp, pp=pp, dp=dp, order=order, cp=cp)
+        lay = _layout_of(world_size, layout, tp, pp, dp, order, cp)
         backend, why_gloo = pick_backend(backend, local_world_size(world_size))
         if why_gloo and local_rank == 0:            # once per host
             warnings.warn(why_gloo, RuntimeWarning, stacklevel=2)
@@ -197,7 +219,7 @@ def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-cp-dp
         device = torch.device("cpu")
     # new_group is collective: every rank creates every group, in the same order.
     mine = {}
-    for dim in ("tp", "pp", "dp") + (("cp", "dp-cp") if cp > 1 else ()):
+    for dim in ("tp", "pp", "dp") + (("cp", "dp-cp") if lay.cp > 1 else ()):
         for ranks in lay.groups(dim):
             group = dist.new_group(ranks, timeout=timeout, pg_options=group_options(backend))
             if rank in ranks:

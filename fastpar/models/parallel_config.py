@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..mesh.layout import check_sizes, require_positive
+from ..mesh.layout import Layout, require_positive
 from ..context_parallel import check_seq_len
 from ..pipeline.schedules import SCHEDULES, check_args
 from .gpt import RECOMPUTE
@@ -49,12 +49,13 @@ class ParallelConfig:
                 raise ValueError(f"{shown}={getattr(self, name)!r} is not one of {allowed}")
 
     def check(self, model, world: int, global_batch: int, seq_len: int,
-              world_name: str = "world size ") -> int:
-        """Raise ValueError naming the numbers if this layout cannot run ``model`` (a
-        ``GPTConfig``) on ``world`` ranks with ``global_batch`` sequences of ``seq_len`` tokens
-        per step; returns dp."""
+              world_name: str = "world size ") -> Layout:
+        """The :class:`~fastpar.mesh.Layout` of ``world`` ranks, once this layout is checked to
+        run ``model`` (a ``GPTConfig``) with ``global_batch`` sequences of ``seq_len`` tokens per
+        step; raises ValueError naming the numbers if it cannot."""
         self.check_fields()
-        dp = check_sizes(world, self.tp, self.pp, self.dp, world_name, cp=self.cp)
+        lay = Layout(world, self.tp, self.pp, self.dp, cp=self.cp, world_name=world_name)
+        dp = lay.dp
         if self.cp > 1:
             check_seq_len(seq_len, self.cp)
             if self.zero1:
@@ -74,4 +75,4 @@ class ParallelConfig:
                              f"parallelism")
         check_args(self.schedule, self.pp, self.num_microbatches(global_batch, dp),
                    self.virtual_stages)
-        return dp
+        return lay

@@ -57,13 +57,12 @@ def snapshot(modules, optimizer, mesh, rank_tensors: dict | None = None,
         return t.detach().to("cpu", copy=copy or t._base is not None).contiguous()
 
     rank = mesh.rank if mesh is not None else 0
-    tp, pp, dp = (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank) if mesh else (0, 0, 0)
-    dp += mesh.cp_rank if mesh else 0       # CP ranks hold the same weights as cp rank 0
+    tp, pp = (mesh.tp_rank, mesh.pp_rank) if mesh else (0, 0)
     if optimizer is not None and per_param(optimizer) is None:
         rank_tensors = {**(rank_tensors or {}), **optimizer.shard_tensors()}
     optimizer = per_param(optimizer)
     files: dict[str, dict | str] = {}
-    if dp == 0:     # the first data-parallel replica writes the (tp, pp) shards
+    if mesh is None or mesh.replica_rank == 0:      # one copy of each (tp, pp) shard writes it
         tensors, index = {}, {}
         for name, (t, shape, dim, start, stop, p, rows) in shard_specs(
                 modules, mesh.tp_size if mesh else 1, tp).items():
@@ -308,7 +307,7 @@ def _load_shard(path, manifest: dict, opt, mesh) -> None:
     """A ZeRO-1 optimizer's shard, from the file its rank saved (same layout only)."""
     if not manifest.get("zero1"):
         return          # saved without ZeRO: the moments start afresh, the weights are loaded
-    layout = {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "cp": mesh.cp_size}
+    layout = mesh.layout.sizes()
     if {"cp": 1, **manifest["layout"]} != layout:          # written before cp: cp = 1
         raise ValueError(f"checkpoint {path} holds ZeRO-1 optimizer shards of layout "
                          f"{manifest['layout']}; resume it with that layout")

@@ -6,10 +6,10 @@ import re
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
-from ..mesh.layout import require_positive
+from ..mesh.layout import Layout, require_positive
 from ..models.parallel_config import ParallelConfig
 from ..models import GPTConfig, get_config
-from .hf import source_config
+from .init_from import source_config
 
 PRECISIONS = ("auto", "bf16", "amp", "fp32")
 REDUCE_DTYPES = ("fp32", "bf16")
@@ -140,8 +140,9 @@ class TrainConfig(ParallelConfig):
             return base.replace(init_seed=self.seed)
         return base.replace(max_seq_len=max(self.seq_len, base.max_seq_len), init_seed=self.seed)
 
-    def check_layout(self, world_size: int) -> int:
-        """Check the config against the world; returns dp. Raises ValueError naming the numbers."""
+    def check_layout(self, world_size: int) -> Layout:
+        """The run's :class:`~fastpar.mesh.Layout` of ``world_size`` ranks, once the config is
+        checked against it. Raises ValueError naming the numbers."""
         return self.check(self.model_config, world_size, self.global_batch_size, self.seq_len)
 
     @property

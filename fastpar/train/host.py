@@ -1,10 +1,10 @@
 """Environment for ranks that share one host's CPUs, set before they start.
 
 - ``OMP_NUM_THREADS``: each rank gets its share of the cores, as torchrun does; ranks that each
-  spin a full thread pool on shared cores run a tiny model's step about ten times slower.
+  spin a full thread pool on shared cores run a tiny model's step many times slower.
 - glibc's allocator: by default it hands freed memory at the top of the heap back to the OS once
   more than a few MB are free there, so the next step touches fresh pages again (thousands of
-  page faults a step: ~40 ms of a 1.4 s CPU step was measured going to them), and whether that
+  page faults a step, a visible share of a CPU step), and whether that
   happens depends on where each tensor happens to sit in the heap. ``MALLOC_TRIM_THRESHOLD_``
   keeps freed memory in the process (a training step reuses it at once) and
   ``MALLOC_MMAP_THRESHOLD_`` fixes the size from which blocks are mapped one by one at glibc's

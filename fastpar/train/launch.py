@@ -25,20 +25,21 @@ from pathlib import Path
 
 from .host import worker_env
 from .config import TrainConfig
+from ..mesh.layout import Layout
 
 _RDZV = "fastpar-loopback"
 
 
-def _worker(cfg: TrainConfig) -> None:
+def _worker(cfg: TrainConfig, layout: Layout | None = None) -> None:
     from .trainer import train
 
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         # A restarted worker continues (from scratch if no checkpoint was written yet).
         cfg = replace(cfg, resume=cfg.resume or "auto")
-    train(cfg)
+    train(cfg, layout)
 
 
-def _spawned_worker(cfg: TrainConfig) -> None:
+def _spawned_worker(cfg: TrainConfig, layout: Layout) -> None:
     """A rank started by the launcher: a named failure is one line on stderr and exit code 1;
     Ctrl-C and SIGTERM end it at once and silently, by their default action (the launcher says
     what happened; checkpoints are written under a temporary name, so the last complete one
@@ -47,7 +48,7 @@ def _spawned_worker(cfg: TrainConfig) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
-        _worker(cfg)
+        _worker(cfg, layout)
     except CLEAR_ERRORS as e:
         print(f"fastpar train: error: rank {os.environ.get('RANK', '?')}: {e}", file=sys.stderr,
               flush=True)
@@ -156,23 +157,24 @@ def _describe(failures: dict, max_restarts: int) -> str:
             f"the ranks' own messages are above")
 
 
-def check_inputs(cfg: TrainConfig, world: int, local_ranks: int) -> None:
+def check_inputs(cfg: TrainConfig, world: int, local_ranks: int) -> Layout:
     """Every check of what a run is given, before anything is created or any rank starts (and
     on every rank under torchrun): the layout, the data (each split it reads), the weights of
     ``--init-from`` (every shard present and complete, shapes against the layout) and whether
     the layout fits in memory (the planner's estimate per rank, unless ``--no-memory-check``).
-    Raises ValueError (one line)."""
+    Returns the run's layout, which the ranks use as it is. Raises ValueError (one line)."""
     from ..data.sources import check_data
-    from .hf import check_source
+    from .init_from import check_source
     from .memory_check import check_memory
 
-    cfg.check_layout(world)
+    lay = cfg.check_layout(world)
     for split in ("train", "val") if cfg.eval_every else ("train",):
         check_data(cfg.data, cfg.seq_len, cfg.model_config.vocab_size, cfg.model, split)
     if cfg.init_from:
         check_source(cfg.init_from, cfg.tp, cfg.pp)
     if not cfg.no_memory_check:
-        check_memory(cfg, world, local_ranks)
+        check_memory(cfg, lay, local_ranks)
+    return lay
 
 
 def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0) -> None:
@@ -182,11 +184,12 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0) -> None:
     from .trainer import check_resume
 
     spawn = "RANK" not in os.environ and nproc > 1
-    check_inputs(cfg, nproc, nproc if spawn else int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    world = nproc if spawn else int(os.environ.get("WORLD_SIZE", "1"))
+    lay = check_inputs(cfg, world, nproc if spawn else int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if not spawn:                       # one process, or a torchrun rank: train() does the rest
         cfg = resolve_out(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         try:
-            _worker(cfg)
+            _worker(cfg, lay)
         except KeyboardInterrupt as e:     # Ctrl-C, or SIGTERM (fastpar.cli.Terminated)
             signum = getattr(e, "signum", signal.SIGINT)
             if int(os.environ.get("RANK", "0")) == 0:
@@ -234,7 +237,7 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0) -> None:
         os.environ.get("PYTHONWARNINGS"), "ignore:resource_tracker:UserWarning"]))
     try:
         with _children_ignore_sigint():
-            elastic_launch(config, _spawned_worker)(cfg)
+            elastic_launch(config, _spawned_worker)(cfg, lay)
     except ChildFailedError as e:
         signum = _stopped_by(e.failures)
         if signum:                      # the ranks were stopped from outside, not failed

@@ -22,6 +22,7 @@ import os
 from dataclasses import fields
 from pathlib import Path
 
+from ..mesh.layout import Layout
 from ..models.parallel_config import ParallelConfig
 from ..plan.cost import trainer_features
 from ..plan.hardware import device_profile
@@ -126,11 +127,12 @@ def device_memory(device_type: str, local_ranks: int,
     return host / local_ranks, f"{host:.1f} GB {what}{shared}"
 
 
-def _planner_inputs(cfg, world_size: int, device_type: str, memory_gb: float):
-    """The planner's (Workload, Cluster, ParallelConfig, Features) for ``cfg`` on this device."""
-    dp = cfg.check_layout(world_size)
+def _planner_inputs(cfg, lay: Layout, device_type: str, memory_gb: float):
+    """The planner's (Workload, Cluster, ParallelConfig, Features) for ``cfg`` on ``lay``'s
+    ranks of this device."""
+    world_size = lay.world_size
     layout = ParallelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ParallelConfig)
-                               if f.name != "dp"}, dp=dp)
+                               if f.name != "dp"}, dp=lay.dp)
     mc, mode = cfg.model_config, precision_mode(cfg, device_type)
     low = mode != "fp32"                        # activations in bf16 under autocast
     hw = device_profile(device_type, 2 if low else 4, memory_gb)
@@ -143,20 +145,21 @@ def _planner_inputs(cfg, world_size: int, device_type: str, memory_gb: float):
     return work, Cluster(world_size, world_size, hw), layout, feat
 
 
-def memory_estimate(cfg, world_size: int, device_type: str,
+def memory_estimate(cfg, world_size, device_type: str,
                     memory_gb: float | None = None) -> dict:
     """GB (1e9 bytes) per rank, on the fullest pipeline rank, by kind: weights, gradients,
     optimizer, activations, reserve and total; :func:`fastpar.plan.planner.memory_per_gpu` of
-    ``cfg`` (a ``TrainConfig``) on ``world_size`` ranks of ``device_type``. ``memory_gb``, the
+    ``cfg`` (a ``TrainConfig``) on ``world_size`` ranks (or the run's Layout) of ``device_type``. ``memory_gb``, the
     memory each rank has, only sizes the reserve (1 GB, at most a quarter of it); None: this
     host's, as if all ``world_size`` ranks ran here."""
+    lay = world_size if isinstance(world_size, Layout) else cfg.check_layout(world_size)
     if memory_gb is None:
-        memory_gb = device_memory(device_type, world_size)[0]
-    mem = memory_per_gpu(*_planner_inputs(cfg, world_size, device_type, memory_gb))
+        memory_gb = device_memory(device_type, lay.world_size)[0]
+    mem = memory_per_gpu(*_planner_inputs(cfg, lay, device_type, memory_gb))
     return {k: v for k, v in mem.items() if k != "params_per_gpu"}
 
 
-def check_memory(cfg, world_size: int, local_ranks: int, device_type: str | None = None,
+def check_memory(cfg, world_size, local_ranks: int, device_type: str | None = None,
                  limit_gb: float | None = None) -> None:
     """Raise ValueError (one line: the estimate by kind, the memory each rank has, what to
     change) if ``cfg`` on ``world_size`` ranks, ``local_ranks`` of them on this host, needs more

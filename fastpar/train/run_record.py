@@ -90,7 +90,7 @@ def legacy_record(out) -> dict | None:
         return None
 
 
-def write_run_files(cfg: TrainConfig, world: int, dp: int, fresh: bool) -> None:
+def write_run_files(cfg: TrainConfig, layout, fresh: bool) -> None:
     """``config.json`` (always: the options this part of the run was started with), and on a
     fresh start or with adopted changes ``data.json`` and ``tokenizer.json`` (rank 0 only)."""
     out = Path(cfg.out)
@@ -98,7 +98,7 @@ def write_run_files(cfg: TrainConfig, world: int, dp: int, fresh: bool) -> None:
     train = dict(cfg.to_dict(), **{k: absolute(getattr(cfg, k)) for k in
                                    ("out", "data", "init_from")})
     _write_json(out / "config.json", {"train": train, "model": cfg.model_config.to_dict(),
-                                      "world_size": world, "dp": dp})
+                                      "world_size": layout.world_size, "dp": layout.dp})
     if not fresh and not cfg.adopt_changes and (out / DATA_FILE).exists():
         return
     _write_json(out / DATA_FILE, describe_data(cfg.data))

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .hf import is_hf_dir, source_config
+from ..models.hf import is_hf_dir, load_hf
+from .init_from import source_config
 from .checkpoint import latest_checkpoint
 from ..data.tokenizer import load_tokenizer, run_tokenizer_file, tokenizer_file, tokenizer_for_data
 
@@ -100,7 +101,6 @@ def _generate(source: Path, hf: bool, config, prompt: list[int], args, world: in
     weights, and generate."""
     import fastpar
     from ..models import GPT, generate
-    from .hf import load_hf
     from .checkpoint import load_checkpoint
 
     if world > 1:
@@ -125,8 +125,8 @@ def print_sample(cfg, chunks, mesh, tokens, say) -> None:
     generate from instead (``fastpar generate`` loads its checkpoint on any TP layout)."""
     from ..models import generate
 
-    if cfg.pp > 1 or cfg.sequence_parallel or cfg.cp > 1:
-        kind = "pipeline" if cfg.pp > 1 else "context-parallel" if cfg.cp > 1 else \
+    if mesh.pp_size > 1 or cfg.sequence_parallel or mesh.cp_size > 1:
+        kind = "pipeline" if mesh.pp_size > 1 else "context-parallel" if mesh.cp_size > 1 else \
             "sequence-parallel"
         if say:
             say(f"fastpar train: sample: `fastpar generate {cfg.out} --prompt TEXT` (a {kind} "

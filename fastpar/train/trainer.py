@@ -30,11 +30,11 @@ import torch.nn as nn
 import fastpar
 from ..context_parallel import shard_sequence
 from ..data_parallel import DataParallel, DistributedOptimizer
-from ..mesh import Mesh
+from ..mesh import Layout, Mesh
 from ..mesh.profiling import span
 from ..mesh.watchdog import CollectiveTimeoutError, Watchdog
 from ..models import GPT
-from .hf import is_hf_dir, load_hf
+from ..models.hf import is_hf_dir, load_hf
 from ..pipeline import PipelineExecutor, build_schedule, build_stages
 from . import faults
 from ..tensor_parallel.sharding import tp_params
@@ -60,11 +60,11 @@ def build_model(cfg: TrainConfig, mesh) -> list[GPT]:
     make = functools.partial(GPT, mc, tp_group=mesh.tp_group, recompute=cfg.recompute,
                              sequence_parallel=cfg.sequence_parallel, device=mesh.device,
                              cp_group=mesh.cp_group)
-    return build_stages(make, mesh.pp_rank, cfg.pp, cfg.virtual_stages, num_blocks=mc.n_layers,
+    return build_stages(make, mesh.pp_rank, mesh.pp_size, cfg.virtual_stages, num_blocks=mc.n_layers,
                         layer_costs=mc.piece_flops(cfg.seq_len))
 
 
-def _wrap(cfg: TrainConfig, chunks, mesh, dp: int):
+def _wrap(cfg: TrainConfig, chunks, mesh):
     """The DataParallel wrapper and its DistributedOptimizer (AdamW), at every layout.
 
     ``--precision bf16`` (Megatron's mixed precision): the parameters become bf16 (buffers such
@@ -84,7 +84,7 @@ def _wrap(cfg: TrainConfig, chunks, mesh, dp: int):
     ddp = DataParallel(nn.ModuleList(chunks), dp_group=mesh.dp_cp_group, main_grads=mixed,
                        reduce_dtype=reduce_dtype)
     return ddp, DistributedOptimizer(ddp, torch.optim.AdamW, _param_groups(chunks, cfg.weight_decay),
-                                     shard=cfg.zero1 and dp > 1, foreach=True, lr=cfg.lr,
+                                     shard=cfg.zero1 and mesh.dp_size > 1, foreach=True, lr=cfg.lr,
                                      betas=(0.9, 0.95), eps=1e-8)
 
 
@@ -161,8 +161,7 @@ class Run:
     optimizer, the pipeline (pp > 1), the data, and the hooks around each step."""
 
     cfg: TrainConfig
-    mesh: Mesh
-    dp: int
+    mesh: Mesh                    # its layout is the run's, sized and checked once
     chunks: list[GPT]
     ddp: DataParallel
     opt: DistributedOptimizer
@@ -182,15 +181,16 @@ class Run:
 
     @property
     def micro_batches(self) -> int:
-        return self.cfg.num_microbatches(self.cfg.global_batch_size, self.dp)
+        return self.cfg.num_microbatches(self.cfg.global_batch_size, self.mesh.dp_size)
 
 
-def setup(cfg: TrainConfig) -> Run:
+def setup(cfg: TrainConfig, layout: Layout | None = None) -> Run:
     """Everything before the first step, on this rank: the output folder and the checkpoint to
     resume from (checked before any collective), the data, the mesh, the model (its initial,
-    fine-tuning or resumed weights), the optimizer and the hooks."""
+    fine-tuning or resumed weights), the optimizer and the hooks. ``layout`` is the run's, when
+    the launcher has checked it already (``cfg.check_layout``); else it is checked here."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    dp = cfg.check_layout(world)               # every check before any collective
+    lay = layout or cfg.check_layout(world)     # every check before any collective
     say = print if rank == 0 else None
     cfg = resolve_out(cfg, world)
     check_out(cfg)
@@ -208,29 +208,29 @@ def setup(cfg: TrainConfig) -> Run:
     trace = Path(cfg.out).resolve() / "nccl_trace"      # NCCL's flight-recorder dumps
     if torch.cuda.is_available():
         trace.mkdir(parents=True, exist_ok=True)
-    mesh = fastpar.init(tp=cfg.tp, pp=cfg.pp, dp=dp, cp=cfg.cp, timeout=cfg.timeout,
-                        nccl_trace=str(trace / "rank_"))
+    mesh = fastpar.init(layout=lay, timeout=cfg.timeout, nccl_trace=str(trace / "rank_"))
     torch.manual_seed(cfg.seed)
     chunks = build_model(cfg, mesh)
     if cfg.init_from and resume_from is None:   # fine-tuning: the weights, not the optimizer
         _init_from(cfg.init_from, chunks, mesh, say)
-    ddp, opt = _wrap(cfg, chunks, mesh, dp)
+    ddp, opt = _wrap(cfg, chunks, mesh)
     held_out = None
     if val is not None:
-        vs = BatchSampler(val, cfg.seq_len, cfg.global_batch_size, cfg.seed, mesh.dp_rank, dp)
+        vs = BatchSampler(val, cfg.seq_len, cfg.global_batch_size, cfg.seed, mesh.dp_rank,
+                          lay.dp)
         held_out = [_cp_shard(vs.batch(k), mesh) for k in range(cfg.eval_batches)]
     pipe = None
-    if cfg.pp > 1:
-        sched = build_schedule(cfg.schedule, cfg.pp, cfg.num_microbatches(
-            cfg.global_batch_size, dp), cfg.virtual_stages)
+    if lay.pp > 1:
+        sched = build_schedule(cfg.schedule, lay.pp, cfg.num_microbatches(
+            cfg.global_batch_size, lay.dp), cfg.virtual_stages)
         pipe = PipelineExecutor(chunks, sched, mesh.pp_group, loss_fn=loss_fn(mesh.tp_group))
     start = 0 if resume_from is None else \
         load_checkpoint(resume_from, chunks, opt, mesh)["data_step"]
     if mesh.rank == 0:
-        write_run_files(cfg, world, dp, fresh=start == 0)
+        write_run_files(cfg, lay, fresh=start == 0)
     return Run(
-        cfg, mesh, dp, chunks, ddp, opt, pipe,
-        BatchSampler(tokens, cfg.seq_len, cfg.global_batch_size, cfg.seed, mesh.dp_rank, dp),
+        cfg, mesh, chunks, ddp, opt, pipe,
+        BatchSampler(tokens, cfg.seq_len, cfg.global_batch_size, cfg.seed, mesh.dp_rank, lay.dp),
         val, held_out, start, resume_from, Watchdog(mesh, cfg.timeout),
         NonFiniteGuard(cfg.max_skipped_steps, mesh.device, verbose=mesh.rank == 0),
         CheckpointWriter(Path(cfg.out) / "checkpoints", mesh, cfg.keep_last, cfg.async_save,
@@ -267,7 +267,7 @@ def train_step(run: Run, step: int) -> tuple[float, float, bool]:
     faults.poison(run.fault, step, mesh.rank, loss, run.chunks)
     with wd.region(step, "the loss all-reduce", ("dp", "cp")):
         dist.all_reduce(loss, group=mesh.dp_cp_group)
-    loss = loss.item() / (run.dp * cfg.cp)
+    loss = loss.item() / (mesh.dp_size * mesh.cp_size)
     with wd.region(step, "the gradient-norm all-reduce", ("tp", "pp", "dp")), \
             span("gradient clipping"):
         norm = _clip(run.chunks, mesh, cfg.grad_clip, opt)
@@ -298,17 +298,17 @@ def checkpoint_hook(run: Run, step: int, record: dict) -> None:
     if cfg.no_save or not ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
         return
     with run.watchdog.region(step, "saving the checkpoint"):
-        layout = {"tp": cfg.tp, "pp": cfg.pp, "dp": run.dp, "cp": cfg.cp}
         run.writer.save(step, run.chunks, run.opt, {
-            "data_step": step, "model_config": cfg.model_config.to_dict(), "layout": layout,
+            "data_step": step, "model_config": cfg.model_config.to_dict(),
+            "layout": run.mesh.layout.sizes(),
             "run": record})
 
 
-def train(cfg: TrainConfig) -> list[dict]:
-    """Run ``cfg`` on this process's rank; returns the per-step metrics (all ranks)."""
-    run = setup(cfg)
+def train(cfg: TrainConfig, layout: Layout | None = None) -> list[dict]:
+    """Run ``cfg`` on this process's rank (on ``layout``, if checked already); returns the
+    per-step metrics (all ranks)."""
+    run = setup(cfg, layout)
     cfg, mesh = run.cfg, run.mesh
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     step_tokens = cfg.global_batch_size * cfg.seq_len
     flops = cfg.model_config.train_flops(cfg.seq_len, step_tokens)  # model FLOPs, as MFU counts
     record = run_record(cfg)            # what every checkpoint says the run depends on
@@ -319,7 +319,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         t0 = time.perf_counter()
         loss, lr, ok = train_step(run, step)
         step_time = time.perf_counter() - t0    # the evaluation is not part of the step
-        rows.append(run.metrics.log(step, loss, lr, step_tokens, step_time, flops, world,
+        rows.append(run.metrics.log(step, loss, lr, step_tokens, step_time, flops, mesh.world_size,
                                     skipped=not ok, val_loss=evaluate_hook(run, step)))
         checkpoint_hook(run, step, record)
         traced = run.profiler.after(step)

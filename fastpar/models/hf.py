@@ -8,19 +8,19 @@ fills a GPT chunk of any (tp, pp) layout, each rank reading only the rows or col
 and :func:`save_hf` go back: full tensors of a whole model, the padding dropped.
 
 The names follow the checkpoint's (:func:`fastpar.tensor_parallel.sharding.shard_specs`:
-``attn.q``, ``mlp.gate``, ...), one rule per family. GPT-2's Conv1D weights are stored transposed ((in, out)) and its q, k,
-v live in one ``c_attn``: they are transposed and cut on the way in and joined on the way out.
+``attn.q``, ``mlp.gate``, ...), one rule per family. GPT-2's Conv1D weights are stored
+transposed ((in, out)) and its q, k, v live in one ``c_attn``: they are transposed and cut on the
+way in and joined on the way out. The ``--init-from`` checks: :mod:`fastpar.train.init_from`.
 """
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from ..models.config import GPTConfig
+from .config import GPTConfig
 from ..tensor_parallel.sharding import shard_specs
 
 _LLAMA_LAYER = {"self_attn.q_proj": "attn.q", "self_attn.k_proj": "attn.k",
@@ -159,10 +159,10 @@ class _Source(NamedTuple):
     shape: list[int]        # the stored tensor's shape the config needs
 
 
-def _hf_source(kind: str, config: GPTConfig, name: str, shape) -> _Source | None:
+def hf_source(kind: str, config: GPTConfig, name: str, shape) -> _Source | None:
     """Where fastpar tensor ``name`` (global shape ``shape``) is stored in a Hugging Face
     directory of ``kind``; None for a tied head (it is the embedding). The one rule both
-    :func:`load_hf` and :func:`check_source` compare stored shapes by."""
+    :func:`load_hf` and :func:`fastpar.train.init_from.check_source` compare stored shapes by."""
     if name == "head.weight" and config.tie_embeddings:
         return None
     src, part = _hf_name(kind, name)
@@ -200,7 +200,7 @@ def _hf_json(path: Path) -> dict | None:
     return hf
 
 
-def _hf_config(path: Path) -> tuple[dict, GPTConfig]:
+def hf_config(path: Path) -> tuple[dict, GPTConfig]:
     """A Hugging Face directory's ``config.json`` and its GPTConfig; errors name the file."""
     hf = _hf_json(path)
     if hf is None:
@@ -211,7 +211,7 @@ def _hf_config(path: Path) -> tuple[dict, GPTConfig]:
         raise ValueError(f"{path / 'config.json'}: {e}") from None
 
 
-def _hf_index(path: Path) -> dict[str, str] | None:
+def hf_index(path: Path) -> dict[str, str] | None:
     """The index's weight_map (tensor -> shard file), or None for an unsharded directory."""
     index = path / "model.safetensors.index.json"
     if not index.exists():
@@ -224,12 +224,10 @@ def _hf_index(path: Path) -> dict[str, str] | None:
     return weight_map
 
 
-def _hf_shards(path: Path, weight_map: dict[str, str] | None) -> list[str]:
+def hf_shards(path: Path, weight_map: dict[str, str] | None) -> list[str]:
     """The safetensors files of a directory: those its index names, else every one there."""
-    if weight_map is None:
-        files = [p.name for p in sorted(path.glob("*.safetensors"))]
-    else:
-        files = sorted(set(weight_map.values()))
+    files = [p.name for p in sorted(path.glob("*.safetensors"))] if weight_map is None else \
+        sorted(set(weight_map.values()))
     if not files:
         raise ValueError(f"{path}: no *.safetensors file")
     for f in files:
@@ -247,7 +245,7 @@ class _Reader:
         from safetensors import safe_open
 
         self.where, self._open = {}, []
-        for f in _hf_shards(path, _hf_index(path)):
+        for f in hf_shards(path, hf_index(path)):
             try:
                 handle = safe_open(str(path / f), framework="pt")
             except Exception as e:          # a truncated or corrupt file
@@ -262,9 +260,7 @@ class _Reader:
 
     def rows(self, name: str, dim: int | None, lo: int, hi: int) -> torch.Tensor:
         sl = self.where[name].get_slice(name)
-        if dim is None:
-            return sl[:]
-        return sl[lo:hi] if dim == 0 else sl[:, lo:hi]
+        return sl[:] if dim is None else sl[lo:hi] if dim == 0 else sl[:, lo:hi]
 
 
 @torch.no_grad()
@@ -273,11 +269,11 @@ def load_hf(path, modules, tp_size: int = 1, tp_rank: int = 0) -> GPTConfig:
     with ``config_from_hf``'s config); returns that config. Each tensor is read as the slice
     this rank holds; a shape that does not match the config raises naming the tensor."""
     path = Path(path)
-    hf, config = _hf_config(path)
+    hf, config = hf_config(path)
     kind, reader = hf["model_type"], _Reader(path)
     for name, (t, shape, dim, start, stop, _p, _rows) in shard_specs(modules, tp_size,
                                                                       tp_rank).items():
-        source = _hf_source(kind, config, name, shape)
+        source = hf_source(kind, config, name, shape)
         if source is None:
             continue
         src, part, conv, off, want = source[:5]
@@ -304,24 +300,20 @@ def load_hf(path, modules, tp_size: int = 1, tp_rank: int = 0) -> GPTConfig:
 @torch.no_grad()
 def hf_state_dict(model, kind: str | None = None) -> dict[str, torch.Tensor]:
     """The Hugging Face tensors of a whole fastpar GPT (one process, tp=1), padding dropped."""
-    c = model.config
-    kind = kind or config_to_hf(c)["model_type"]
+    kind = kind or config_to_hf(model.config)["model_type"]
     out: dict[str, torch.Tensor] = {}
     for name, spec in shard_specs([model], 1, 0).items():
-        src, part = _hf_name(kind, name)
-        x = spec.tensor.detach()
-        if name in ("embed.weight", "head.weight"):
-            x = x[:c.vocab_size]
-        conv = kind == "gpt2" and any(m in src for m in _GPT2_CONV1D) and src.endswith("weight")
-        if part is not None:
-            out.setdefault(src, {})[part] = x
+        source = hf_source(kind, model.config, name, spec.shape)
+        if source is None:                              # a tied head: it is the embedding
             continue
-        out[src] = (x.t() if conv else x).contiguous().clone()
+        x = spec.tensor.detach()[:source.want[0]]      # the vocabulary padding dropped
+        if source.part is not None:
+            out.setdefault(source.name, {})[source.part] = x
+        else:
+            out[source.name] = (x.t() if source.conv else x).contiguous().clone()
     for src, parts in [(k, v) for k, v in out.items() if isinstance(v, dict)]:
         joined = torch.cat([parts[p] for p in "qkv"], 0)
         out[src] = (joined.t() if src.endswith("weight") else joined).contiguous().clone()
-    if c.tie_embeddings and kind == "llama":
-        out.pop("lm_head.weight", None)
     return out
 
 
@@ -345,109 +337,3 @@ def is_hf_dir(path) -> bool:
     fastpar checkpoint (a manifest.json). A config.json that is not a JSON object raises."""
     hf = _hf_json(Path(path))
     return hf is not None and "model_type" in hf
-
-
-def _is_hf_source(path: Path) -> bool:
-    """Whether ``path`` is a Hugging Face directory (False: a fastpar checkpoint); anything
-    else is one ValueError saying what it is not."""
-    if not path.exists():
-        raise ValueError(f"{path} does not exist")
-    if not path.is_dir():
-        raise ValueError(f"{path} is not a folder")
-    if is_hf_dir(path):
-        return True
-    if (path / "manifest.json").is_file():
-        return False
-    why = "; its config.json has no model_type" if (path / "config.json").is_file() else ""
-    raise ValueError(f"{path} is neither a Hugging Face directory (config.json with a "
-                     f"model_type) nor a fastpar checkpoint (manifest.json){why}")
-
-
-def source_config(path) -> GPTConfig:
-    """The model config of a Hugging Face directory or of a fastpar checkpoint; anything wrong
-    with what it reads is one ValueError."""
-    from .checkpoint import checkpoint_config, read_manifest
-
-    path = Path(path)
-    if _is_hf_source(path):
-        return _hf_config(path)[1]
-    return checkpoint_config(path, read_manifest(path))
-
-
-def check_source(path, tp: int = 1, pp: int = 1) -> GPTConfig:
-    """Everything loading ``path`` (HF directory or fastpar checkpoint) into a (tp, pp) layout
-    needs, checked without reading tensor data; returns its GPTConfig. Raises ValueError (one
-    line) naming the file and the value at fault.
-
-    The launcher calls it before any rank starts, so a bad ``--init-from`` is one line there
-    rather than a failure inside every rank: the config, every shard present and complete
-    (safetensors headers against file sizes; a fastpar checkpoint's sha256 too), every tensor
-    the model needs there with its shape, and the layout."""
-    from ..mesh.layout import require_positive
-    from .checkpoint import check_checkpoint
-
-    path = Path(path)
-    config = source_config(path)            # what the folder is, and its config
-    # The layout before the tensors: it is cheap, and a checkpoint's sha256 is not.
-    require_positive({"tp": tp, "pp": pp})
-    try:
-        config.check_tp(tp)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
-    if pp > config.n_layers:
-        raise ValueError(f"{path}: n_layers={config.n_layers} is fewer than pp={pp} stages")
-    shapes = _model_shapes(config)
-    if is_hf_dir(path):
-        _check_hf_tensors(path, shapes)
-    else:
-        check_checkpoint(path, shapes)
-    return config
-
-
-def _model_shapes(config: GPTConfig) -> dict[str, list[int]]:
-    """Every tensor a fastpar checkpoint of ``config`` holds: name -> full shape. The model is
-    built on the meta device: shapes only, nothing allocated, whatever its size."""
-    from ..models.gpt import GPT
-    with torch.device("meta"):
-        model = GPT(config)
-    return {name: spec.shape for name, spec in shard_specs([model], 1, 0).items()}
-
-
-def _check_hf_tensors(path: Path, shapes: dict[str, list[int]]) -> None:
-    """Every shard's header against its file size, and every tensor the model needs (by
-    :func:`_hf_source`) in the shard the index names, of its shape, floating point."""
-    from .checkpoint import check_header_tensor, safetensors_header
-
-    hf, config = _hf_config(path)
-    weight_map = _hf_index(path)
-    headers = {f: safetensors_header(path / f) for f in _hf_shards(path, weight_map)}
-    where = weight_map if weight_map is not None else \
-        {name: f for f, header in headers.items() for name in header}
-    for name, shape in shapes.items():
-        source = _hf_source(hf["model_type"], config, name, shape)
-        if source is None:
-            continue
-        file = where.get(source.name)
-        if file is None:
-            holder = "the index names no shard for" if weight_map else "no shard holds"
-            raise ValueError(f"{path}: {holder} tensor {source.name!r}, which the model needs")
-        if source.name not in headers[file]:
-            raise ValueError(f"{path / file} lacks tensor {source.name!r}, which the index "
-                             f"places there")
-        check_header_tensor(path / file, headers[file], source.name, source.shape,
-                            "the config")
-
-
-def export_checkpoint(ckpt, out) -> Path:
-    """A fastpar checkpoint of any layout as a Hugging Face directory (``fastpar export``)."""
-    from ..models.gpt import GPT
-    from .checkpoint import load_checkpoint
-    from ..data.tokenizer import run_tokenizer_file
-
-    model = GPT(source_config(ckpt))
-    load_checkpoint(ckpt, [model], None, None)
-    out = save_hf(model, out)
-    tok = run_tokenizer_file(ckpt)          # the tokenizer the run's data was prepared with
-    if tok is not None:
-        shutil.copyfile(tok, Path(out) / "tokenizer.json")
-    return out

@@ -1,8 +1,9 @@
-"""Accuracy of the Triton kernels compiled on one CUDA GPU (not interpreted), in about a minute.
+"""Accuracy of the Triton kernels compiled on one CUDA GPU (not interpreted), in about a minute: the
+large shapes the interpreted kernel tests beside this file cannot reach.
 
-    python bench/gpu_kernel_check.py
+    TRITON_INTERPRET=0 python -m pytest tests/test_kernel_gpu_accuracy.py -m gpu -q -s
 
-Checks, each on its own line, PASS or FAIL with its largest errors:
+Checks, one test each, printing its largest errors:
   * rms_norm and layer_norm, forward and backward (y, dx, dw, db), 4096 rows at hidden 8192 (whole
     rows in registers) and 16384 (rows walked in column chunks), bf16 and fp32 inputs and weights,
     against the float64 torch op on the same values;
@@ -14,30 +15,46 @@ A result passes when its largest absolute error is at most twice torch's own err
 dtype (the same op run by torch in bf16 / fp32 against the same reference; flash-attention's rule),
 plus one rounding to the output dtype at the reference's largest magnitude (at least 64 fp32 ulps,
 for accumulation order): a kernel that rounds once can be half an ulp off where torch happened
-not to be. The exit status
-is 1 if any check failed, 2 without a CUDA GPU. Needs fastpar installed (``pip install -e .``) and
-about 30 GiB of GPU memory.
+not to be. Marked ``gpu``; skipped without a CUDA GPU and under the interpreter
+(TRITON_INTERPRET=1, which tests/conftest.py sets when it is unset). Needs about 30 GiB of GPU
+memory. bench/gpu_check.sh runs it as its ``accuracy`` step.
 """
 from __future__ import annotations
 
-import os
-import sys
-import time
+import pytest
+import torch
+import torch.nn.functional as F
 
-os.environ["TRITON_INTERPRET"] = "0"          # compiled kernels: set before triton is imported
-os.environ["FASTPAR_KERNEL_IMPL"] = "triton"  # never the torch fallback
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-_BENCH = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, _BENCH)                                    # common
-sys.path.append(os.path.join(os.path.dirname(_BENCH), "tests"))  # kernel_testing (randn)
+from fastpar.kernels.launch import interpreting
+from kernel_testing import randn
 
 DEVICE = "cuda"
 ROWS, HIDDENS = 4096, (8192, 16384)
 TOKENS, VOCAB, IGNORE = 16384, 131200, -100
 FP32_SLACK = 64 * torch.finfo(torch.float32).eps
+
+
+def _skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return ("needs a CUDA GPU (torch.cuda.is_available() is False): the kernels are checked "
+                "compiled, not interpreted")
+    if interpreting():
+        return ("needs compiled kernels: TRITON_INTERPRET=1 would interpret these shapes for "
+                "hours; run with TRITON_INTERPRET=0 (bench/gpu_check.sh does)")
+    return None
+
+
+SKIP = _skip_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
+
+
+@pytest.fixture(autouse=True)
+def _compiled_triton(monkeypatch):
+    """The Triton kernels, never the torch fallback; the GPU's memory freed after each check."""
+    monkeypatch.setenv("FASTPAR_KERNEL_IMPL", "triton")
+    yield
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 def max_err(a: torch.Tensor, ref: torch.Tensor, rows: int = 1024) -> float:
@@ -65,7 +82,6 @@ def compare(named: dict) -> tuple[bool, str]:
 
 
 def _norm_inputs(op: str, hidden: int, dtype: torch.dtype):
-    from kernel_testing import randn
     g = torch.Generator(device=DEVICE).manual_seed(hidden)
     with torch.device(DEVICE):
         x = randn(ROWS, hidden, dtype=dtype, scale=2.0, generator=g)
@@ -132,50 +148,16 @@ def check_cross_entropy():
                     "dlogits": (ours[1], peer[1], ref[1])})
 
 
-def run(name: str, fn) -> bool:
-    """Run one check; print one line; never raise."""
-    start = time.perf_counter()
-    try:
-        ok, summary = fn()
-    except Exception as e:                    # reported as this check's failure, then go on
-        ok, summary = False, f"{type(e).__name__}: {e}".replace("\n", " ")[:400]
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    print(f"{'PASS' if ok else 'FAIL'} {name} ({time.perf_counter() - start:.1f} s): {summary}",
-          flush=True)
-    return ok
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("hidden", HIDDENS)
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_norm_compiled_matches_torch(op, hidden, dtype):
+    ok, summary = check_norm(op, hidden, dtype)
+    print(f"{op} {ROWS}x{hidden} {str(dtype).removeprefix('torch.')}: {summary}")
+    assert ok, summary
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("gpu_kernel_check.py: torch sees no CUDA GPU here; run it on a GPU machine "
-              "(the kernels are checked compiled, not interpreted)", file=sys.stderr)
-        return 2
-    try:
-        import triton
-
-        import common
-        import fastpar.kernels  # noqa: F401
-    except ImportError as e:
-        print(f"gpu_kernel_check.py: {e}; install fastpar first (pip install -e .)",
-              file=sys.stderr)
-        return 2
-    props = torch.cuda.get_device_properties(0)
-    print(f"== {props.name}, {props.total_memory / 2**30:.0f} GiB; torch {torch.__version__}, "
-          f"triton {triton.__version__}; host {common.machine()['host']}", flush=True)
-    start = time.perf_counter()
-    results = []
-    for op in ("rms_norm", "layer_norm"):
-        for hidden in HIDDENS:
-            for dtype in (torch.bfloat16, torch.float32):
-                name = f"{op} {ROWS}x{hidden} {str(dtype).removeprefix('torch.')}"
-                results.append(run(name, lambda: check_norm(op, hidden, dtype)))
-    results.append(run(f"cross_entropy {TOKENS}x{VOCAB} bf16", check_cross_entropy))
-    failed = results.count(False)
-    print(f"== {len(results) - failed} passed, {failed} failed in "
-          f"{time.perf_counter() - start:.0f} s")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def test_cross_entropy_compiled_matches_torch():
+    ok, summary = check_cross_entropy()
+    print(f"cross_entropy {TOKENS}x{VOCAB} bf16: {summary}")
+    assert ok, summary
