@@ -16,6 +16,7 @@ SLOW_FILES = {
     "test_model_triton.py", "test_harness.py", "test_package.py", "test_init_from_checks.py",
     "test_cp_model.py", "test_generate.py", "test_hf.py", "test_nccl_rules.py",
     "test_pp_executor.py", "test_memory_check.py", "test_dp_pp_overlap.py", "test_own_model.py",
+    "test_readme.py",
 }
 
 

@@ -29,10 +29,11 @@ def reduce_scatter_async(out: torch.Tensor, buf: torch.Tensor, group: Group,
                          scratch: torch.Tensor | None = None):
     """Start a sum reduce-scatter: ``out`` gets this rank's 1/size block of ``buf``.
 
-    gloo reduce-scatters through a whole all-reduce (measured here: the same time as an
-    all-reduce of ``buf``). With ``scratch`` (room for size-1 blocks) each rank instead sends
-    block r of ``buf`` to rank r and receives its own block from every peer, the (size-1)/size
-    of ``buf`` that a ring moves; the received blocks are summed with its own on wait.
+    gloo reduce-scatters through a whole all-reduce (the time of an all-reduce of ``buf``;
+    bench/RESULTS.md, "gloo's collectives"). With ``scratch`` (room for size-1 blocks) each
+    rank instead sends block r of ``buf`` to rank r and receives its own block from every
+    peer, the (size-1)/size of ``buf`` that a ring moves; the received blocks are summed with
+    its own on wait.
     """
     if group_size(group) == 1:
         out.copy_(buf[: out.numel()])
@@ -88,8 +89,7 @@ def _exchange(group: Group, pairs) -> list:
 def needs_scratch(group: Group) -> bool:
     """Whether collectives over ``group`` should be built from pairwise transfers: gloo, whose
     own reduce-scatter costs an all-reduce and whose all-gather is slower than an all-reduce
-    (measured: 50 MB, 2 ranks, loopback: all-gather 50-63 ms, all-reduce 36-44 ms, the same
-    bytes as pairwise transfers 21-25 ms)."""
+    (bench/RESULTS.md, "gloo's collectives")."""
     return group_size(group) > 1 and dist.get_backend(group) == "gloo"
 
 

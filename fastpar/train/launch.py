@@ -224,7 +224,7 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0) -> None:
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                           run_id=f"fastpar-{uuid.uuid4().hex[:8]}", rdzv_backend=_RDZV,
                           rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
-                          monitor_interval=0.5, start_method="spawn", local_addr="127.0.0.1",
+                          monitor_interval=0.1, start_method="spawn", local_addr="127.0.0.1",
                           **agent_signals)
     # The agent's own warnings (a worker shut down, a signal received) would repeat what the
     # one line below says; torch sets a level on each of its loggers, so each is quietened.
