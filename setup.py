@@ -63,5 +63,5 @@ setup(
     # installed by hand.
     install_requires=["torch>=2.11", 'triton>=3.6; platform_system == "Linux"', "numpy",
                       "safetensors", "tqdm", "matplotlib"],
-    entry_points={"console_scripts": ["fastpar = fastpar.cli:main"]},
+    entry_points={"console_scripts": ["fastpar = fastpar.cli:run"]},
 )

@@ -1,5 +1,3 @@
-import sys
+from fastpar.cli import run
 
-from fastpar.cli import main
-
-sys.exit(main())
+run()

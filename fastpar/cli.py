@@ -92,6 +92,25 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, before)
 
 
+def run() -> None:
+    """The entry point of the ``fastpar`` script and ``python -m fastpar``: :func:`main`, then
+    what the interpreter's exit does that matters (other threads finished, exit handlers run,
+    output flushed), without tearing down the modules, which with torch loaded takes most of a
+    second a command."""
+    import atexit
+    import os
+    import threading
+
+    code = main()
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _main(argv: list[str] | None) -> int:
     # Imported here, after the signal handling is in place: they load torch (seconds).
     import argparse

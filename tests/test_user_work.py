@@ -130,20 +130,31 @@ def test_run_folder_stands_on_its_own_and_resume_continues_exactly(prepared, tmp
         shutil.move(str(moved), str(data))
 
 
+RESUMABLE = ["--steps", "4", "--save-every", "2", "--out", "run"]
+
+
+@pytest.fixture(scope="module")
+def resumable_run(tmp_path_factory):
+    """A 4-step run whose step-4 checkpoint is lost: resumable from step 2 (each test copies)."""
+    where = tmp_path_factory.mktemp("resumable")
+    assert _train(*RESUMABLE, cwd=where).returncode == 0
+    shutil.rmtree(where / "run" / "checkpoints" / "step_4")
+    return where / "run"
+
+
 @pytest.mark.parametrize("change,needle", [
     (["--steps", "6"], "--steps 4 (the run) -> 6 (now)"),
     (["--lr", "0.001"], "--lr 0.003 (the run) -> 0.001 (now)"),
     (["--global-batch-size", "16"], "--global-batch-size 8 (the run) -> 16 (now)"),
     (["--data", "{other}"], "--data the stdlib corpus (stdlib"),
 ])
-def test_a_resume_that_changes_the_run_is_refused_unless_adopted(tmp_path, change, needle):
+def test_a_resume_that_changes_the_run_is_refused_unless_adopted(tmp_path, change, needle,
+                                                                resumable_run):
     (tmp_path / "other.txt").write_text("some other text, " * 200)
     change = [c.replace("{other}", str(tmp_path / "other.txt")) for c in change]
-    args = ["--steps", "4", "--save-every", "2", "--out", "run"]
-    assert _train(*args, cwd=tmp_path).returncode == 0
-    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_4")
+    shutil.copytree(resumable_run, tmp_path / "run")
     before = _sums(tmp_path / "run")
-    flags = args + change                    # the later value of a repeated flag wins
+    flags = RESUMABLE + change               # the later value of a repeated flag wins
     refused = _train(*flags, "--resume", cwd=tmp_path)
     _one_error(refused, "would not continue the run", needle, "--adopt-changes")
     assert _sums(tmp_path / "run") == before

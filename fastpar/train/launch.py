@@ -13,6 +13,7 @@ failed and how, and exits 1 (``SystemExit``), with no traceback.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -55,6 +56,16 @@ def _spawned_worker(cfg: TrainConfig, layout: Layout) -> None:
         raise SystemExit(1) from None
     except KeyboardInterrupt:
         os._exit(130)           # no teardown: its threads and progress bar would print
+    # Done, and the agent takes the (empty) result before the process exits. By the time exit
+    # handlers run, the process's threads are joined and its files closed, so the rank leaves
+    # at once instead of tearing down an interpreter holding torch (over a second a run).
+    atexit.register(_leave)
+
+
+def _leave() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @contextlib.contextmanager
