@@ -53,12 +53,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# Ranks are forked from one server process that has imported torch and fastpar already: a fresh
-# interpreter spends seconds of CPU importing torch, more than most tests' ranks then compute. The
-# server imports and runs nothing else (no thread pool exists to be forked). Its environment is
-# the one it started with, so each rank takes the caller's whole environment and applies what is
-# read only at start: the thread count and glibc's allocator thresholds (mallopt).
-_PRELOAD = ["torch", "torch.distributed", "fastpar.extension", "fastpar.mesh"]
+# Ranks are forked from one server process that has imported torch and fastpar already (the
+# trainer and the plotting its metrics do included): a fresh interpreter spends seconds of CPU
+# importing them, more than most tests' ranks then compute. The server imports and runs nothing
+# else (no thread pool exists to be forked). Its environment is the one it started with, so each
+# rank takes the caller's whole environment and applies what is read only at start: the thread
+# count and glibc's allocator thresholds (mallopt); fastpar reads its own variables when called.
+_PRELOAD = ["torch", "torch.distributed", "fastpar.extension", "fastpar.mesh",
+            "fastpar.train.trainer", "matplotlib.pyplot"]
 _context = None
 
 
