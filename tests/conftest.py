@@ -7,8 +7,8 @@ import pytest
 
 # Tiers. `python -m pytest` runs everything (README's command, CI's). `python -m pytest -m fast`
 # is the development tier: every test outside these files, which start whole training runs
-# (the launcher, several ranks, a model trained for steps), subprocesses of the command, or
-# compile every kernel.
+# (the launcher, several ranks, a model trained for steps), subprocesses of the command or of
+# pytest, measure every layer's bytes on the wire, or compile every kernel.
 SLOW_FILES = {
     "test_train.py", "test_train_cli.py", "test_train_tools.py", "test_user_work.py",
     "test_walkthrough.py", "test_reliability_failures.py", "test_reliability_checkpoint.py",
@@ -16,7 +16,7 @@ SLOW_FILES = {
     "test_model_triton.py", "test_harness.py", "test_package.py", "test_init_from_checks.py",
     "test_cp_model.py", "test_generate.py", "test_hf.py", "test_nccl_rules.py",
     "test_pp_executor.py", "test_memory_check.py", "test_dp_pp_overlap.py", "test_own_model.py",
-    "test_readme.py",
+    "test_readme.py", "test_gpu_scripts.py", "test_tp_wire.py",
 }
 
 
