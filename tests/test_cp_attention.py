@@ -1,7 +1,6 @@
 """Ring attention (fastpar.context_parallel) against causal SDPA of the full sequence: outputs and
 every gradient at cp = 2, 3, 4 (GQA and MHA, odd chunks), under NCCL's p2p rules, in bf16; the
 load-balanced sharding helpers; and proof that the k/v transfer moves while a block computes."""
-import threading
 import time
 
 import pytest
@@ -13,6 +12,7 @@ from fastpar.context_parallel import (blocks, check_seq_len, positions, ring_att
                                       shard_sequence, unshard_sequence)
 from fastpar.testing import run_ranks
 from nccl_rules import nccl_rules_group, patch_batch_isend_irecv
+from pollable import Pollable
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 CASES = [(4, 2, 3), (4, 2, 5), (4, 4, 3), (4, 4, 5)]       # (h, h_kv, chunk): GQA and MHA
@@ -268,37 +268,20 @@ def test_kv_transfer_completes_while_a_block_computes():
         assert off_polls == [([True], [True]), ([], []), ([True], [True]), ([True], [True])]
 
 
-class _TimedWork:
-    """A work whose waits add up the seconds the host spent blocked in them. It can be polled:
-    the first poll starts a thread that waits for it (a gloo p2p work learns it is done only in
-    a wait, and is waited exactly once), and the host's wait then waits for that thread."""
+class _TimedWork(Pollable):
+    """A pollable work whose waits add up the seconds the host spent blocked in them."""
 
     def __init__(self, work, index, blocked):
-        self.work, self.index, self.blocked = work, index, blocked
-        self.watch, self.done, self.error = None, threading.Event(), None
-
-    def _wait(self):
-        try:
-            self.work.wait()
-        except Exception as e:  # noqa: BLE001 - raised again by wait
-            self.error = e
-        self.done.set()
-
-    def is_completed(self) -> bool:
-        if self.watch is None and not self.done.is_set():
-            self.watch = threading.Thread(target=self._wait, daemon=True)
-            self.watch.start()
-        return self.done.is_set()
+        super().__init__(work)
+        self.index, self.blocked = index, blocked
 
     def wait(self, timeout=None):
         start = time.perf_counter()
-        if self.watch is None:
-            self._wait()
-        self.done.wait()
-        self.blocked[self.index] = self.blocked.get(self.index, 0.0) + time.perf_counter() - start
-        if self.error is not None:
-            raise self.error
-        return True
+        try:
+            return super().wait(timeout)
+        finally:
+            self.blocked[self.index] = self.blocked.get(self.index, 0.0) + \
+                time.perf_counter() - start
 
 
 def _waits(rank, cp):

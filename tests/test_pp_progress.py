@@ -8,9 +8,8 @@ there: the executor's wait for it is a small fraction of what the transfer takes
 ``overlap=False`` the receive is waited for before B0, and that wait is the transfer. The probe
 (every wait the executor makes, timed) tells the two apart. On a loaded machine the transfer may
 outlast B0: each backward computes on until the receives posted before it are done (polled, see
-``_Watched``), up to GRACE_S: the transfer, not the clock, is the test.
+``Pollable``), up to GRACE_S: the transfer, not the clock, is the test.
 """
-import threading
 import time
 
 import torch
@@ -19,39 +18,10 @@ import torch.nn as nn
 
 from fastpar.pipeline import PipelineExecutor, build_schedule, p2p
 from fastpar.testing import run_ranks
+from pollable import Pollable
 
 ROWS, WIDTH, OUT, M = 512, 8192, 128, 4        # a 16 MiB activation per micro-batch
 GRACE_S = 30.0
-
-
-class _Watched:
-    """A work that can be polled (a gloo p2p work learns it is done only in a wait): the first
-    poll starts a thread that waits for it, and ``wait`` then waits for that thread (a gloo work
-    is waited exactly once); unpolled, ``wait`` waits for the work itself."""
-
-    def __init__(self, work):
-        self.work, self.watch, self.done, self.error = work, None, threading.Event(), None
-
-    def _wait(self):
-        try:
-            self.work.wait()
-        except Exception as e:  # noqa: BLE001 - raised again by wait
-            self.error = e
-        self.done.set()
-
-    def is_completed(self) -> bool:
-        if self.watch is None and not self.done.is_set():
-            self.watch = threading.Thread(target=self._wait, daemon=True)
-            self.watch.start()
-        return self.done.is_set()
-
-    def wait(self, timeout=None) -> bool:
-        if self.watch is None:
-            self._wait()
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return True
 
 
 class _Stage(nn.Module):
@@ -94,7 +64,7 @@ def _waits(rank, world):
     receives, plain_post, plain_backward = [], p2p.post, PipelineExecutor._backward
 
     def watched_post(ops, stream=None):
-        posted = [[_Watched(w) for w in works] for works in plain_post(ops, stream)]
+        posted = [[Pollable(w) for w in works] for works in plain_post(ops, stream)]
         receives.extend(w for op, works in zip(ops, posted) if op.op is dist.irecv for w in works)
         return posted
 
