@@ -222,3 +222,30 @@ def test_init_passes_high_priority_options_to_every_nccl_group(monkeypatch):
     assert mesh.device == torch.device("cuda", 0)
     assert [c[0] for c in calls] == ["nccl", "group", "group", "group"]
     assert all(c[1].is_high_priority_stream for c in calls)
+
+
+def test_nccl_communicators_are_created_at_init_on_this_ranks_gpu(monkeypatch):
+    """Under NCCL the default group is bound to this rank's device: torch then creates its
+    communicator inside init_process_group and splits every new_group from it on the spot,
+    instead of lazily at the first collective of step 1."""
+    _fake_gpus(monkeypatch, 4)
+    for key in fastpar.mesh.watchdog.nccl_debug_env("x").keys():
+        monkeypatch.setenv(key, "")                  # init sets them; restored after the test
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2"}.get(key, "1"))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    seen = {}
+
+    class _Stop(Exception):
+        pass
+
+    def init_process_group(backend, **kwargs):
+        seen.update(kwargs, backend=backend)
+        raise _Stop
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(fastpar.mesh.mesh, "group_options", lambda backend: None)
+    with pytest.raises(_Stop):
+        fastpar.init(backend="nccl")
+    assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 2)
+    assert fastpar.mesh.mesh.bound_device("gloo", 2) is None     # gloo: nothing to bind

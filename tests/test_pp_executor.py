@@ -25,8 +25,9 @@ def _close(a, b, what):
     assert torch.allclose(a, b, **TOL), f"{what}: max error {(a - b).abs().max().item()}"
 
 
-def _one_schedule(mesh, name, v, m):
-    """Three SGD steps pipelined and unpipelined; loss, every gradient, peak, hook, parameters."""
+def _one_schedule(mesh, name, v, m, activation=None):
+    """Three SGD steps pipelined and unpipelined; loss, every gradient, peak, hook, parameters.
+    ``activation``: the declared (shape, dtype) between stages (no shape handshake)."""
     pp, rank = mesh.pp_size, mesh.pp_rank
     sched = build_schedule(name, pp, m, v)
     torch.manual_seed(0)
@@ -39,7 +40,7 @@ def _one_schedule(mesh, name, v, m):
         ready[chunk] = {n: p.grad.clone() for n, p in stage.named_parameters()}
 
     pipe = PipelineExecutor(stages, sched, mesh.pp_group, loss_fn=loss_fn,
-                            grads_ready=grads_ready)
+                            grads_ready=grads_ready, activation=activation)
     params = [p for st in stages for p in st.parameters()]
     opt, ref_opt = torch.optim.SGD(params, lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     for step in range(3):
@@ -170,6 +171,41 @@ def test_every_schedule_matches_unpipelined(pp):
         in carried[0][0] and carried[0][0].startswith("pipeline step: inputs")
     assert carried[0][1].startswith("pipeline step: targets")
     assert "the rank holding stage 0 needs inputs" in carried[0][2]
+
+
+def _declared_activation(rank, world_size):
+    """The model declares what passes between stages: the same numbers with no handshake
+    message; a wrong declaration and a bad batch raise the same error on every rank."""
+    from fastpar.pipeline import p2p
+    torch.set_num_threads(1)
+    mesh = fastpar.init(pp=world_size, timeout=20)
+    sent = []
+    for name in ("send_meta", "recv_meta"):         # the handshake's only two calls
+        real = getattr(p2p, name)
+        setattr(p2p, name, lambda *a, _real=real, **k: sent.append(a) or _real(*a, **k))
+    m, act = 4, ((2, 5, 16), torch.float32)          # ToyModel: (micro-batch, seq, hidden)
+    for name, v in (("1f1b", 1), ("interleaved", 2)):
+        _one_schedule(mesh, name, v, m, activation=act)
+    stages = build_stages(ToyModel(layers=2 * world_size), mesh.pp_rank, world_size, 1)
+    errors = []
+    # A bad batch: every rank was given it, every rank refuses it. A wrong declaration: the
+    # stage that finds it refuses to send (its peer's receive then fails: last, on purpose).
+    for declared, size in ((act, 2 * m + 1), (((2, 5, 8), torch.float32), 2 * m)):
+        pipe = PipelineExecutor(stages, build_schedule("1f1b", world_size, m), mesh.pp_group,
+                                loss_fn=loss_fn, activation=declared)
+        try:
+            pipe.step(*batch(0, size=size))
+        except (ValueError, PipelineTimeoutError) as e:
+            errors.append(str(e))
+    return len(sent), errors
+
+
+def test_declared_activation_needs_no_handshake():
+    out = run_ranks(_declared_activation, 2, timeout=120)
+    assert [n for n, _ in out] == [0, 0]             # not one shape message
+    bad, wrong = [errors[0] for _, errors in out], out[0][1][1]
+    assert bad[0] == bad[1] and "9 samples in dim 0" in bad[0], bad
+    assert "its output is (2, 5, 16) torch.float32, the declared activation (2, 5, 8)" in wrong
 
 
 def _tp_and_dp(rank, world_size):

@@ -145,6 +145,17 @@ def group_options(backend: str):
     return options
 
 
+def bound_device(backend: str, local_rank: int) -> torch.device | None:
+    """The device the default group is bound to: this rank's GPU under NCCL, else None.
+
+    Bound, torch creates the NCCL communicator inside ``init_process_group`` (a rendezvous of
+    every rank, at startup, where a failure is easy to read) and every ``new_group`` after it
+    is split from that communicator on the spot, instead of each being created lazily by its
+    first collective in the middle of step 1 (seconds of setup at scale, timed as training,
+    and a hang there looks like a training hang)."""
+    return torch.device("cuda", local_rank) if backend == "nccl" else None
+
+
 def _layout_of(world_size: int, given: Layout | None, *sizes) -> Layout:
     if given is None:
         return Layout(world_size, *sizes)
@@ -211,7 +222,8 @@ def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-cp-dp
                 os.environ.setdefault(key, value)
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                                pg_options=group_options(backend))
+                                pg_options=group_options(backend),
+                                device_id=bound_device(backend, local_rank))
     if "nccl" in str(backend):
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

@@ -12,9 +12,14 @@ A micro-batch's activations (its stage input, output and autograd graph) are dro
 last backward action has run, so 1F1B holds at most ``pp`` of them and GPipe ``M``; ``step``
 records the peak it saw in :attr:`PipelineExecutor.peak_activations`.
 
-Shapes: the first step sends each stage's output shape and dtype down the pipeline once
-(:mod:`.shapes`) to size the receive buffers, and carries errors found in the batch to every rank
-on the way; later steps must use the same micro-batch shape.
+Shapes: when the model says what passes between its stages (``activation=(shape, dtype)``, as
+the trainer does for the GPT's hidden states), the receive buffers are sized from that, with no
+message; each rank checks the batch it was given itself (pass the batch to every rank, as the
+trainer does, so a bad one raises the same error everywhere), and a stage whose output differs
+from the declared activation raises before sending it. Without it, the first step sends each
+stage's output shape and dtype down the pipeline once (:mod:`.shapes`) and carries errors found
+in the batch to every rank on the way. Either way later steps must use the same micro-batch
+shape.
 """
 from __future__ import annotations
 
@@ -86,7 +91,7 @@ class PipelineExecutor:
                  loss_fn: Callable, grads_ready: Callable | None = None,
                  before_backward: Callable | None = None, grads_set: Callable | None = None,
                  overlap: bool = True,
-                 record: bool = False):
+                 record: bool = False, activation: tuple | None = None):
         if not isinstance(schedule, Schedule):
             raise ValueError(f"PipelineExecutor: schedule must be a Schedule (build_schedule), "
                              f"got {type(schedule).__name__}")
@@ -121,6 +126,8 @@ class PipelineExecutor:
                        for r in range(size)]
         self._split = [deferrable(st) for st in stages] if schedule.split_backward else None
         self._meta: dict = {}                   # ("in" | "out", stage) -> (shape, dtype)
+        self.activation = None if activation is None else \
+            (torch.Size(activation[0]), activation[1])
         acts = schedule.actions[self.rank]
         done = "W" if schedule.split_backward else "B"
         self._chunk_done = {max(i for i, a in enumerate(acts) if a.kind == done and a.chunk == c): c
@@ -155,13 +162,15 @@ class PipelineExecutor:
         training = s is self.schedule
         has_first = any(s.stage_index(self.rank, c) == 0 for c in range(s.virtual_stages))
         has_last = self.rank == (s.num_stages - 1) % s.pp_size
-        xs, x_err = self._split_batch(inputs, has_first, 1)
-        ts, t_err = self._split_batch(targets, has_last, 3)
-        if not self._meta:
-            self._meta = exchange_shapes(self.stages, s, self.rank, self._peers, self.pp_group,
-                                         self.device, xs, x_err, t_err)
-        elif x_err or t_err:
+        given = self.activation is not None     # then every rank checks what it was given
+        xs, x_err = self._split_batch(inputs, has_first or (given and inputs is not None), 1)
+        ts, t_err = self._split_batch(targets, has_last or (given and targets is not None), 3)
+        if (given or self._meta) and (x_err or t_err):
             raise batch_error(*(x_err or t_err))
+        if not self._meta:
+            self._meta = self._declared(s, xs) if given else exchange_shapes(
+                self.stages, s, self.rank, self._peers, self.pp_group, self.device, xs, x_err,
+                t_err)
         if has_first and xs[0].shape != self._meta[("in", 0)][0]:
             raise ValueError(f"pipeline step: micro-batch shape {tuple(xs[0].shape)} differs "
                              f"from the first step's {tuple(self._meta[('in', 0)][0])}; the "
@@ -197,6 +206,15 @@ class PipelineExecutor:
             self.peak_activations, self.events, self.step_start = st.peak, st.events, start
         return torch.stack(st.losses).mean() if has_last else None
 
+    def _declared(self, s: Schedule, xs) -> dict:
+        """The receive buffers' (shape, dtype) from the declared activation: no message."""
+        meta = {}
+        for c in range(s.virtual_stages):
+            idx = s.stage_index(self.rank, c)
+            meta[("in", idx)] = (xs[0].shape, xs[0].dtype) if idx == 0 else self.activation
+            meta[("out", idx)] = self.activation
+        return meta
+
     def _split_batch(self, t, needed: bool, code: int):
         if not needed:
             return None, None
@@ -222,6 +240,11 @@ class PipelineExecutor:
             captured = cap.outputs
         else:
             y = self.stages[a.chunk](x)
+        if self.activation is not None and s < self.schedule.num_stages - 1 and \
+                (y.shape, y.dtype) != self.activation:
+            raise ValueError(f"pipeline stage {s} (pp rank {self.rank}): its output is "
+                             f"{tuple(y.shape)} {y.dtype}, the declared activation "
+                             f"{tuple(self.activation[0])} {self.activation[1]}")
         if s == self.schedule.num_stages - 1:
             loss = self.loss_fn(y, st.ts[a.microbatch])
             st.losses.append(loss.detach())

@@ -87,10 +87,14 @@ def decode_meta(meta: torch.Tensor):
 
 
 def send_meta(meta: torch.Tensor, peer: int, group, device, what: str) -> None:
-    wait([dist.isend(meta.to(device), peer, group=group, tag=HANDSHAKE_TAG)], what)
+    """Send the handshake's message as a batch of one: under NCCL a lone ``isend`` would create
+    a communicator for this pair of ranks (another rendezvous, more GPU memory) where a batch
+    runs on the pipeline group's own, the one every later step uses."""
+    op = dist.P2POp(dist.isend, meta.to(device), peer, group, HANDSHAKE_TAG)
+    wait(dist.batch_isend_irecv([op]), what)
 
 
 def recv_meta(peer: int, group, device, what: str) -> torch.Tensor:
     meta = torch.zeros(_META_LEN, dtype=torch.int64, device=device)
-    wait([dist.irecv(meta, peer, group=group, tag=HANDSHAKE_TAG)], what)
+    wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, meta, peer, group, HANDSHAKE_TAG)]), what)
     return meta.cpu()
