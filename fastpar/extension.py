@@ -47,20 +47,39 @@ def _(grad_out, x, w, group, sequence_parallel, need_input_grad, need_weight_gra
     return gi, gw
 
 
+def _no_record(op: str, group, tensor: torch.Tensor) -> None:
+    pass
+
+
+# Each op below issues collectives inside C++: the wrapper reports it once, with its group and
+# input, to the flight recorder, which fastpar.mesh.flight installs here (this floor knows
+# nothing of the mesh).
+_record = _no_record
+
+
+def record_collectives(fn) -> None:
+    """Have each collective op call ``fn(op_name, group, input)`` before it runs."""
+    global _record
+    _record = fn
+
+
 def matmul_allreduce(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup,
                      chunks: int = 4) -> torch.Tensor:
     """all_reduce(x @ w.T) over ``group``, computed and reduced in ``chunks`` row chunks."""
+    _record("matmul_allreduce", group, x)
     return _ops.matmul_allreduce(x, w, group.group_name, chunks)
 
 
 def allgather_matmul(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup):
     """(all_gather(x) @ w.T, all_gather(x)) over ``group``, gathered along rows by a ring."""
+    _record("allgather_matmul", group, x)
     return _ops.allgather_matmul(x, w, group.group_name)
 
 
 def matmul_reducescatter(x: torch.Tensor, w: torch.Tensor,
                          group: dist.ProcessGroup) -> torch.Tensor:
     """reduce_scatter(x @ w.T) over ``group`` along rows, by a ring."""
+    _record("matmul_reducescatter", group, x)
     return _ops.matmul_reducescatter(x, w, group.group_name)
 
 
@@ -68,6 +87,7 @@ def column_linear_backward(grad_out, x, w, group: dist.ProcessGroup, sequence_pa
                            need_input_grad: bool = True, need_weight_grad: bool = True,
                            chunks: int = 4):
     """(grad_input, grad_weight) of a column-parallel linear, reductions overlapped; None if unneeded."""
+    _record("column_linear_backward", group, grad_out)
     gi, gw = _ops.column_linear_backward(grad_out, x, w, group.group_name, sequence_parallel,
                                          need_input_grad, need_weight_grad, chunks)
     return (gi if need_input_grad else None), (gw if need_weight_grad else None)

@@ -9,14 +9,19 @@ fails the run with :class:`RankError`, which carries that rank's number and trac
 do not finish within ``timeout`` seconds are killed and fail the run with :class:`RankTimeout`,
 naming them. No rank outlives the call. Ranks are forked from a server process started once,
 which has imported torch and fastpar (see ``_PRELOAD``).
+
+``count_host_syncs()`` records the calls that would make the host wait for a GPU (``.item()``,
+``.tolist()``, ...), for tests that a hot path makes none.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -207,3 +212,64 @@ def _reap(procs):
     for p in procs:
         p.join()
         p.close()
+
+
+# Calls that make the host wait for the device on a GPU: reading a value (item, bool(t),
+# float(t), int(t), an index, a format, tolist, numpy, a copy to the CPU), data-dependent
+# shapes (nonzero, masked_select), comparisons answered on the host (equal, allclose), and
+# tensors built from Python lists (copied from pageable memory).
+_SYNC_CALLS = {"item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__",
+               "__index__", "__format__", "equal", "allclose", "nonzero", "masked_select"}
+_FROM_LISTS = {"tensor", "as_tensor"}
+
+
+def _caller() -> str:
+    """``file:line`` of the innermost frame outside torch and this file."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if f"{os.sep}torch{os.sep}" not in name and name != __file__:
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+@contextlib.contextmanager
+def count_host_syncs():
+    """Record every call made in the block (this thread) that would make the host wait for the
+    device on a GPU; yields the list, one ``"what at file:line"`` per call.
+
+    On a CPU these calls cost nothing, so a test counts them instead: a hot path that makes
+    none never stalls a GPU's launch queue. Python-level calls are seen (through a
+    ``torch.overrides.TorchFunctionMode``, which sees torch's own Python code too, e.g. a
+    foreach optimizer reading its CPU step counts) and ``Work.wait(timeout)``; every call is
+    counted, whatever its tensor's device (on a CPU all are). A C++ kernel's own reads are not
+    seen (CPU kernels read their scalars on the host, which is no sync there)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    seen: list[str] = []
+
+    class _Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name in _SYNC_CALLS or (name in _FROM_LISTS and args and
+                                       isinstance(args[0], (list, tuple))):
+                seen.append(f"{name if name not in _FROM_LISTS else name + '(list)'} at "
+                            f"{_caller()}")
+            return func(*args, **(kwargs or {}))
+
+    work = torch._C._distributed_c10d.Work
+    wait = work.wait
+
+    def timed_wait(self, *args, **kwargs):
+        if args or kwargs:
+            seen.append(f"Work.wait(timeout) at {_caller()}")
+        return wait(self, *args, **kwargs)
+
+    work.wait = timed_wait
+    try:
+        with _Count():
+            yield seen
+    finally:
+        work.wait = wait

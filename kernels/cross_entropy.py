@@ -23,6 +23,13 @@ loss, ``M = max_r m_r``, ``S = sum_r s_r exp(m_r - M)``, ``z_t = sum_r z_t,r`` (
 rank), ``D = sum_r d_r + V_r (m_r - M)``. Its gradient is :func:`cross_entropy_shard_grad` with the
 global M and log(S), local and without communication. The torch reference walks rows in chunks of
 about :data:`REFERENCE_CHUNK` elements, so it too holds no fp32 copy of the logits.
+
+No copy of the logits either: the public functions and :class:`CrossEntropyFunction` read the rows
+in memory order (:mod:`.row_order`), so a transposed view - the model's (B, S, V) logits over its
+sequence-first (S, B, V) head output - is read in place, and the gradient comes back with the
+logits' strides (contiguous (S, B, V) under the view), what the head's backward GEMM reads as it
+is. ``vocab`` (the real classes of the whole vocabulary) marks the columns of a shard at or past
+``vocab - vocab_start`` as padding: no probability, zero gradient, no masked copy of the logits.
 Reference: Liger-Kernel ``ops/cross_entropy.py``; Megatron-LM ``tensor_parallel/cross_entropy.py``.
 """
 from __future__ import annotations
@@ -33,6 +40,7 @@ import triton.language as tl
 
 from .dispatch import impl_for
 from .launch import FLOAT_DTYPES, check_float, checked_grid, row_stride, rows, warps_for
+from .row_order import from_memory_rows, memory_order, memory_rows, to_memory_rows
 
 # Statistics per row, columns of the (N, 4) tensor the forward writes.
 MAX, SUMEXP, TARGET_LOGIT, SUM_SHIFTED = range(4)
@@ -90,7 +98,7 @@ def _cross_entropy_bwd_kernel(
     V,                                    # classes in this shard
     stride_z, stride_dloss,               # strides (dloss may be broadcast: stride 0)
     vocab_start, ignore_index,
-    eps, vocab,                           # label smoothing; classes of the full vocabulary
+    eps, vocab,                           # label smoothing; real classes of the full vocabulary
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -100,6 +108,7 @@ def _cross_entropy_bwd_kernel(
     t = tl.load(t_ptr + row)
     valid = t != ignore_index
     t_local = t - vocab_start
+    real_cols = vocab - vocab_start       # columns from here on are vocabulary padding
     g = tl.where(valid, tl.load(dloss_ptr + row * stride_dloss).to(tl.float32), 0.0)
     row_max = tl.load(max_ptr + row)
     log_sum = tl.load(logsum_ptr + row)
@@ -107,10 +116,11 @@ def _cross_entropy_bwd_kernel(
     spread = eps / vocab
     for start in range(0, V, BLOCK_V):
         col_ok = start + cols < V
-        z = tl.load(z_row + start + cols, mask=col_ok, other=float("-inf")).to(tl.float32)
-        p = tl.exp((z - row_max) - log_sum)          # 0 past the row's end
+        real = start + cols < real_cols
+        z = tl.load(z_row + start + cols, mask=col_ok & real, other=float("-inf"))
+        p = tl.exp((z.to(tl.float32) - row_max) - log_sum)   # 0 past the row's end
         grad = (p - tl.where(start + cols == t_local, hit, 0.0) - spread) * g
-        grad = tl.where(valid, grad, 0.0)
+        grad = tl.where(valid & real, grad, 0.0)
         tl.store(dz_row + start + cols, grad.to(dz_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -147,8 +157,9 @@ def cross_entropy_forward(logits, target, vocab_start=0, ignore_index=-100, bloc
 def cross_entropy_backward(logits, target, row_max, log_sum, grad_loss, vocab_start=0,
                            ignore_index=-100, block_v=None, label_smoothing=0.0, vocab=None):
     """d(loss)/d(logits) for upstream ``grad_loss`` (shape of target), in the logits' dtype;
-    ``row_max`` and ``log_sum`` (N,) fp32 are the two parts of lse; ``vocab`` (the full
-    vocabulary, default this shard's width) spreads the label smoothing."""
+    ``row_max`` and ``log_sum`` (N,) fp32 are the two parts of lse; ``vocab`` (the real classes
+    of the full vocabulary, default this shard's width) spreads the label smoothing, and the
+    columns at or past ``vocab - vocab_start`` (padding) get a zero gradient."""
     z2 = rows(logits)
     t = target.reshape(-1).to(torch.int64).contiguous()
     N, V = z2.shape
@@ -165,26 +176,31 @@ def cross_entropy_backward(logits, target, row_max, log_sum, grad_loss, vocab_st
 
 
 class CrossEntropyFunction(torch.autograd.Function):
-    """Per-row cross-entropy with the Triton kernels; saves the logits (no copy), the target,
-    the row max and log-sum (N,) fp32."""
+    """Per-row cross-entropy with the Triton kernels, rows read in memory order (no copy of the
+    logits, a gradient with their strides); saves the logits, the target, the row max and
+    log-sum (N,) fp32."""
 
     @staticmethod
     def forward(ctx, logits, target, ignore_index):
-        stats = cross_entropy_forward(logits, target, 0, ignore_index)
+        ctx.order = order = memory_order(logits)
+        t = to_memory_rows(target, target.shape, order)
+        stats = cross_entropy_forward(memory_rows(logits, order), t, 0, ignore_index)
         row_max, zt = stats[:, MAX].contiguous(), stats[:, TARGET_LOGIT]
         log_sum = stats[:, SUMEXP].log()
-        valid = target.reshape(-1) != ignore_index
-        loss = torch.where(valid, (row_max - zt) + log_sum, torch.zeros((), device=zt.device))
-        ctx.save_for_backward(logits, target, row_max, log_sum)
+        loss = torch.where(t != ignore_index, (row_max - zt) + log_sum,
+                           torch.zeros((), device=zt.device))
+        ctx.save_for_backward(logits, t, row_max, log_sum)
         ctx.ignore_index = ignore_index
-        return loss.view(target.shape)
+        return from_memory_rows(loss, target.shape, order)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, target, row_max, log_sum = ctx.saved_tensors
-        dz = cross_entropy_backward(logits, target, row_max, log_sum, grad_loss, 0,
+        logits, t, row_max, log_sum = ctx.saved_tensors
+        lead = logits.shape[:-1]
+        dz = cross_entropy_backward(memory_rows(logits, ctx.order), t, row_max, log_sum,
+                                    to_memory_rows(grad_loss, lead, ctx.order), 0,
                                     ctx.ignore_index)
-        return dz, None, None
+        return from_memory_rows(dz, lead, ctx.order), None, None
 
 
 def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor,
@@ -212,10 +228,13 @@ def _owned(t, vocab_start, V, ignore_index):
 
 def _shard_stats_reference(logits, target, vocab_start, ignore_index):
     ct = torch.promote_types(logits.dtype, torch.float32)
-    z2 = logits.reshape(-1, logits.shape[-1])
     t = target.reshape(-1).long()
-    N, V = z2.shape
+    N, V = t.numel(), logits.shape[-1]
     stats = torch.empty((N, STATS), dtype=ct, device=logits.device)
+    if V == 0:                                                 # a shard of padding only
+        stats[:, MAX], stats[:, SUMEXP:] = float("-inf"), 0.0
+        return stats
+    z2 = logits.reshape(-1, V)
     for r in _row_chunks(N, V):
         z = z2[r].to(ct)                                       # (n, V): may alias fp32 logits
         m = z.amax(-1)
@@ -235,18 +254,20 @@ def _shard_grad_reference(logits, target, row_max, log_sum, grad_loss, vocab_sta
     z2 = logits.reshape(-1, logits.shape[-1])
     t = target.reshape(-1).long()
     N, V = z2.shape
+    real = max(0, min(V, vocab - vocab_start))                # columns past it: padding
     g = grad_loss.reshape(-1).to(ct)
     dz = torch.empty((N, V), dtype=logits.dtype, device=logits.device)
-    for r in _row_chunks(N, V):
-        p = z2[r].to(ct) - row_max[r].to(ct)[:, None]         # (n, V): a new tensor
+    dz[:, real:] = 0.0
+    for r in _row_chunks(N, V) if real else ():
+        p = z2[r, :real].to(ct) - row_max[r].to(ct)[:, None]  # (n, real): a new tensor
         p.sub_(log_sum[r].to(ct)[:, None]).exp_()
         if label_smoothing:
             p.sub_(label_smoothing / vocab)
-        owned, t_local = _owned(t[r], vocab_start, V, ignore_index)
+        owned, t_local = _owned(t[r], vocab_start, real, ignore_index)
         hit = owned.nonzero()[:, 0]
         p[hit, t_local[hit]] -= 1.0 - label_smoothing
         p.mul_(g[r][:, None]).masked_fill_((t[r] == ignore_index)[:, None], 0.0)
-        dz[r] = p
+        dz[r, :real] = p
         del p                                                  # before the next chunk's
     return dz.view(logits.shape)
 
@@ -268,22 +289,32 @@ def _use_triton(logits, *tensors) -> bool:
 
 
 def cross_entropy_shard_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0,
-                              ignore_index: int = -100) -> torch.Tensor:
+                              ignore_index: int = -100, vocab: int | None = None
+                              ) -> torch.Tensor:
     """For the shard ``logits`` (..., V) of classes ``[vocab_start, vocab_start + V)``: per row
     (flattened) the (N, 4) statistics max ``m``, ``sum exp(z - m)``, the target's logit (0 when
-    the target is in another shard or ignored) and ``sum (z - m)``, fp32 (fp64 for fp64 logits).
+    the target is in another shard or ignored) and ``sum (z - m)``, fp32 (fp64 for fp64 logits),
+    over the real classes only: those below ``vocab`` (default: all; the rest is padding).
     Not differentiable: combine shards with :func:`cross_entropy_combine`, then take the gradient
-    with :func:`cross_entropy_shard_grad`."""
+    with :func:`cross_entropy_shard_grad`. Reads the rows in memory order, in place."""
     _check(logits, target)
+    order = memory_order(logits)
+    z2, t = memory_rows(logits, order), to_memory_rows(target, target.shape, order)
+    if vocab is not None:                                   # (N, real): a strided view
+        z2 = z2[:, :max(0, min(z2.shape[1], vocab - vocab_start))]
     if _use_triton(logits, target):
-        return cross_entropy_forward(logits, target, vocab_start, ignore_index)
-    return _shard_stats_reference(logits, target, vocab_start, ignore_index)
+        stats = cross_entropy_forward(z2, t, vocab_start, ignore_index)
+    else:
+        stats = _shard_stats_reference(z2, t, vocab_start, ignore_index)
+    return from_memory_rows(stats, target.shape, order).reshape(-1, STATS)
 
 
 def cross_entropy_combine(stats: torch.Tensor, target: torch.Tensor, vocab: int,
-                          ignore_index: int = -100, label_smoothing: float = 0.0):
+                          ignore_index: int = -100, label_smoothing: float = 0.0,
+                          width: int | None = None):
     """``(loss, row_max, log_sum)`` (N,) each from the statistics of every shard of the
-    vocabulary, ``stats`` (shards, N, 4) in shard order (equal widths, ``vocab`` classes in all):
+    vocabulary, ``stats`` (shards, N, 4) in shard order (``width`` columns each, default
+    ``vocab / shards``; ``vocab`` real classes in all, the columns past them padding):
     the loss (0 on ignored rows) and the global ``M`` and ``log S`` that
     :func:`cross_entropy_shard_grad` takes. The shards combine in a fixed order, so every rank
     that holds the same ``stats`` gets bit-identical results."""
@@ -294,8 +325,12 @@ def cross_entropy_combine(stats: torch.Tensor, target: torch.Tensor, vocab: int,
     log_sum = (s * (m - shift).exp()).sum(0).log()
     loss = (row_max - zt.sum(0)) + log_sum
     if label_smoothing > 0:
-        # sum_j (z_j - M) = sum_r d_r + V_r (m_r - M): every term <= 0. (-inf shards: d_r = -inf.)
-        shifted = (d + (vocab // stats.shape[0]) * (m - shift)).sum(0)
+        # sum_j (z_j - M) = sum_r d_r + V_r (m_r - M): every term <= 0. (-inf shards: d_r = -inf;
+        # a shard of padding only, V_r = 0, adds nothing.)
+        width = width or vocab // stats.shape[0]
+        real = (vocab - width * torch.arange(stats.shape[0], device=m.device)).clamp(0, width)
+        real = real[:, None]                                 # V_r (shards, 1)
+        shifted = torch.where(real > 0, d + real * (m - shift), 0.0).sum(0)
         loss = (1 - label_smoothing) * loss + label_smoothing * (log_sum - shifted / vocab)
     valid = target.reshape(-1) != ignore_index
     return loss.masked_fill(~valid, 0.0), row_max, log_sum
@@ -309,11 +344,18 @@ def cross_entropy_shard_grad(logits: torch.Tensor, target: torch.Tensor, row_max
     """d(loss)/d(shard logits) given the full-vocabulary row max ``M`` and ``log(S)`` (N,) fp32
     (lse = M + log S) and the upstream ``grad_loss`` (target's shape):
     ``(exp(z - M - log S) - (1 - eps) onehot - eps / vocab) * grad_loss`` in the logits' dtype,
-    0 on ignored rows; ``vocab`` defaults to this shard's width."""
+    0 on ignored rows and on padding (columns at or past ``vocab - vocab_start``); ``vocab`` (the
+    real classes) defaults to this shard's width. One new tensor, with the logits' strides when
+    they are dense (their rows are read in memory order, in place)."""
     _check(logits, target)
     vocab = vocab or logits.shape[-1]
+    lead, order = target.shape, memory_order(logits)
+    z2 = memory_rows(logits, order)
+    t, m, ls, g = (to_memory_rows(x, lead, order) for x in (target, row_max, log_sum, grad_loss))
     if _use_triton(logits, target, row_max, log_sum, grad_loss):
-        return cross_entropy_backward(logits, target, row_max, log_sum, grad_loss, vocab_start,
-                                      ignore_index, label_smoothing=label_smoothing, vocab=vocab)
-    return _shard_grad_reference(logits, target, row_max, log_sum, grad_loss, vocab_start,
-                                 ignore_index, label_smoothing, vocab)
+        grad = cross_entropy_backward(z2, t, m, ls, g, vocab_start, ignore_index,
+                                      label_smoothing=label_smoothing, vocab=vocab)
+    else:
+        grad = _shard_grad_reference(z2, t, m, ls, g, vocab_start, ignore_index,
+                                     label_smoothing, vocab)
+    return from_memory_rows(grad, lead, order)

@@ -17,6 +17,15 @@ import triton.language as tl
 
 # Programs per grid axis that CUDA accepts: (x, y, z).
 MAX_GRID = (2**31 - 1, 65535, 65535)
+INT32_MAX = 2**31 - 1
+
+# Programs per SM that the norm backwards launch for their weight-gradient partial sums. A norm
+# program holds whole rows (up to ROW_CHUNK columns, 8-16 warps at model widths), so one program
+# per SM fills 8-16 of an H100's 64 warp slots and leaves the SM idle while that program waits on
+# memory; four give the scheduler other programs to run, as registers allow. The fp32 partial rows
+# (4 x 132 SMs = 528 rows of N) stay a small share of the bytes moved: 8.6 MB at N = 4096 against
+# 134 MB of bf16 x and dy at 8192 rows.
+ROW_REDUCTION_PROGRAMS_PER_SM = 4
 
 # Widest row chunk (elements, a power of two) a row kernel holds in registers at once. Rows up to
 # this width are one tile; wider rows loop over chunks of it (norms: one pass per row reduction,
@@ -98,11 +107,49 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter runs programs one
+    after another, as a single SM would, and the norm backwards still get several programs)."""
+    return _sm_count(device.index or 0) if device.type == "cuda" else 1
+
+
 def reduction_programs(device: torch.device, blocks: int) -> int:
     """Programs for a two-stage reduction over ``blocks`` row blocks: one per SM (a few on CPU,
-    so the interpreter still exercises several partial sums)."""
+    so the interpreter still exercises several partial sums). The elementwise backwards
+    (bias_gelu, bias_dropout_add) put these on grid axis 1 beside their column blocks on axis 0,
+    so their grids already hold several programs per SM; the norms, whose programs hold whole
+    rows, use :func:`row_reduction_programs`."""
     width = _sm_count(device.index or 0) if device.type == "cuda" else 4
     return max(1, min(blocks, width))
+
+
+def check_rows(op: str, M: int, BLOCK_M: int) -> None:
+    """One clear error unless the row kernels' int32 row indices hold ``M`` rows: a program's
+    rows reach its block start + BLOCK_M - 1, and a row loop's counter one step past ``M - 1``."""
+    if M > INT32_MAX + 1 - BLOCK_M:
+        raise ValueError(f"{op}: {M} rows exceed the row kernels' int32 row index (at most "
+                         f"{INT32_MAX + 1 - BLOCK_M} rows in blocks of {BLOCK_M})")
+
+
+def row_grid(op: str, M: int, BLOCK_M: int) -> tuple[int]:
+    """The grid of a row kernel's forward: one program per block of ``BLOCK_M`` rows."""
+    check_rows(op, M, BLOCK_M)
+    return checked_grid(op, triton.cdiv(M, BLOCK_M))
+
+
+def row_reduction_programs(op: str, M: int, BLOCK_M: int, sms: int,
+                           per_sm: int = ROW_REDUCTION_PROGRAMS_PER_SM) -> int:
+    """Programs P of a norm backward over ``M`` rows in blocks of ``BLOCK_M`` on ``sms`` SMs:
+    ``per_sm`` per SM, at most one per row block. Program p owns row blocks p, p + P, ... and
+    one fp32 partial row of the weight gradients, so the partial buffer is (P, N). Its row loop
+    counts in int32 (start += P * BLOCK_M, up to M - 1 + P * BLOCK_M), so P shrinks where that
+    would pass 2^31 - 1."""
+    if min(BLOCK_M, sms, per_sm) < 1 or M < 0:
+        raise ValueError(f"{op}: a reduction grid needs M >= 0 and BLOCK_M, sms, per_sm >= 1; "
+                         f"got M={M}, BLOCK_M={BLOCK_M}, sms={sms}, per_sm={per_sm}")
+    check_rows(op, M, BLOCK_M)
+    in_int32 = (INT32_MAX + 1 - M) // BLOCK_M
+    return max(1, min(triton.cdiv(M, BLOCK_M), sms * per_sm, in_int32))
 
 
 def elementwise_blocks(n: int) -> tuple[int, int, int]:

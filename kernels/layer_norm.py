@@ -12,7 +12,7 @@ With the upstream gradient ``dy`` and ``g = dy * w``:
 
 The variance is taken around the mean (two passes over registers), not as E[x^2] - E[x]^2, so
 rows with a large offset keep their precision. dw and db are reduced in two stages: fp32 partial
-rows, one per program, then a sum. Arithmetic is fp32.
+rows, one per program (a few programs per SM), then a sum. Arithmetic is fp32.
 
 Rows up to ``ROW_CHUNK`` elements (see ``launch.py``) are held in registers whole. Wider rows
 (``CHUNKED``) are walked in chunks of BLOCK_N columns, so no program holds more than one chunk: the
@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from .dispatch import impl_for
-from .launch import check_float, checked_grid, reduction_programs, row_blocks, row_stride, rows
+from .launch import (check_float, checked_grid, row_blocks, row_grid, row_reduction_programs,
+                     row_stride, rows, sm_count)
 
 
 @triton.jit
@@ -191,7 +192,7 @@ def layer_norm_forward(x, weight, bias, eps):
     if M:
         BLOCK_M, BLOCK_N, warps, chunked = row_blocks(N)
         w = weight.contiguous()
-        _layer_norm_fwd_kernel[checked_grid("layer_norm", triton.cdiv(M, BLOCK_M))](
+        _layer_norm_fwd_kernel[row_grid("layer_norm", M, BLOCK_M)](
             x2, w, w if bias is None else bias.contiguous(), y, mean, rstd, M, N,
             row_stride(x2), N, eps,
             HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNKED=chunked,
@@ -205,7 +206,8 @@ def layer_norm_backward(dy, x, weight, mean, rstd):
     M, N = x2.shape
     dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
     BLOCK_M, BLOCK_N, warps, chunked = row_blocks(N)
-    programs = reduction_programs(x.device, triton.cdiv(M, BLOCK_M))
+    # A few programs per SM (launch.ROW_REDUCTION_PROGRAMS_PER_SM), each with a partial row.
+    programs = row_reduction_programs("layer_norm", M, BLOCK_M, sm_count(x.device))
     # Chunked rows add into their partial rows in memory, so they start at zero.
     alloc = torch.zeros if chunked or not M else torch.empty
     dw_part = alloc((programs, N), dtype=torch.float32, device=x.device)

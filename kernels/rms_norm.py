@@ -11,8 +11,8 @@ With ``xhat = x * rstd`` and the upstream gradient ``dy``:
     dw = sum over rows of dy * xhat
 
 The backward reduces dw in two stages: each program accumulates the rows it owns into a fp32
-partial row, then the partials (one per program, about one per SM) are summed. Inputs are loaded in
-their dtype and all arithmetic is fp32.
+partial row, then the partials (one per program, a few programs per SM) are summed. Inputs are
+loaded in their dtype and all arithmetic is fp32.
 
 Rows up to ``ROW_CHUNK`` elements (see ``launch.py``) are held in registers whole. Wider rows
 (``CHUNKED``) are walked in chunks of BLOCK_N columns, so no program holds more than one chunk:
@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from .dispatch import impl_for
-from .launch import check_float, checked_grid, reduction_programs, row_blocks, row_stride, rows
+from .launch import (check_float, checked_grid, row_blocks, row_grid, row_reduction_programs,
+                     row_stride, rows, sm_count)
 
 
 @triton.jit
@@ -155,7 +156,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M:
         BLOCK_M, BLOCK_N, warps, chunked = row_blocks(N)
-        _rms_norm_fwd_kernel[checked_grid("rms_norm", triton.cdiv(M, BLOCK_M))](
+        _rms_norm_fwd_kernel[row_grid("rms_norm", M, BLOCK_M)](
             x2, weight.contiguous(), y, rstd, M, N, row_stride(x2), N, eps,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNKED=chunked, num_warps=warps)
     return y.view(x.shape), rstd
@@ -168,7 +169,8 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     M, N = x2.shape
     dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
     BLOCK_M, BLOCK_N, warps, chunked = row_blocks(N)
-    programs = reduction_programs(x.device, triton.cdiv(M, BLOCK_M))
+    # A few programs per SM (launch.ROW_REDUCTION_PROGRAMS_PER_SM), each with a partial row.
+    programs = row_reduction_programs("rms_norm", M, BLOCK_M, sm_count(x.device))
     # Chunked rows add into their dw partial row in memory, so it starts at zero.
     dw_part = (torch.zeros if chunked or not M else torch.empty)(
         (programs, N), dtype=torch.float32, device=x.device)

@@ -13,10 +13,11 @@ SLOW_FILES = {
     "test_train.py", "test_train_cli.py", "test_train_tools.py", "test_user_work.py",
     "test_walkthrough.py", "test_reliability_failures.py", "test_reliability_checkpoint.py",
     "test_reliability_inputs.py", "test_mixed_precision.py", "test_kernel_hopper_compile.py",
+    "test_reliability_hangs.py",
     "test_model_triton.py", "test_harness.py", "test_package.py", "test_init_from_checks.py",
     "test_cp_model.py", "test_generate.py", "test_hf.py", "test_nccl_rules.py",
     "test_pp_executor.py", "test_memory_check.py", "test_dp_pp_overlap.py", "test_own_model.py",
-    "test_readme.py", "test_gpu_scripts.py", "test_tp_wire.py",
+    "test_readme.py", "test_gpu_scripts.py", "test_tp_wire.py", "test_compile.py",
 }
 
 

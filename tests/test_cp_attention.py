@@ -1,6 +1,8 @@
 """Ring attention (fastpar.context_parallel) against causal SDPA of the full sequence: outputs and
 every gradient at cp = 2, 3, 4 (GQA and MHA, odd chunks), under NCCL's p2p rules, in bf16; the
-load-balanced sharding helpers; and proof that the k/v transfer moves while a block computes."""
+block kernels' gradients from the final log-sum-exp (on CPU, and on CUDA under ``-m gpu``); the
+ring under ``torch.compile(fullgraph=True)``; the load-balanced sharding helpers; and proof that
+the k/v transfer moves while a block computes."""
 import time
 
 import pytest
@@ -109,6 +111,96 @@ def test_blocks_merge_to_full_softmax():
     blocks.merge_(a_out, a_lse, b_out, b_lse)
     _close(a_out, out, "merged out")
     _close(a_lse, lse, "merged lse")
+
+
+def _sdpa(q, k, v, dout, causal):
+    """SDPA (scale 0.3, GQA) and its gradients, in the inputs' dtype and device, as fp32 CPU."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3, enable_gqa=True)
+    out.backward(dout)
+    return [t.float().cpu() for t in (out.detach(), q.grad, k.grad, v.grad)]
+
+
+def _check_blocks(device, dtype):
+    """Two key blocks (GQA, 6 query rows: the efficient kernel's padded lse rows) merged, then
+    each block's backward with the *final* out and lse: out, the summed dq and the concatenated
+    dk/dv equal full attention's; and one causal block equals causal SDPA. Error against fp32
+    SDPA within twice torch's own SDPA error in ``dtype`` on ``device`` (+1e-5)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, n, s, 64, generator=g) for n, s in ((4, 6), (2, 10), (2, 10)))
+    dout = torch.randn(2, 4, 6, 64, generator=g)
+    for causal, split in ((False, 4), (True, None)):
+        if causal:
+            k, v = k[:, :, :6], v[:, :, :6]
+        qd, kd, vd, dod = (t.to(device, dtype) for t in (q, k, v, dout))
+        exact, theirs = _sdpa(q, k, v, dout, causal), _sdpa(qd, kd, vd, dod, causal)
+        parts = [slice(None)] if split is None else [slice(0, split), slice(split, None)]
+        out = lse = None
+        for cols in parts:
+            b_out, b_lse = blocks.block_forward(qd, kd[:, :, cols], vd[:, :, cols], causal, 0.3)
+            assert b_out.dtype == dtype and b_lse.dtype == torch.float32
+            if out is None:
+                out, lse = b_out.float(), b_lse.float().clone()
+            else:
+                blocks.merge_(out, lse, b_out, b_lse)
+        out = out.to(dtype)
+        grads = [blocks.block_backward(qd, kd[:, :, c], vd[:, :, c], dod, out, lse, causal, 0.3)
+                 for c in parts]
+        assert all(t.dtype == dtype for gr in grads for t in gr)
+        dq = sum(gr[0].float() for gr in grads)
+        dk, dv = (torch.cat([gr[i].float() for gr in grads], dim=2) for i in (1, 2))
+        for name, got, want, ref in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), exact,
+                                        theirs):
+            assert got.shape == want.shape, (name, got.shape, want.shape)
+            err = (got.float().cpu() - want).abs().max().item()
+            bound = 2 * (ref - want).abs().max().item() + 1e-5
+            assert err <= bound, \
+                f"{device} {dtype} causal={causal} {name}: {err:.2e} > {bound:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_gradients_from_the_final_lse_are_exact(dtype):
+    _check_blocks("cpu", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_kernels_on_cuda(dtype):
+    # bf16: FlashAttention-2 (GQA as is); fp32: memory-efficient attention (k/v repeated).
+    _check_blocks("cuda", dtype)
+
+
+# -- torch.compile: the ring is one opaque op ------------------------------------------------
+
+def _attention_between_ops(q, k, v, group):
+    return ring_attention(torch.tanh(q), 2 * k, v, group).sin()
+
+
+def _compiled(rank, cp):
+    nodes = []
+
+    def backend(gm, example_inputs):                 # aot_eager, noting the graph it gets
+        nodes.extend(n.target for n in gm.graph.nodes)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+    full = _full(2, 4, 2, 2 * cp * 4, 8)
+    mine = [shard_sequence(t, rank, cp, 2) for t in full]
+    compiled = torch.compile(_attention_between_ops, fullgraph=True, backend=backend)
+    got = {}
+    for name, fn in (("eager", _attention_between_ops), ("compiled", compiled)):
+        ins = [t.clone().requires_grad_() for t in mine[:3]]
+        out = fn(*ins, dist.group.WORLD)
+        out.backward(mine[3])
+        got[name] = [out.detach()] + [t.grad for t in ins]
+    return got, [str(t) for t in nodes if "fastpar" in str(t)]
+
+
+def test_ring_attention_compiles_without_a_graph_break():
+    # fullgraph=True raises on any graph break; the ring is one fastpar op in the graph.
+    for got, ops in run_ranks(_compiled, 2, timeout=60):
+        assert ops == ["fastpar.ring_attention_fwd.default"], ops
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got["eager"], got["compiled"]):
+            _close(b, a, f"compiled {name}")
 
 
 # -- the load-balanced sharding ----------------------------------------------------------------

@@ -4,7 +4,8 @@ import torch
 import torch.distributed as dist
 
 from fastpar.models import GPT, GPTConfig, get_config
-from fastpar.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from fastpar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                     VocabParallelEmbedding, reduce_replicated_grads)
 from fastpar.testing import run_ranks
 
 TINY = dict(vocab_size=200, n_layers=2, d_model=32, n_heads=4, max_seq_len=16, pad_vocab_to=64)
@@ -46,6 +47,7 @@ def _compare(rank, tp, cfg_kwargs, sp):
     loss = model(tokens[:, :-1], targets)
     loss_ref.backward()
     loss.backward()
+    reduce_replicated_grads([model], g)      # the step's sum of SP's partial gradients
     assert torch.allclose(loss, loss_ref, rtol=1e-5, atol=1e-6), (loss.item(), loss_ref.item())
     for name, p, full, expected in _params(model, ref, tp, rank):
         grad = _shard(dict(model.named_modules())[name.rsplit(".", 1)[0]],

@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastpar.tensor_parallel import ColumnParallelLinear, RowParallelLinear, overlap as tp_overlap
+from fastpar.tensor_parallel import reduce_replicated_grads
 from fastpar.tensor_parallel.overlap import row_chunks
 from fastpar.testing import run_ranks
 
@@ -52,6 +53,7 @@ def _row(g, rank, tp, sp, overlap, shape, input_is_parallel):
     dy = torch.randn_like(y_ref)
     y_ref.backward(dy)
     y.backward(dy.chunk(tp, 0)[rank] if sp else dy)
+    reduce_replicated_grads(layer, g)        # under SP the bias's gradient was partial
     what = f"Row tp={tp} sp={sp} overlap={overlap} shape={shape} parallel_in={input_is_parallel}"
     _close(y, y_ref.chunk(tp, 0)[rank] if sp else y_ref, what + " out")
     _close(layer.weight.grad, ref.weight.grad.chunk(tp, 1)[rank], what + " dW")
@@ -71,6 +73,7 @@ def _mlp(g, rank, tp, sp, overlap):
     y_ref.square().mean().backward()
     # Every rank's loss is the mean over the whole batch: under SP sum the shards' parts.
     (y.square().sum() / y_ref.numel()).backward()
+    reduce_replicated_grads([col, row], g)
     what = f"MLP tp={tp} sp={sp} overlap={overlap}"
     _close(y, y_ref.chunk(tp, 0)[rank] if sp else y_ref, what + " out")
     _close(col.weight.grad, fc1.weight.grad.chunk(tp, 0)[rank], what + " fc1 dW")

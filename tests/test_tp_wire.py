@@ -10,9 +10,10 @@ Megatron's volumes per layer, forward + backward, with activations of S*B*H elem
 That holds because q, k, v are one column linear and up, gate another (with overlap=False,
 the plain path, autograd keeps the gathered inputs rather than gathering them again: 4
 all-gathers). Under sequence
-parallelism the replicated norm weights see a sequence shard, so their gradients are also
-all-reduced: H elements per norm weight (and bias), far below an activation; they are counted
-apart. Checked at tp 2 and 4, overlap on and off, SwiGLU + RMSNorm, fp32 and under bf16
+parallelism the replicated norm weights see a sequence shard, so their gradients are partial
+sums: nothing is sent for them in backward, and the step's one all-reduce of all of them
+(reduce_replicated_grads) moves H elements per norm weight (and bias), far below an activation;
+it is counted apart. Checked at tp 2 and 4, overlap on and off, SwiGLU + RMSNorm, fp32 and under bf16
 autocast (where every activation collective moves bf16: 2 bytes an element).
 """
 import itertools
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from fastpar.models import GPTConfig
 from fastpar.models.layers import ParallelTransformerLayer, rotary_tables
+from fastpar.tensor_parallel import reduce_replicated_grads
 from fastpar.testing import run_ranks
 from wire import WireRecorder
 
@@ -44,6 +46,8 @@ def _layer_traffic(rank, tp):
         with WireRecorder() as wire, torch.autocast("cpu", torch.bfloat16, enabled=bf16):
             y = layer(x, rope)
             y.float().square().sum().backward()
+            in_backward = wire.summary().get("all_reduce")
+            reduce_replicated_grads(layer, group)
         elem = 2 if bf16 else 4
         act = S * B * H * elem                      # one S*B*H activation, in bytes
         big = wire.summary(min_bytes=act)
@@ -56,8 +60,10 @@ def _layer_traffic(rank, tp):
             gathers = 6 if overlap else 4
             assert big == {"all_gather": (gathers, gathers * act),
                            "reduce_scatter": (4, 4 * act)}, (what, big)
-            # The two RMSNorm weights' gradients, H fp32 elements each.
-            assert small.get("all_reduce") == (2, 2 * H * 4), (what, small)
+            # The two RMSNorm weights' gradients, H fp32 elements each, in one all-reduce
+            # after backward (none inside it).
+            assert in_backward is None, (what, in_backward)
+            assert small.get("all_reduce") == (1, 2 * H * 4), (what, small)
         else:
             assert big == {"all_reduce": (4, 4 * act)}, (what, big)
             assert small == big, (what, small)

@@ -14,9 +14,16 @@ accumulates here, and each k/v block's dk/dv accumulator (fp32) travels one hop 
 last step one more hop brings every accumulator to the rank that owns that k/v. Only this rank's
 q, k, v, out and lse are saved.
 
-On CUDA the batches are issued from a side stream that first waits for the compute stream; a
-wait makes the compute stream wait for the transfer. The block math (:mod:`.blocks`) is plain
-torch in fp32 on CPU and GPU alike.
+Each block is one call of torch's fused SDPA kernel that returns the log-sum-exp (:mod:`.blocks`:
+flash attention on CPU and on CUDA, memory-efficient attention for fp32 on CUDA), in the
+activations' dtype: a block holds O(S_local) memory, never its score matrix, so the lengths CP
+exists for fit. Only the merge and the gradient accumulators are fp32.
+
+The ring is two custom ops, ``fastpar::ring_attention_fwd`` (q, k, v -> out, lse) and
+``fastpar::ring_attention_bwd``, tied by ``register_autograd``, the process group passed by its
+name: ``torch.compile`` sees one opaque op with fake shapes and no graph break. On CUDA the
+batches are issued from a side stream that first waits for the compute stream; a wait makes the
+compute stream wait for the transfer.
 """
 from __future__ import annotations
 
@@ -25,7 +32,9 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.distributed_c10d import _resolve_process_group
 
+from ..mesh import collectives
 from ..mesh.groups import Group, group_rank, group_size
 from ..mesh.profiling import span
 from . import blocks
@@ -67,11 +76,11 @@ def _start_ring(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup
     ops = [dist.P2POp(dist.isend, send, group=group, group_peer=(r + 1) % cp, tag=tag),
            dist.P2POp(dist.irecv, recv, group=group, group_peer=(r - 1) % cp, tag=tag)]
     if stream is None:
-        works = dist.batch_isend_irecv(ops)
+        works = collectives.batch_isend_irecv(ops)
     else:
         stream.wait_stream(torch.cuda.current_stream(stream.device))   # send ready, recv free
         with torch.cuda.stream(stream):
-            works = dist.batch_isend_irecv(ops)
+            works = collectives.batch_isend_irecv(ops)
         send.record_stream(stream)
         recv.record_stream(stream)
     if not overlap:
@@ -89,80 +98,127 @@ def _comm_stream(device: torch.device):
     return torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
-class RingAttention(torch.autograd.Function):
-    """Forward: causal attention of the local queries over every CP rank's k/v, passed around
-    the ring. Backward: dq here; dk/dv ride the ring behind their k/v back to their owner."""
+def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                  overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of the local queries over every CP rank's k/v, passed around the ring:
+    out (B, h, S_local, hd) in q's dtype and its lse (B, h, S_local) fp32, both contiguous."""
+    cp, r = group_size(group), group_rank(group)
+    c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+    stream = _comm_stream(q.device)
+    kv = torch.stack([k, v])                      # (2, B, h_kv, S_local, hd): one message
+    out = lse = None
+    for i in range(cp):
+        src = (r - i) % cp
+        if i + 1 < cp:                            # the next step's k/v moves during this one
+            nxt = torch.empty_like(kv)
+            works = _start_ring(kv, nxt, group, _KV_TAG, overlap, stream)
+        rows, cols, causal = visible_block(src, r, c)
+        with span("cp attention block", i):
+            blk_out, blk_lse = blocks.block_forward(
+                q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale)
+        if out is None:                           # step 0 is causal: it covers every row
+            out = blk_out.to(torch.float32, memory_format=torch.contiguous_format)
+            lse = blk_lse.to(torch.float32, memory_format=torch.contiguous_format)
+        else:
+            blocks.merge_(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
+        if i + 1 < cp:
+            with span("cp wait k/v", i + 1):
+                _wait(works)
+            kv = nxt
+    return out.to(q.dtype), lse
 
-    @staticmethod
-    def forward(ctx, q, k, v, group, overlap):
-        cp, r = group_size(group), group_rank(group)
-        c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
-        stream = _comm_stream(q.device)
-        kv = torch.stack([k, v])                  # (2, B, h_kv, S_local, hd): one message
-        out = lse = None
-        for i in range(cp):
-            src = (r - i) % cp
-            if i + 1 < cp:                        # the next step's k/v moves during this one
-                nxt = torch.empty_like(kv)
-                works = _start_ring(kv, nxt, group, _KV_TAG, overlap, stream)
-            rows, cols, causal = visible_block(src, r, c)
-            with span("cp attention block", i):
-                blk_out, blk_lse = blocks.block_forward(
-                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale)
-            if out is None:                       # step 0 is causal: it covers every row
-                out, lse = blk_out, blk_lse
-            else:
-                blocks.merge_(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
-            if i + 1 < cp:
-                with span("cp wait k/v", i + 1):
-                    _wait(works)
-                kv = nxt
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.overlap = group, overlap
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, overlap = ctx.group, ctx.overlap
-        cp, r = group_size(group), group_rank(group)
-        c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
-        stream = _comm_stream(q.device)
-        with torch.autocast(q.device.type, enabled=False):
-            delta = (dout.float() * out.float()).sum(-1)            # (B, h, S_local)
-            dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            kv = torch.stack([k, v])
-            dkv_in, dkv_works = None, []          # src's dk/dv accumulator, arriving from r - 1
-            for i in range(cp):
-                src = (r - i) % cp
-                if i + 1 < cp:
-                    nxt = torch.empty_like(kv)
-                    kv_works = _start_ring(kv, nxt, group, _KV_TAG, overlap, stream)
-                rows, cols, causal = visible_block(src, r, c)
-                with span("cp attention block backward", i):
-                    dq_b, dk_b, dv_b = blocks.block_backward(
-                        q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout[:, :, rows],
-                        lse[:, :, rows], delta[:, :, rows], causal, scale)
-                dq[:, :, rows] += dq_b
-                if dkv_in is None:                # step 0: src is this rank, a fresh one
-                    dkv = torch.zeros((2,) + k.shape, dtype=torch.float32, device=k.device)
-                else:                             # src's, one hop behind its k/v
-                    with span("cp wait dk/dv", i):
-                        _wait(dkv_works)
-                    dkv = dkv_in
-                dkv[0][:, :, cols] += dk_b
-                dkv[1][:, :, cols] += dv_b
-                # On to r + 1: the next rank that sees src's k/v, or, after the last step, src.
-                dkv_in = torch.empty_like(dkv)
-                dkv_works = _start_ring(dkv, dkv_in, group, _DKV_TAG, overlap, stream)
-                if i + 1 < cp:
-                    with span("cp wait k/v", i + 1):
-                        _wait(kv_works)
-                    kv = nxt
-            with span("cp wait dk/dv home"):
-                _wait(dkv_works)                  # dkv_in: the gradient of this rank's k and v
-        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None
+def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup,
+                   overlap: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq here; dk/dv ride the ring behind their k/v back to their owner. Returns dq, dk, dv
+    in the dtypes of q, k, v (accumulated in fp32)."""
+    cp, r = group_size(group), group_rank(group)
+    c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+    stream = _comm_stream(q.device)
+    dout = dout.to(q.dtype)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])
+    dkv_in, dkv_works = None, []                  # src's dk/dv accumulator, arriving from r - 1
+    for i in range(cp):
+        src = (r - i) % cp
+        if i + 1 < cp:
+            nxt = torch.empty_like(kv)
+            kv_works = _start_ring(kv, nxt, group, _KV_TAG, overlap, stream)
+        rows, cols, causal = visible_block(src, r, c)
+        with span("cp attention block backward", i):
+            dq_b, dk_b, dv_b = blocks.block_backward(
+                q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout[:, :, rows],
+                out[:, :, rows], lse[:, :, rows], causal, scale)
+        dq[:, :, rows] += dq_b
+        if dkv_in is None:                        # step 0: src is this rank, a fresh one
+            dkv = torch.zeros((2,) + k.shape, dtype=torch.float32, device=k.device)
+        else:                                     # src's, one hop behind its k/v
+            with span("cp wait dk/dv", i):
+                _wait(dkv_works)
+            dkv = dkv_in
+        dkv[0][:, :, cols] += dk_b
+        dkv[1][:, :, cols] += dv_b
+        # On to r + 1: the next rank that sees src's k/v, or, after the last step, src.
+        dkv_in = torch.empty_like(dkv)
+        dkv_works = _start_ring(dkv, dkv_in, group, _DKV_TAG, overlap, stream)
+        if i + 1 < cp:
+            with span("cp wait k/v", i + 1):
+                _wait(kv_works)
+            kv = nxt
+    with span("cp wait dk/dv home"):
+        _wait(dkv_works)                          # dkv_in: the gradient of this rank's k and v
+    # Copies: the outputs of an op may not alias one another (dk and dv share dkv_in).
+    return (dq.to(q.dtype), dkv_in[0].to(k.dtype, copy=True),
+            dkv_in[1].to(v.dtype, copy=True))
+
+
+# -- the ring as custom ops: opaque to torch.compile -----------------------------------------
+
+@torch.library.custom_op("fastpar::ring_attention_fwd", mutates_args=())
+def ring_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
+                       overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention forward over the process group named ``group_name``: (out, lse)."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _ring_forward(q, k, v, _resolve_process_group(group_name), overlap)
+
+
+@ring_attention_fwd.register_fake
+def _ring_attention_fwd_fake(q, k, v, group_name, overlap):
+    """Shapes and dtypes only (torch.compile's tracing): out like q, contiguous; lse fp32."""
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("fastpar::ring_attention_bwd", mutates_args=())
+def ring_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, group_name: str,
+                       overlap: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ring attention backward from the final (out, lse): (dq, dk, dv)."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _ring_backward(dout, q, k, v, out, lse, _resolve_process_group(group_name),
+                              overlap)
+
+
+@ring_attention_bwd.register_fake
+def _ring_attention_bwd_fake(dout, q, k, v, out, lse, group_name, overlap):
+    """Shapes and dtypes only: dq, dk, dv like q, k, v, contiguous."""
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, group_name, overlap = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.group_name, ctx.overlap = group_name, overlap
+
+
+def _backward(ctx, dout, _dlse):
+    # lse is an output for the backward's sake only: its gradient is never used.
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = ring_attention_bwd(dout, q, k, v, out, lse, ctx.group_name, ctx.overlap)
+    return dq, dk, dv, None, None
+
+
+ring_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: Group,
@@ -174,7 +230,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: 
     heads travel). Returns (B, h, S_local, hd): causal SDPA of the full sequence, this rank's
     rows. ``cp_group`` None or of size 1 is plain causal SDPA. ``overlap=False`` waits for each
     transfer as soon as it is posted (same numbers, no overlap). Under autocast q, k, v are cast
-    to the autocast dtype first, as SDPA's are; the math inside is fp32 either way.
+    to the autocast dtype first, as SDPA's are, and the blocks compute in it; the merge and the
+    gradient accumulators are fp32 either way.
     """
     if cp_group is not None and group_rank(cp_group) < 0:
         raise ValueError(f"ring_attention: rank {dist.get_rank()} is not in cp_group")
@@ -188,4 +245,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: 
         if cp == 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                   enable_gqa=q.shape[1] != k.shape[1])
-        return RingAttention.apply(q, k, v, cp_group, overlap)
+        return ring_attention_fwd(q, k, v, cp_group.group_name, overlap)[0]

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from ..mesh import collectives
 from ..mesh.groups import Group, group_rank, group_size
 from ..mesh.groups import all_gather_tensor as _all_gather_tensor
 from ..mesh.groups import reduce_scatter_tensor as _reduce_scatter_tensor
@@ -22,7 +23,7 @@ def all_reduce_async(buf: torch.Tensor, group: Group):
     """Start a sum all-reduce of ``buf`` in place; returns the work (None without peers)."""
     if group_size(group) == 1:
         return None
-    return dist.all_reduce(buf, group=group, async_op=True)
+    return collectives.all_reduce(buf, group=group, async_op=True)
 
 
 def reduce_scatter_async(out: torch.Tensor, buf: torch.Tensor, group: Group,
@@ -83,7 +84,7 @@ def _exchange(group: Group, pairs) -> list:
     for r, send, recv in pairs:
         peer = dist.get_global_rank(group, r)
         ops += [dist.P2POp(dist.isend, send, peer, group), dist.P2POp(dist.irecv, recv, peer, group)]
-    return dist.batch_isend_irecv(ops)
+    return collectives.batch_isend_irecv(ops)
 
 
 def needs_scratch(group: Group) -> bool:

@@ -14,13 +14,17 @@ parameters with the extension's multi-tensor op; with ``overlap_param_gather=Tru
 bucket by bucket, until a module's forward first needs its parameters. The optimizer updates
 elementwise, so the result equals plain data parallelism with the same optimizer.
 
-The optimizer steps bucket by bucket, each bucket's gather launched as soon as its shard is
-updated, so it travels while the next bucket steps (the first layers' bucket first: the next
-forward needs it first). ``overlap_step=True`` goes further: each bucket is stepped the moment
-its reduction lands at the end of backward, while the later buckets are still reduced, and its
-gather starts right there; ``step()`` then has nothing left to do. The global gradient norm is
-not known before the first bucket steps, so it rules out ``clip_grad_norm_`` (as torch's
-optimizer-in-backward does), and it needs ``find_unused_parameters=False``.
+``step()`` calls the wrapped optimizer once over all of this rank's pieces, whatever the number
+of buckets: one fused (or foreach) launch per parameter group, where stepping bucket by bucket
+cost one per bucket and group, and on a GPU the host must stay ahead of every launch. The buckets'
+gathers start right after it (the first layers' bucket first: the next forward needs it first).
+``found_inf`` skips a step on the device, as torch.amp.GradScaler does: no host sync.
+``overlap_step=True`` is the exception, an explicit opt-in: each bucket is stepped (one call per
+bucket) the moment its reduction lands at the end of backward, while the later buckets are still
+reduced, and its gather starts right there; ``step()`` then has nothing left to do. The global
+gradient norm is not known before the first bucket steps, so it rules out ``clip_grad_norm_``
+and ``found_inf`` (as torch's optimizer-in-backward does), and it needs
+``find_unused_parameters=False``.
 
 ``shard=False`` keeps the whole optimizer state on every rank (the buckets are all-reduced, each
 rank steps every parameter): with a bf16 model wrapped as ``DataParallel(..., main_grads=True)``
@@ -39,9 +43,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import extension
+from ..mesh import collectives
 from ..mesh.profiling import span
 from .comm import all_gather_async
 from .data_parallel import DataParallel
+from .zero_state import StateByParam, group_index, group_options
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -89,7 +95,7 @@ class DistributedOptimizer:
             raise ValueError("overlap_step=True needs find_unused_parameters=False: with it, "
                              "which parameters got no gradient is known only after every "
                              "bucket's reduction")
-        group_of = _group_index(reducer.params, param_groups)
+        group_of = group_index(reducer.params, param_groups)
         self.model, self.overlap_param_gather, self.shard = model, overlap_param_gather, shard
         self._reducer, self._world, self._rank = reducer, model.dp_size, model.dp_rank
         reducer.optimizer = self
@@ -107,6 +113,7 @@ class DistributedOptimizer:
         self._views = [self._adopt_params(b) if self._in_place[b] else None
                        for b in range(len(reducer.buckets))]
         self._master, self._grads = self._shard_buffers()
+        self._piece_grads = [self._grads[pc.bucket][pc.lo:pc.hi] for pc in self._pieces]
         # Unsharded, each piece is a whole parameter: its master (and so its optimizer state)
         # takes the parameter's shape.
         self._shard_params = [nn.Parameter(self._master[pc.bucket][pc.lo:pc.hi].view(
@@ -114,7 +121,7 @@ class DistributedOptimizer:
             self._master[pc.bucket][pc.lo:pc.hi]) for pc in self._pieces]
         self._by_param = {id(self._reducer.params[pc.param]): sp
                           for pc, sp in zip(self._pieces, self._shard_params)}
-        groups = [{**opts, "params": []} for opts in _group_options(param_groups)]
+        groups = [{**opts, "params": []} for opts in group_options(param_groups)]
         for pc, sp in zip(self._pieces, self._shard_params):
             groups[group_of[pc.param]]["params"].append(sp)
         self.optimizer = optimizer_class([g for g in groups if g["params"]], **defaults)
@@ -182,9 +189,18 @@ class DistributedOptimizer:
         return p.detach().view(-1)[pc.start:pc.start + pc.hi - pc.lo]
 
     # -- stepping -----------------------------------------------------------------------------
-    def step(self, closure=None):
-        """One optimizer step on this rank's shard, bucket by bucket, each bucket's parameters
-        all-gathered as soon as it is stepped (with ``overlap_step``, done during backward)."""
+    def step(self, closure=None, *, found_inf: torch.Tensor | None = None):
+        """One optimizer step on this rank's shard: one call of the wrapped optimizer over every
+        piece, then each bucket's parameters all-gathered (with ``overlap_step``, all done
+        during backward, bucket by bucket).
+
+        ``found_inf``: a one-element tensor on the parameters' device, nonzero to skip this
+        step (e.g. a NaN loss): an optimizer that supports it as torch.amp.GradScaler's does
+        (``fused=True``) skips on the device, leaving weights, moments and step counts as
+        they were, and the host never waits; any other optimizer reads it on the host."""
+        if found_inf is not None and self.overlap_step:
+            raise ValueError("found_inf cannot skip a step with overlap_step=True: each bucket "
+                             "was stepped during backward already")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -192,8 +208,8 @@ class DistributedOptimizer:
         self.model.finish_gradient_sync()
         if not self._stepped:
             self._prepare_grads()
-            for b in reversed(range(len(self._master))):
-                self._step_bucket(b)
+            self._step_all(found_inf)
+            self._launch_gathers()
         elif len(self._stepped) < len(self._master):
             raise RuntimeError(f"DistributedOptimizer.step: overlap_step stepped buckets "
                                f"{sorted(self._stepped)} of {len(self._master)} in backward; "
@@ -211,8 +227,24 @@ class DistributedOptimizer:
         self._stepped.add(b)
 
     @torch.no_grad()
+    def _step_all(self, found_inf: torch.Tensor | None) -> None:
+        """The wrapped optimizer over every piece at once, skipped where ``found_inf`` is set."""
+        opt = self.optimizer
+        if found_inf is None:
+            opt.step()
+        elif getattr(opt, "_step_supports_amp_scaling", False) and \
+                all(g.get("fused") for g in opt.param_groups):
+            opt.found_inf = found_inf.reshape(()).float()   # read by torch's fused step
+            try:
+                opt.step()
+            finally:
+                del opt.found_inf
+        elif not found_inf.any().item():    # host sync: this optimizer cannot skip on device
+            opt.step()
+
+    @torch.no_grad()
     def _step_bucket(self, b: int) -> None:
-        """Step the optimizer on bucket b's pieces only, then start the bucket's gather."""
+        """overlap_step: the optimizer on bucket b's pieces only, then the bucket's gather."""
         groups = self.optimizer.param_groups
         keep = [g["params"] for g in groups]
         try:
@@ -304,7 +336,8 @@ class DistributedOptimizer:
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, groups=(),
                         counted=None) -> torch.Tensor:
-        """Clip the mean gradient by its global norm; returns that norm (before clipping).
+        """Clip the mean gradient by its global norm; returns that norm (before clipping) as
+        a 0-dim tensor, computed and applied on the device (no host sync).
 
         Call after backward, before :meth:`step`. The shards are reduced over the dp group and
         then over each of ``groups`` (e.g. the tp and pp groups of a 3D layout); ``counted(p)``
@@ -320,7 +353,7 @@ class DistributedOptimizer:
         keep = [pc.param not in self._reducer.unused and
                 (counted is None or counted(self._reducer.params[pc.param]))
                 for pc in self._pieces]
-        grads = [self._grads[pc.bucket][pc.lo:pc.hi] for pc, k in zip(self._pieces, keep) if k]
+        grads = [g for g, k in zip(self._piece_grads, keep) if k]
         inf = norm_type == float("inf")
         local = torch.zeros((), dtype=torch.float32, device=self._master[0].device)
         if grads:
@@ -329,22 +362,24 @@ class DistributedOptimizer:
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         dp = [self.model.dp_group] if self._world > 1 and self.shard else []
         for group in dp + list(groups):
-            dist.all_reduce(local, op=op, group=group)
+            collectives.all_reduce(local, op=op, group=group)
         total = local if inf else local.pow(1.0 / norm_type)
-        coef = float(max_norm) / (float(total) + 1e-6)
-        if coef < 1.0:
-            extension.multi_tensor_scale([g for g in self._grads if g.numel()], coef)
+        if max_norm != float("inf") and self._piece_grads:
+            # On the device, as torch's clip_grad_norm_: the host never waits for the norm.
+            # Only the pieces: a NaN coefficient must not reach the buckets' padding.
+            coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(self._piece_grads, coef)
         return total
 
     # -- introspection ------------------------------------------------------------------------
     @property
-    def state(self) -> "_StateByParam":
+    def state(self) -> StateByParam:
         """The optimizer state by model parameter (unsharded only): ``state[p]`` is the dict of
         ``p``'s fp32 master, with tensors shaped like ``p`` (what checkpoints save and load)."""
         if self.shard:
             raise AttributeError("a sharded DistributedOptimizer has no per-parameter state; "
                                  "use state_dict()")
-        return _StateByParam(self)
+        return StateByParam(self)
 
     def master_of(self, p: torch.Tensor) -> torch.Tensor:
         """The fp32 master weight of model parameter ``p``, shaped like it (unsharded only)."""
@@ -398,36 +433,3 @@ class DistributedOptimizer:
     @property
     def param_groups(self):
         return self.optimizer.param_groups
-
-
-class _StateByParam:
-    """``optimizer.state`` looked up by model parameter instead of by master."""
-
-    def __init__(self, opt: DistributedOptimizer):
-        self._opt = opt
-
-    def get(self, p, default=None):
-        sp = self._opt._by_param.get(id(p))
-        return default if sp is None else self._opt.optimizer.state.get(sp, default)
-
-    def __getitem__(self, p):
-        return self._opt.optimizer.state[self._opt._by_param[id(p)]]
-
-
-def _group_options(param_groups) -> list[dict]:
-    opts = [{k: v for k, v in g.items() if k != "params"} for g in (param_groups or [])]
-    return opts + [{}]
-
-
-def _group_index(params, param_groups) -> list[int]:
-    """For each trainable parameter, the index of its group (the last one: the defaults)."""
-    index = {id(p): len(param_groups or []) for p in params}
-    for g, group in enumerate(param_groups or []):
-        if not isinstance(group, dict) or "params" not in group:
-            raise ValueError(f"param_groups[{g}] must be a dict with a 'params' list")
-        for p in group["params"]:
-            if id(p) not in index:
-                raise ValueError(f"param_groups[{g}] holds a tensor that is not a trainable "
-                                 f"parameter of the model")
-            index[id(p)] = g
-    return [index[id(p)] for p in params]

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-Group = dist.ProcessGroup | None
+# The tensor-in, tensor-out collectives, recorded in the flight recorder (fastpar.mesh.collectives).
+from .collectives import all_gather_into_tensor as all_gather_tensor  # noqa: F401
+from .collectives import reduce_scatter_tensor  # noqa: F401
 
-# torch 2.13 renamed the tensor-in, tensor-out collectives; keep working on either name.
-all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+Group = dist.ProcessGroup | None
 
 
 def group_size(group: Group) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch.autograd import _profiler_enabled
 from torch.profiler import record_function
 
@@ -17,7 +18,8 @@ _NONE = contextlib.nullcontext()
 
 def span(*parts):
     """A profiler range named ``fastpar: <parts joined by spaces>`` while a profiler runs, else a
-    no-op (the name is only built when it is used)."""
-    if not _profiler_enabled():
+    no-op (the name is only built when it is used). Inside a torch.compile'd region it is always
+    a no-op: the profiler check is a host call the compiled graph cannot hold."""
+    if torch.compiler.is_compiling() or not _profiler_enabled():
         return _NONE
     return record_function("fastpar: " + " ".join(map(str, parts)))

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from .. import kernels
 from ..tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding, copy_to_tp,
                                gather_from_sp, vocab_parallel_cross_entropy)
+from ..tensor_parallel import mark_partial_grads
 from ..context_parallel import positions
 from ..mesh.groups import group_rank, group_size
 from .config import GPTConfig
@@ -67,6 +68,8 @@ class GPT(nn.Module):
                 with _seeded(seed + 1):
                     self.pos_embed = nn.Embedding(config.max_seq_len, config.d_model,
                                                   device=device)
+                if sequence_parallel and tp > 1:    # each rank adds its own rows' positions
+                    mark_partial_grads(self.pos_embed, "weight")
         self.layers = nn.ModuleDict()
         for i in layers:
             with _seeded(seed + 100 + i):
@@ -109,9 +112,9 @@ class GPT(nn.Module):
             S = tokens.shape[1]
             pos = self.pos_embed.weight[start:start + S] if self.cp_group is None else \
                 self.pos_embed.weight[self._positions(S)]
-            if self.sp:
+            if self.sp:     # this rank's rows: a partial gradient (marked in __init__)
                 tp, r = group_size(self.tp_group), group_rank(self.tp_group)
-                pos = copy_to_tp(pos, self.tp_group).chunk(tp, 0)[r]
+                pos = pos.chunk(tp, 0)[r]
             x = x + pos[:, None, :]
         # Dropout as the blocks do it (a Philox mask fixed by seed and offset): under SP each
         # rank's offset is where its sequence shard starts, so the shards' masks are the slices
@@ -121,19 +124,23 @@ class GPT(nn.Module):
                                         self.training, None, shard * x.numel())
 
     def logits(self, x):
-        """(S[/tp], B, D) -> (B, S, V/tp) logits over this rank's vocabulary shard; padding -inf."""
-        x = self.norm(x)
-        if self.config.tie_embeddings:
-            x = gather_from_sp(x, self.tp_group) if self.sp else copy_to_tp(x, self.tp_group)
-            z = F.linear(x, self.embed.weight)
-        else:
-            z = self.head(x)                                          # (S, B, Vp/tp)
+        """(S[/tp], B, D) -> (B, S, V/tp) logits over this rank's vocabulary shard; padding -inf.
+        A view of the head's sequence-first output (S, B, V/tp), not a copy."""
+        z = self._head_out(x)
         cfg = self.config
         if cfg.padded_vocab != cfg.vocab_size:
             shard = z.shape[-1]
             ids = torch.arange(shard, device=z.device) + shard * group_rank(self.tp_group)
             z = z.masked_fill(ids >= cfg.vocab_size, float("-inf"))  # never predicted
         return z.transpose(0, 1)
+
+    def _head_out(self, x):
+        """(S[/tp], B, D) -> (S, B, Vp/tp): the head's output, padding columns not masked."""
+        x = self.norm(x)
+        if self.config.tie_embeddings:
+            x = gather_from_sp(x, self.tp_group) if self.sp else copy_to_tp(x, self.tp_group)
+            return F.linear(x, self.embed.weight)
+        return self.head(x)
 
     def forward(self, x, targets=None, cache=None):
         """Tokens (B, S) on the first stage, hidden (S[/tp], B, D) on the others. Returns the mean
@@ -161,10 +168,12 @@ class GPT(nn.Module):
                 x = layer(x, rope, self.recompute == "selective" and self.training)
         if not self.post_process:
             return x
-        z = self.logits(x)
         if targets is None:
-            return z
-        return token_loss(z, targets, self.tp_group)
+            return self.logits(x)
+        # The loss reads the head's output in place and leaves the padding out itself: no
+        # masked copy of the logits, and a gradient laid out as the head's output.
+        z = self._head_out(x).transpose(0, 1)                         # (B, S, Vp/tp), a view
+        return token_loss(z, targets, self.tp_group, self.config.vocab_size)
 
     def _positions(self, local_len: int) -> torch.Tensor:
         """The true positions of this CP rank's ``local_len`` tokens of each sequence."""
@@ -187,8 +196,12 @@ class GPT(nn.Module):
         return self.logits(x) if self.post_process else x
 
 
-def token_loss(logits: torch.Tensor, targets: torch.Tensor, tp_group=None) -> torch.Tensor:
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, tp_group=None,
+               vocab_size: int | None = None) -> torch.Tensor:
     """The model's loss, for every layout (the pipeline's last stage too): the mean
-    cross-entropy over the targets that are not ignored (-100), from vocabulary-sharded logits."""
-    loss = vocab_parallel_cross_entropy(logits, targets, tp_group=tp_group)   # (B, S)
+    cross-entropy over the targets that are not ignored (-100), from vocabulary-sharded logits
+    (B, S, V/tp), read where they lie (the model's transposed view is not copied).
+    ``vocab_size``: the real classes, when the logits' padding columns are not masked."""
+    loss = vocab_parallel_cross_entropy(logits, targets, tp_group=tp_group,
+                                        vocab_size=vocab_size)          # (B, S)
     return loss.sum() / (targets != -100).sum().clamp(min=1)

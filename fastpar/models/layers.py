@@ -1,8 +1,9 @@
 """The parallel Transformer block: norm, attention (heads split over TP), MLP (Column -> Row).
 
 Activations are sequence-first: (S, B, D), or (S/tp, B, D) between blocks under sequence
-parallelism (SP). Replicated parameters that see only a sequence shard under SP (the norms) pass
-through ``copy_to_tp`` so their gradients are summed over the TP group.
+parallelism (SP). Replicated parameters that see only a sequence shard under SP (the norms) are
+marked (``mark_partial_grads``): their gradients are summed over the TP group once per step by
+``reduce_replicated_grads``, not in every backward.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..context_parallel import ring_attention
-from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, mark_partial_grads
 from ..mesh.groups import group_rank, group_size
 from .config import GPTConfig
 
@@ -27,12 +28,12 @@ class Norm(nn.Module):
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.weight = nn.Parameter(torch.ones(d))
         self.bias = nn.Parameter(torch.zeros(d)) if config.norm == "layernorm" else None
+        if sequence_parallel and group_size(tp_group) > 1:
+            # This rank's tokens only: partial gradients, summed over TP once per step.
+            mark_partial_grads(self, "weight", *(["bias"] if self.bias is not None else []))
 
     def forward(self, x):
         w, b = self.weight, self.bias
-        if self.sequence_parallel:
-            w = copy_to_tp(w, self.tp_group)
-            b = copy_to_tp(b, self.tp_group) if b is not None else None
         # Fused Triton kernels on CUDA, their torch references elsewhere.
         if self.kind == "rmsnorm":
             return kernels.rms_norm(x, w, self.eps)

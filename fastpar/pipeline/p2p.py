@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..mesh import collectives
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.uint8, torch.bool)
 _META_LEN = 16          # [status, dtype, ndim, dims...]; status 0 ok, >0 an error code + numbers
@@ -39,11 +41,11 @@ def post(ops: list[dist.P2POp], stream=None) -> list[list[dist.Work]]:
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
-            works = dist.batch_isend_irecv(ops)
+            works = collectives.batch_isend_irecv(ops)
         for op in ops:
             op.tensor.record_stream(stream)
     else:
-        works = dist.batch_isend_irecv(ops)
+        works = collectives.batch_isend_irecv(ops)
     # gloo returns one work per op; a coalesced NCCL batch may return one for the whole batch.
     return [[w] for w in works] if len(works) == len(ops) else [list(works)] * len(ops)
 
@@ -91,10 +93,11 @@ def send_meta(meta: torch.Tensor, peer: int, group, device, what: str) -> None:
     a communicator for this pair of ranks (another rendezvous, more GPU memory) where a batch
     runs on the pipeline group's own, the one every later step uses."""
     op = dist.P2POp(dist.isend, meta.to(device), peer, group, HANDSHAKE_TAG)
-    wait(dist.batch_isend_irecv([op]), what)
+    wait(collectives.batch_isend_irecv([op]), what)
 
 
 def recv_meta(peer: int, group, device, what: str) -> torch.Tensor:
     meta = torch.zeros(_META_LEN, dtype=torch.int64, device=device)
-    wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, meta, peer, group, HANDSHAKE_TAG)]), what)
+    op = dist.P2POp(dist.irecv, meta, peer, group, HANDSHAKE_TAG)
+    wait(collectives.batch_isend_irecv([op]), what)
     return meta.cpu()

@@ -27,6 +27,12 @@ chunk by chunk in the kernel and written in the logits' dtype:
 
 Tokens whose target is ``ignore_index`` get loss 0 and gradient 0, as in ``F.cross_entropy``.
 Arithmetic is fp32 (fp64 for fp64 logits, on the torch reference), as is the loss.
+
+No copy of the logits or of their gradient: the kernels read the rows where they lie (a transposed
+view included: the model's (B, S, V/tp) logits over its sequence-first head output) and write
+the one gradient tensor with the logits' strides, so the head's backward GEMM reads it as it is.
+A padded vocabulary (``vocab_size`` real classes of the ``tp * V/tp`` columns) is handled here,
+not by masking the logits with -inf first, which would copy them and then their gradient.
 """
 from __future__ import annotations
 
@@ -53,13 +59,13 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     Backward: local ``softmax - (1-eps)*onehot - eps/V``, recomputed; no communication."""
 
     @staticmethod
-    def forward(ctx, logits, target, group, ignore_index, label_smoothing):
+    def forward(ctx, logits, target, group, ignore_index, label_smoothing, vocab_size):
         tp, rank = group_size(group), group_rank(group)
         v_local = logits.shape[-1]
-        vocab, start = v_local * tp, v_local * rank
-        stats = cross_entropy_shard_stats(logits, target, start, ignore_index)  # (N, 4)
+        vocab, start = vocab_size or v_local * tp, v_local * rank
+        stats = cross_entropy_shard_stats(logits, target, start, ignore_index, vocab)  # (N, 4)
         loss, row_max, log_sum = cross_entropy_combine(
-            _gather_stats(stats, group), target, vocab, ignore_index, label_smoothing)
+            _gather_stats(stats, group), target, vocab, ignore_index, label_smoothing, v_local)
         ctx.save_for_backward(logits, target, row_max, log_sum)
         ctx.eps, ctx.vocab, ctx.start, ctx.ignore_index = label_smoothing, vocab, start, \
             ignore_index
@@ -70,18 +76,22 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         logits, target, row_max, log_sum = ctx.saved_tensors
         grad = cross_entropy_shard_grad(logits, target, row_max, log_sum, grad_loss, ctx.start,
                                         ctx.ignore_index, ctx.eps, ctx.vocab)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *,
                                  tp_group: Group = None, ignore_index: int = -100,
-                                 label_smoothing: float = 0.0) -> torch.Tensor:
+                                 label_smoothing: float = 0.0,
+                                 vocab_size: int | None = None) -> torch.Tensor:
     """Per-token cross-entropy (shape of ``target``, fp32) from vocab-sharded logits.
 
-    ``logits`` (..., V/tp): rank r holds classes ``[r*V/tp, (r+1)*V/tp)``; ``target`` (...):
-    full vocabulary ids. Equals ``F.cross_entropy(full_logits.view(-1, V), target.view(-1),
-    reduction="none", ignore_index=..., label_smoothing=...)`` reshaped to ``target.shape``.
-    With ``tp_group=None`` it is single-device cross-entropy. Ids outside ``[0, V)`` other than
+    ``logits`` (..., V/tp), any layout whose last dim is contiguous (a transposed view is read
+    in place): rank r holds classes ``[r*V/tp, (r+1)*V/tp)``; ``target`` (...): full vocabulary
+    ids. Equals ``F.cross_entropy(full_logits.view(-1, V), target.view(-1), reduction="none",
+    ignore_index=..., label_smoothing=...)`` reshaped to ``target.shape``. ``vocab_size``: the
+    real classes when the vocabulary is padded (columns from ``vocab_size`` on take no part, as
+    if their logits were -inf, and get zero gradient); default all ``V``. With
+    ``tp_group=None`` it is single-device cross-entropy. Ids outside ``[0, V)`` other than
     ``ignore_index`` are not checked (that would need a device sync).
     """
     if logits.dim() == 0 or target.shape != logits.shape[:-1]:
@@ -94,5 +104,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *,
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"vocab_parallel_cross_entropy: label_smoothing={label_smoothing} "
                          "must be in [0, 1]")
+    columns = logits.shape[-1] * group_size(tp_group)
+    if vocab_size is not None and not 0 < vocab_size <= columns:
+        raise ValueError(f"vocab_parallel_cross_entropy: vocab_size={vocab_size} must be in "
+                         f"[1, {columns}] (the logits' {logits.shape[-1]} columns x "
+                         f"tp={group_size(tp_group)})")
     return VocabParallelCrossEntropy.apply(logits, target.long(), tp_group, ignore_index,
-                                           float(label_smoothing))
+                                           float(label_smoothing), vocab_size)

@@ -3,7 +3,9 @@
 Column: weight shard (out/tp, in), output features split over TP. Row: weight shard (out, in/tp),
 input features split, partial products summed over TP; its bias is whole on every rank and added
 once, after the reduction. Activations are sequence-first (S, B, H) or (T, H); under sequence
-parallelism (SP) the activations outside the pair are split along dim 0.
+parallelism (SP) the activations outside the pair are split along dim 0, and the row bias, added
+to this rank's rows only, gets a partial gradient that ``reduce_replicated_grads`` sums once per
+step.
 
 With ``overlap=True`` the communication runs inside the extension's GEMM <-> collective pipelines
 (:mod:`fastpar.tensor_parallel.overlap`); ``overlap=False`` runs the plain sequence of mappings.
@@ -22,6 +24,7 @@ from ..mesh.layout import require_positive
 from .mappings import (check_divisible, copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp,
                        reduce_scatter_to_sp, scatter_to_tp, _gather)
 from .overlap import ColumnLinearOverlap, RowLinearOverlap
+from .sharding import mark_partial_grads
 
 
 class TPSharded(nn.Module):
@@ -143,6 +146,11 @@ class _ParallelLinear(TPSharded):
         cast = (lambda t: t if t is None or not t.is_floating_point() else t.to(dtype))
         return cast(x), cast(self.weight), cast(self.bias)
 
+    def _weight_id(self) -> int:
+        """``id()`` of the weight, naming it to :mod:`fastpar.split_backward`. 0 under
+        torch.compile, which runs no split backward: an id would tie the graph to this layer."""
+        return 0 if torch.compiler.is_compiling() else id(self.weight)
+
     def _check_width(self, x: torch.Tensor, expected: int) -> None:
         if x.dim() < 1 or x.shape[-1] != expected:
             raise ValueError(f"{type(self).__name__}: input has width {tuple(x.shape)[-1:]} "
@@ -209,7 +217,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.overlap:
             rows = x.reshape(-1, x.shape[-1])        # (S*B, in); a sequence shard under SP
             y = ColumnLinearOverlap.apply(rows, weight, self.tp_group,
-                                          self.sequence_parallel, self.chunks, id(self.weight))
+                                          self.sequence_parallel, self.chunks, self._weight_id())
             lead = ((x.shape[0] * self.tp_size,) + x.shape[1:-1]) if self.sequence_parallel \
                 else x.shape[:-1]
             y = y.view(*lead, -1)
@@ -236,8 +244,12 @@ class RowParallelLinear(_ParallelLinear):
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel")
         self.input_is_parallel = input_is_parallel
         # Return (y, bias) with the bias not added, for a fused kernel to add it
-        # (bias_dropout_add); under SP the bias comes through copy_to_tp, as when added here.
+        # (bias_dropout_add).
         self.skip_bias_add = skip_bias_add
+        if bias and sequence_parallel and self.tp_size > 1:
+            # Each rank adds the bias to its own rows only: its gradient is a partial sum,
+            # summed over TP once per step (reduce_replicated_grads), not in every backward.
+            mark_partial_grads(self, "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -256,7 +268,7 @@ class RowParallelLinear(_ParallelLinear):
         if self.overlap:
             rows = x.reshape(-1, x.shape[-1])
             y = RowLinearOverlap.apply(rows, weight, self.tp_group, self.sequence_parallel,
-                                       self.chunks, id(self.weight))
+                                       self.chunks, self._weight_id())
             lead = ((x.shape[0] // self.tp_size,) + x.shape[1:-1]) if self.sequence_parallel \
                 else x.shape[:-1]
             y = y.view(*lead, -1)
@@ -264,10 +276,6 @@ class RowParallelLinear(_ParallelLinear):
             y = F.linear(x, weight)
             y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel \
                 else reduce_from_tp(y, self.tp_group)
-        if bias is not None and self.sequence_parallel:
-            # Under SP each rank adds the bias to its own rows only: its gradient is a partial
-            # sum, all-reduced by copy_to_tp's backward.
-            bias = copy_to_tp(bias, self.tp_group)
         if self.skip_bias_add:
             return y, bias
         return y if bias is None else y + bias

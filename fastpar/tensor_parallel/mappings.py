@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..mesh import collectives
 from ..mesh.groups import Group, group_rank, group_size
 from ..mesh.groups import all_gather_tensor as _all_gather_tensor
 from ..mesh.groups import reduce_scatter_tensor as _reduce_scatter_tensor
@@ -23,7 +24,7 @@ def check_divisible(size: int, tp: int, what: str) -> None:
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     x = x.contiguous()
     with span("tp all-reduce"):
-        dist.all_reduce(x, group=group)
+        collectives.all_reduce(x, group=group)
     return x
 
 

@@ -55,6 +55,9 @@ class ColumnLinearOverlap(torch.autograd.Function):
         x, w = ctx.saved_tensors
         need_x, need_w = _needs(ctx)
         chunks = row_chunks(ctx.chunks, g.shape[0], x.shape[1], g.element_size())
+        # The GEMMs read g (rows, out/tp) row-major. For the output head g is the loss's
+        # gradient, made in the head output's own layout, so g.contiguous() copies nothing
+        # there (tests/test_loss_memory.py counts copies); only a transposed g would be copied.
         with span("tp column backward:", "reduce-scatter" if ctx.sp else "all-reduce",
                   "of the input grad under the weight-grad GEMM"):
             gx, gw = extension.column_linear_backward(g.contiguous(), x, w, ctx.group, ctx.sp,

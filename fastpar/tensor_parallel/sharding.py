@@ -1,6 +1,8 @@
 """Which tensors of a model are split over tensor parallelism, and how: what the TP layers
 declare (``tp_shard_dims``, :class:`fastpar.tensor_parallel.linear.TPSharded`), read by
-checkpoints, Hugging Face conversion and gradient clipping."""
+checkpoints, Hugging Face conversion and gradient clipping; and which replicated parameters get
+only a partial gradient on each TP rank (:func:`mark_partial_grads`), read by
+:func:`fastpar.tensor_parallel.reduce_replicated_grads`."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -31,6 +33,44 @@ def tp_params(modules: list[nn.Module]) -> list[tuple[nn.Parameter, bool]]:
             dims, tp = getattr(module, "tp_shard_dims", {}), getattr(module, "tp_size", 1)
             out += [(p, dims.get(pname) is not None and tp > 1)
                     for pname, p in module.named_parameters(recurse=False)]
+    return out
+
+
+# The module attribute naming which of its own parameters are replicated over TP but get, on each
+# TP rank, only a partial sum of their gradient: under sequence parallelism, parameters applied to
+# this rank's block of the sequence (norms, a row-parallel linear's bias, learned positions).
+# Megatron's ``param.sequence_parallel``. It sits on the module, as ``tp_shard_dims`` does,
+# because building on the meta device and ``to_empty`` (``from_linear``) replace the parameter
+# objects, and any attribute set on them with them.
+PARTIAL_GRADS = "tp_partial_grads"
+
+
+def mark_partial_grads(module: nn.Module, *names: str) -> None:
+    """Declare ``module``'s own parameters ``names`` replicated over TP with partial gradients:
+    :func:`fastpar.tensor_parallel.reduce_replicated_grads` sums them over the TP group once per
+    step. Under sequence parallelism, for every replicated parameter that sees the sequence
+    shard; never otherwise (the gradient is then whole on every rank already)."""
+    own = dict(module.named_parameters(recurse=False))
+    bad = [n for n in names if n not in own]
+    if bad:
+        raise ValueError(f"mark_partial_grads: {type(module).__name__} has no parameter(s) "
+                         f"{bad}; its own parameters are {sorted(own)}")
+    marked = tuple(getattr(module, PARTIAL_GRADS, ()))
+    setattr(module, PARTIAL_GRADS, marked + tuple(n for n in names if n not in marked))
+
+
+def partial_grad_params(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """Every parameter of ``modules`` marked by :func:`mark_partial_grads`, once each, in module
+    order (the same order on every rank of a TP group)."""
+    out, seen = [], set()
+    for root in modules:
+        for module in root.modules():
+            own = dict(module.named_parameters(recurse=False))
+            for name in getattr(module, PARTIAL_GRADS, ()):
+                p = own.get(name)
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
     return out
 
 

@@ -9,6 +9,7 @@ from functools import cached_property
 from ..mesh.layout import Layout, require_positive
 from ..models.parallel_config import ParallelConfig
 from ..models import GPTConfig, get_config
+from ..pipeline.schedules import build_schedule
 from .init_from import source_config
 
 PRECISIONS = ("auto", "bf16", "amp", "fp32")
@@ -56,6 +57,9 @@ class TrainConfig(ParallelConfig):
     timeout: float = 600.0              # seconds a collective waits for a peer before failing
     max_skipped_steps: int = 5          # non-finite steps in a row (skipped) before stopping
     deterministic: bool = False         # deterministic kernels on GPU (CPU always is)
+    compile: bool = False               # torch.compile each Transformer block (fullgraph, inductor;
+                                        # fastpar.models.compile_blocks); needs dropout 0 and a
+                                        # schedule without a split backward
     precision: str = "auto"             # bf16: Megatron's mixed precision (bf16 parameters and
                                         # activations, fp32 main gradients and master weights) |
                                         # amp: bf16 autocast over fp32 weights | fp32 |
@@ -122,6 +126,20 @@ class TrainConfig(ParallelConfig):
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ValueError(f"--virtual-stages={self.virtual_stages} needs "
                              f"--schedule interleaved, not {self.schedule!r}")
+        if self.compile:
+            self._check_compile(mc)
+
+    def _check_compile(self, mc: GPTConfig) -> None:
+        """What a compiled block cannot do: draw a dropout seed on the host (a graph break), or
+        split its backward into input and weight halves (it computes both in one piece)."""
+        if mc.dropout:
+            raise ValueError(f"--compile needs a model without dropout (dropout={mc.dropout}: "
+                             "each mask's seed is drawn on the host, a graph break per block)")
+        if self.pp > 1 and build_schedule(self.schedule, self.pp, self.pp,
+                                          self.virtual_stages).split_backward:
+            raise ValueError(f"--compile with --schedule {self.schedule} is not supported: its "
+                             "split backward (input gradients first, weight gradients later) "
+                             "cannot reach inside a compiled block; use 1f1b or interleaved")
 
     @cached_property
     def model_config(self) -> GPTConfig:

@@ -2,6 +2,8 @@
 
     kill@6:1       rank 1 kills itself (SIGKILL) right after step 6
     hang@3:1       rank 1 stops (sleeps) at the start of step 3, before its collectives
+    skip@3:1       rank 1 skips one collective at step 3, the loss all-reduce (neither issued
+                   nor recorded; the others issue it): the ranks deadlock out of step
     nan@5          a gradient is NaN on every rank at step 5 (as after an overflow)
     nan@3-5:0      on rank 0 only, at steps 3, 4 and 5
     nan-loss@5     the loss is NaN at step 5
@@ -20,7 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("kill", "hang", "nan", "nan-loss", "kill-save")
+from ..mesh.flight import recorder
+
+KINDS = ("kill", "hang", "skip", "nan", "nan-loss", "kill-save")
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,10 @@ def before_step(faults: Faults, step: int, rank: int) -> None:
 
 
 def poison(faults: Faults, step: int, rank: int, loss: torch.Tensor, modules) -> None:
-    """Make this rank's loss, or its first gradient, NaN."""
+    """Make this rank's loss, or its first gradient, NaN; or skip its next collective (the
+    trainer calls this right before the loss all-reduce)."""
+    if faults.hits("skip", step, rank):
+        recorder.skips += 1
     if faults.hits("nan-loss", step, rank):
         loss.fill_(float("nan"))
     if faults.hits("nan", step, rank):

@@ -9,7 +9,10 @@ GLOO_SOCKET_IFNAME says otherwise. A multi-node job is torchrun's, with the addr
 
 A worker that fails for a reason fastpar names (a bad input, a stuck collective, non-finite
 steps) prints one line and exits 1; when no restart is left the launcher prints which ranks
-failed and how, and exits 1 (``SystemExit``), with no traceback.
+failed and how, and exits 1 (``SystemExit``), with no traceback. A rank that stalled is ended
+by its watchdog (exit code ``STALL_EXIT``) after every rank dumped its flight record; the
+launcher then prints one more line, where the records first differ
+(:func:`fastpar.mesh.flight_report.first_divergence`).
 """
 from __future__ import annotations
 
@@ -158,14 +161,31 @@ def _loopback_interface() -> str | None:
 
 
 def _describe(failures: dict, max_restarts: int) -> str:
+    from ..mesh.watchdog import STALL_EXIT
+
     parts = []
     for rank, f in sorted(failures.items()):
         how = (f"was killed by {f.signal_name()}" if f.exitcode < 0 else
-               f"exited with code {f.exitcode}")
+               f"was ended by its watchdog (code {STALL_EXIT}: no progress for --timeout)"
+               if f.exitcode == STALL_EXIT else f"exited with code {f.exitcode}")
         parts.append(f"rank {rank} {how}")
     restarts = f"after {max_restarts} restart(s)" if max_restarts else "no restarts allowed"
     return (f"the job failed ({restarts}, --max-restarts {max_restarts}): {'; '.join(parts)}; "
             f"the ranks' own messages are above")
+
+
+def hang_line(out, failures: dict, run_id: str | None, world: int) -> str | None:
+    """The line that says where the ranks' flight records first differ, when a rank of the
+    failed job was ended by its watchdog (else None); reads ``out``'s dumps of run ``run_id``."""
+    from ..mesh.flight import read_dumps
+    from ..mesh.flight_report import first_divergence
+    from ..mesh.watchdog import STALL_EXIT, dump_dir
+
+    if not any(f.exitcode == STALL_EXIT for f in failures.values()):
+        return None
+    folder = dump_dir(out)
+    return (f"fastpar train: {first_divergence(read_dumps(folder, run_id), world)}; "
+            f"records: {folder}/rank*.json")
 
 
 def check_inputs(cfg: TrainConfig, world: int, local_ranks: int) -> Layout:
@@ -239,9 +259,12 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0) -> None:
                           **agent_signals)
     # The agent's own warnings (a worker shut down, a signal received) would repeat what the
     # one line below says; torch sets a level on each of its loggers, so each is quietened.
+    # So would the traceback of each failed worker, and the SIGTERM sent to the others.
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.ERROR)
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     # Workers leave with os._exit (see _spawned_worker), which the resource tracker would report
     # as leaked semaphores when the job ends.
     os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [
@@ -256,6 +279,9 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0) -> None:
             raise SystemExit(128 + signum) from None
         print(f"fastpar train: error: {_describe(e.failures, max_restarts)}", file=sys.stderr,
               flush=True)
+        line = hang_line(cfg.out, e.failures, config.run_id, nproc)
+        if line:
+            print(line, file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     except (KeyboardInterrupt, SignalException) as e:
         signum = int(getattr(e, "sigval", getattr(e, "signum", signal.SIGINT)))

@@ -1,6 +1,15 @@
 """Per-step metrics: ``OUT/metrics.jsonl``, a progress bar and log lines, ``OUT/loss.png``
 (training and validation curves), and with ``tensorboard`` the same scalars in
-``OUT/tensorboard``."""
+``OUT/tensorboard``.
+
+A step's loss, gradient norm and non-finite flag stay on the device (:class:`PendingSteps`)
+until a log step reads all of them back with one host sync: on a GPU reading them every step
+would make the host wait for the device, so that the next step's launches start late. The rows
+are then written per step, as if read every step. Each row's ``step_time_s`` is the host's time
+from the step's start to its end: on a CPU that is the step; on a GPU the host returns from a
+step that does not log once its work is queued, and the step that reads waits for the queue, so
+only the sum (or mean) over the steps between two log steps is the device's time.
+"""
 from __future__ import annotations
 
 import json
@@ -110,3 +119,31 @@ class Metrics:
         fig.savefig(png, dpi=100)
         plt.close(fig)
         return png
+
+
+class PendingSteps:
+    """The steps since the last read: per step, device scalars (e.g. loss, gradient norm,
+    non-finite flag) and host values. :meth:`read` returns them as Python floats, all steps
+    with one host sync."""
+
+    def __init__(self):
+        self._steps: list[tuple[int, tuple[torch.Tensor, ...], dict]] = []
+
+    def add(self, step: int, values: tuple[torch.Tensor, ...], **host) -> None:
+        self._steps.append((step, values, host))
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def read(self) -> list[tuple[int, list[float], dict]]:
+        """``[(step, [float per value], host values), ...]`` in step order; empties the list.
+        Values are read as float64, so an fp32 loss reads as ``loss.item()`` would."""
+        if not self._steps:
+            return []
+        flat = torch.stack([v.detach().reshape(()).to(torch.float64)
+                            for _, values, _ in self._steps for v in values]).tolist()
+        k = len(self._steps[0][1])
+        out = [(step, flat[i * k:(i + 1) * k], host)
+               for i, (step, _, host) in enumerate(self._steps)]
+        self._steps = []
+        return out

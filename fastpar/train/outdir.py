@@ -32,7 +32,7 @@ from .profiler import profile_folder
 
 RUN_FILES = ("metrics.jsonl", "config.json")
 # Everything a run writes into its folder (a checkpoint's temporary folder lives in checkpoints/).
-RUN_NAMES = frozenset(RUN_FILES + ("checkpoints", "loss.png", "profile", "tensorboard",
+RUN_NAMES = frozenset(RUN_FILES + ("checkpoints", "loss.png", "profile", "tensorboard", "hang",
                                    "nccl_trace", "tokenizer.json", "data.json"))
 
 

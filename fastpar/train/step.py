@@ -1,7 +1,9 @@
 """One training step's forward and backward, and evaluation, on any (tp, pp, dp) layout.
 
 :func:`forward_backward` runs one global batch share (micro-batches accumulated, or the pipeline
-schedule) with the data-parallel reduction overlapped; :func:`evaluate` computes the mean loss of
+schedule) with the data-parallel reduction overlapped, then sums the partial gradients of the
+parameters replicated over TP (under sequence parallelism) in one collective, as Megatron's
+``finalize_model_grads`` does; :func:`evaluate` computes the mean loss of
 held-out batches forward only (the pipeline's forward-only schedule under PP). Both return the
 loss averaged exactly as the single-process model averages it: every micro-batch has the same
 number of tokens, so the mean of micro-batch means over micro-batches and DP ranks is the mean
@@ -15,8 +17,10 @@ import torch
 import torch.distributed as dist
 
 from ..data_parallel import DataParallel
+from ..mesh import collectives
 from ..mesh.profiling import span
 from ..models.gpt import token_loss
+from ..tensor_parallel import partial_grad_params, reduce_replicated_grads
 
 
 def loss_fn(tp_group):
@@ -31,9 +35,18 @@ def forward_backward(chunks, ddp, pipe, x, y, M: int, mesh, overlap: bool = True
     with a split backward) runs with gradient sync on: a DP bucket starts reducing from inside
     that backward as soon as it is complete, while the rest of the cool-down still computes.
     Every bucket is waited for at the end of the step. ``overlap=False``: the whole step
-    accumulates, then every bucket is reduced (same numbers)."""
-    if pipe is None:
-        return _accumulate(chunks[0], ddp, x, y, M, mesh)
+    accumulates, then every bucket is reduced (same numbers). Last, after the DP sync and
+    before any clipping, one all-reduce over TP sums the replicated parameters' partial
+    gradients (:func:`fastpar.tensor_parallel.reduce_replicated_grads`)."""
+    grads = replicated_grads_of(ddp, chunks)
+    loss = _accumulate(chunks[0], ddp, x, y, M, mesh) if pipe is None else \
+        _pipeline(ddp, pipe, x, y, mesh, overlap)
+    reduce_replicated_grads(chunks, mesh.tp_group, grads)
+    return loss
+
+
+def _pipeline(ddp, pipe, x, y, mesh, overlap: bool) -> torch.Tensor:
+    """The pipeline schedule's step, its DP buckets started from its final backwards."""
     if ddp is not None:
         ddp.set_requires_gradient_sync(False, wait_in_backward=False)
         pipe.before_backward = _sync_final_backward(ddp) if overlap else None
@@ -43,11 +56,44 @@ def forward_backward(chunks, ddp, pipe, x, y, M: int, mesh, overlap: bool = True
     loss = local.detach().float() if local is not None else torch.zeros((), device=mesh.device)
     if ddp is not None:     # start the buckets no hook started (e.g. .grad set by hand in B)
         ddp.reduce_gradients(wait=False)
-    dist.all_reduce(loss, group=mesh.pp_group)   # only the last stage holds it
+    collectives.all_reduce(loss, group=mesh.pp_group)   # only the last stage holds it
     if ddp is not None:
         with span("dp wait for every bucket"):
             ddp.finish_gradient_sync()
     return loss
+
+
+def replicated_grads_of(ddp: DataParallel | None, chunks):
+    """Where ``ddp`` keeps its mean gradients once synced, as ``reduce_replicated_grads`` takes
+    them: the marked parameters' pieces of each bucket's mean gradient, which a
+    DistributedOptimizer reads (under ZeRO-1 this rank's shard only: every TP rank has the same
+    bucket layout, so the pieces line up), and, where the bucket only packed them, the ``.grad``
+    copies a torch optimizer reads. ``None`` without ``ddp``: each ``main_grad`` or ``.grad``."""
+    if ddp is None or not partial_grad_params(chunks):
+        return None
+    reducer = ddp._reducer
+    if reducer.on_reduced is not None:
+        raise ValueError("DistributedOptimizer(overlap_step=True) steps each bucket as its "
+                         "reduction lands, before the partial gradients of the parameters "
+                         "replicated over TP are summed (sequence parallelism): build it with "
+                         "overlap_step=False")
+
+    def grads(params):
+        want, out = {id(p) for p in params}, []
+        for bucket in reducer.buckets:
+            flat, spec = reducer.mean_grads(bucket), bucket.spec
+            lo, hi = spec.shard(ddp.dp_rank, ddp.dp_size) if reducer.sharded else \
+                (0, spec.padded_numel)
+            for p, off, n in zip(bucket.params, spec.offsets, spec.numels):
+                a, z = max(off, lo), min(off + n, hi)
+                if id(p) not in want:
+                    continue
+                if a < z:
+                    out.append(flat[a - lo:z - lo])
+                if not (reducer.sharded or bucket.in_buffer) and p.grad is not None:
+                    out.append(p.grad)
+        return out
+    return grads
 
 
 def _sync_final_backward(ddp: DataParallel):
@@ -93,6 +139,6 @@ def evaluate(chunks, pipe, batches, M: int, mesh) -> float:
         for m, mode in zip(chunks, modes):
             m.train(mode)
     if pipe is not None:
-        dist.all_reduce(total, group=mesh.pp_group)      # only the last stage holds it
-    dist.all_reduce(total, group=mesh.dp_cp_group)      # CP ranks: the other tokens
+        collectives.all_reduce(total, group=mesh.pp_group)      # only the last stage holds it
+    collectives.all_reduce(total, group=mesh.dp_cp_group)      # CP ranks: the other tokens
     return total.item() / (len(batches) * dist.get_world_size(mesh.dp_cp_group))

@@ -12,6 +12,10 @@ Reliability: every collective waits at most ``cfg.timeout`` seconds, and a stuck
 message naming it, its group and the ranks that did not arrive (:mod:`fastpar.mesh.watchdog`); a
 non-finite step is skipped on every rank (:mod:`.guard`); checkpoints are atomic, checksummed and
 optionally written in the background (:mod:`.checkpoint_writer`).
+
+A step that does not log never makes the host wait for the device: the loss, the gradient norm
+and the non-finite flag stay there (clipping and skipping happen there too) until the next log
+step reads all the steps since the last one at once (:class:`.metrics.PendingSteps`).
 """
 from __future__ import annotations
 
@@ -26,14 +30,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices as _fused_devices
 
 import fastpar
 from ..context_parallel import shard_sequence
 from ..data_parallel import DataParallel, DistributedOptimizer
 from ..mesh import Layout, Mesh
 from ..mesh.profiling import span
-from ..mesh.watchdog import CollectiveTimeoutError, Watchdog
+from ..mesh import collectives
+from ..mesh.watchdog import CollectiveTimeoutError, Watchdog, group_timeout
 from ..models import GPT
+from ..models.compile import compile_blocks
 from ..models.hf import is_hf_dir, load_hf
 from ..pipeline import PipelineExecutor, build_schedule, build_stages
 from . import faults
@@ -44,7 +51,7 @@ from .checkpoint_writer import CheckpointWriter
 from .config import TrainConfig
 from ..data.sources import BatchSampler, check_length, check_vocab, load_tokens
 from .guard import NonFiniteError, NonFiniteGuard
-from .metrics import Metrics
+from .metrics import Metrics, PendingSteps
 from .outdir import check_out, nothing_to_resume, prepare_out, resolve_out
 from .run_record import check_changes, legacy_record, run_record, write_run_files
 from .lr_schedule import lr_at
@@ -83,9 +90,23 @@ def _wrap(cfg: TrainConfig, chunks, mesh):
     # averaged together with the data-parallel ones (each rank's loss is its tokens' mean).
     ddp = DataParallel(nn.ModuleList(chunks), dp_group=mesh.dp_cp_group, main_grads=mixed,
                        reduce_dtype=reduce_dtype)
+    # Fused AdamW: one kernel per parameter group, and it skips a non-finite step on the device.
+    kernel = dict(fused=True) if mesh.device.type in _fused_devices() else dict(foreach=True)
     return ddp, DistributedOptimizer(ddp, torch.optim.AdamW, _param_groups(chunks, cfg.weight_decay),
-                                     shard=cfg.zero1 and mesh.dp_size > 1, foreach=True, lr=cfg.lr,
-                                     betas=(0.9, 0.95), eps=1e-8)
+                                     shard=cfg.zero1 and mesh.dp_size > 1, lr=cfg.lr,
+                                     betas=(0.9, 0.95), eps=1e-8, **kernel)
+
+
+def _activation(cfg: TrainConfig, mesh, chunks, sched) -> tuple[tuple[int, ...], torch.dtype]:
+    """What passes between pipeline stages: the hidden states (S[/tp], micro-batch, D) of this
+    rank's sequence share, in the residual stream's dtype (bf16 under autocast: a block's
+    output is its bf16 branch added to the residual; else the parameters'): the executor sizes
+    its receive buffers from it instead of a shape handshake."""
+    seq = cfg.seq_len // mesh.cp_size // (mesh.tp_size if cfg.sequence_parallel else 1)
+    micro = cfg.global_batch_size // mesh.dp_size // sched.num_microbatches
+    dtype = torch.bfloat16 if cfg.autocast(mesh.device.type) else \
+        next(chunks[0].parameters()).dtype
+    return (seq, micro, cfg.model_config.d_model), dtype
 
 
 def _cp_shard(batch, mesh):
@@ -102,13 +123,13 @@ def _param_groups(chunks, weight_decay):
             {"params": rest, "weight_decay": 0.0}]
 
 
-def _clip(chunks, mesh, max_norm: float, opt: DistributedOptimizer) -> float:
+def _clip(chunks, mesh, max_norm: float, opt: DistributedOptimizer) -> torch.Tensor:
     """Clip by the global norm of the whole model's gradient (TP shards summed, parameters
-    replicated over TP counted once, pipeline stages summed); returns it."""
+    replicated over TP counted once, pipeline stages summed); returns it, on the device."""
     sharded = {id(p) for p, split in tp_params(chunks) if split}
-    return float(opt.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"),
-                                     groups=[mesh.tp_group, mesh.pp_group],
-                                     counted=lambda p: id(p) in sharded or mesh.tp_rank == 0))
+    return opt.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"),
+                               groups=[mesh.tp_group, mesh.pp_group],
+                               counted=lambda p: id(p) in sharded or mesh.tp_rank == 0)
 
 
 def _init_from(path, chunks, mesh, say) -> None:
@@ -208,9 +229,10 @@ def setup(cfg: TrainConfig, layout: Layout | None = None) -> Run:
     trace = Path(cfg.out).resolve() / "nccl_trace"      # NCCL's flight-recorder dumps
     if torch.cuda.is_available():
         trace.mkdir(parents=True, exist_ok=True)
-    mesh = fastpar.init(layout=lay, timeout=cfg.timeout, nccl_trace=str(trace / "rank_"))
+    mesh = fastpar.init(layout=lay, timeout=group_timeout(cfg.timeout), nccl_trace=str(trace / "rank_"))
     torch.manual_seed(cfg.seed)
-    chunks = build_model(cfg, mesh)
+    chunks = [compile_blocks(m) for m in build_model(cfg, mesh)] if cfg.compile else \
+        build_model(cfg, mesh)                  # --compile: each block compiled at first call
     if cfg.init_from and resume_from is None:   # fine-tuning: the weights, not the optimizer
         _init_from(cfg.init_from, chunks, mesh, say)
     ddp, opt = _wrap(cfg, chunks, mesh)
@@ -223,7 +245,8 @@ def setup(cfg: TrainConfig, layout: Layout | None = None) -> Run:
     if lay.pp > 1:
         sched = build_schedule(cfg.schedule, lay.pp, cfg.num_microbatches(
             cfg.global_batch_size, lay.dp), cfg.virtual_stages)
-        pipe = PipelineExecutor(chunks, sched, mesh.pp_group, loss_fn=loss_fn(mesh.tp_group))
+        pipe = PipelineExecutor(chunks, sched, mesh.pp_group, loss_fn=loss_fn(mesh.tp_group),
+                                activation=_activation(cfg, mesh, chunks, sched))
     start = 0 if resume_from is None else \
         load_checkpoint(resume_from, chunks, opt, mesh)["data_step"]
     if mesh.rank == 0:
@@ -231,7 +254,7 @@ def setup(cfg: TrainConfig, layout: Layout | None = None) -> Run:
     return Run(
         cfg, mesh, chunks, ddp, opt, pipe,
         BatchSampler(tokens, cfg.seq_len, cfg.global_batch_size, cfg.seed, mesh.dp_rank, lay.dp),
-        val, held_out, start, resume_from, Watchdog(mesh, cfg.timeout),
+        val, held_out, start, resume_from, Watchdog(mesh, cfg.timeout, out=cfg.out),
         NonFiniteGuard(cfg.max_skipped_steps, mesh.device, verbose=mesh.rank == 0),
         CheckpointWriter(Path(cfg.out) / "checkpoints", mesh, cfg.keep_last, cfg.async_save,
                          cfg.timeout, lambda s: faults.during_save(fault, s, mesh.rank)),
@@ -250,52 +273,93 @@ def _tokens(cfg: TrainConfig, split: str):
     return tokens
 
 
-def train_step(run: Run, step: int) -> tuple[float, float, bool]:
+def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """One optimizer step: the learning rate, forward and backward over the micro-batches
     (through the pipeline when pp > 1), the loss averaged over the data-parallel ranks,
-    clipping by the global norm, and the optimizer step unless the step is not finite.
-    Returns (loss, lr, whether the optimizer stepped)."""
+    clipping by the global norm, and the optimizer step, skipped on the device when the step is
+    not finite. The host never waits for the device here: returns (loss, gradient norm,
+    non-finite flag) as 0-dim device tensors (the loss in float64) and the learning rate; the
+    loop reads them back at log steps (:class:`.metrics.PendingSteps`)."""
     cfg, mesh, wd, opt = run.cfg, run.mesh, run.watchdog, run.opt
     lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
     for g in opt.param_groups:
         g["lr"] = lr
-    x, y = _cp_shard(run.sampler.batch(step), mesh)
-    x, y = x.to(mesh.device), y.to(mesh.device)
+    x, y = (_to_device(t, mesh.device) for t in _cp_shard(run.sampler.batch(step), mesh))
     with wd.region(step, "forward and backward", ("tp", "cp", "pp", "dp")), \
             cfg.train_context(mesh.device.type), span("step", step):
         loss = forward_backward(run.chunks, run.ddp, run.pipe, x, y, run.micro_batches, mesh)
     faults.poison(run.fault, step, mesh.rank, loss, run.chunks)
     with wd.region(step, "the loss all-reduce", ("dp", "cp")):
-        dist.all_reduce(loss, group=mesh.dp_cp_group)
-    loss = loss.item() / (mesh.dp_size * mesh.cp_size)
+        collectives.all_reduce(loss, group=mesh.dp_cp_group)
+    # float64, as the host divided loss.item(): the logged losses are the same numbers.
+    loss = loss.to(torch.float64) / (mesh.dp_size * mesh.cp_size)
     with wd.region(step, "the gradient-norm all-reduce", ("tp", "pp", "dp")), \
             span("gradient clipping"):
         norm = _clip(run.chunks, mesh, cfg.grad_clip, opt)
     with wd.region(step, "the non-finite check", ("world",)):
-        ok = run.guard.check(step, loss, norm)
-    if ok:
-        with wd.region(step, "the optimizer step", ("dp",)), span("optimizer step"):
-            opt.step()          # ZeRO-1 all-gathers the updated shards here
+        bad = run.guard.flag(loss, norm)
+    with wd.region(step, "the optimizer step", ("dp",)), span("optimizer step"):
+        opt.step(found_inf=bad)     # ZeRO-1 all-gathers the updated shards here
     opt.zero_grad(set_to_none=True)
-    if run.guard.exhausted:
-        raise run.guard.error(run.writer.wait() or run.resume_from)
-    return loss, lr, ok
+    return loss, norm, bad, lr
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor onto the device without a host sync (pinned, non-blocking on CUDA)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _read_due(run: Run, step: int) -> bool:
+    """Whether the host reads the steps run so far after ``step`` (one sync): at log steps,
+    the first and the last step, and before an evaluation or a checkpoint (they wait for the
+    device anyway, and none may follow a step past the non-finite limit unread)."""
+    cfg = run.cfg
+    return (step % cfg.log_every == 0 or step in (run.start + 1, cfg.steps)
+            or _eval_due(run, step) or _save_due(cfg, step))
+
+
+def read_back(run: Run, pending: PendingSteps, tokens: int, flops: float) -> list[dict]:
+    """The rows of the steps in ``pending``, read with one host sync: each step is settled
+    with the non-finite guard in step order (raising :class:`NonFiniteError` at the step that
+    reached the limit, after writing the rows before it), the last one evaluated when due, and
+    each written to the metrics exactly as if read right after it ran."""
+    rows, done = [], pending.read()
+    for i, (step, (loss, norm, bad), host) in enumerate(done):
+        ok = run.guard.settle(step, bool(bad), loss, norm)
+        if run.guard.exhausted:
+            raise run.guard.error(run.writer.wait() or run.resume_from)
+        val = evaluate_hook(run, step) if i == len(done) - 1 else None
+        rows.append(run.metrics.log(step, loss, host["lr"], tokens, host["step_time"], flops,
+                                    run.mesh.world_size, skipped=not ok, val_loss=val))
+    return rows
 
 
 def evaluate_hook(run: Run, step: int) -> float | None:
     """The validation loss after ``step`` when it is an evaluation step, else None."""
     cfg = run.cfg
-    if not run.held_out or (step % cfg.eval_every and step != cfg.steps):
+    if not _eval_due(run, step):
         return None
     with run.watchdog.region(step, "the evaluation", ("tp", "cp", "pp", "dp")), \
             cfg.train_context(run.mesh.device.type), span("evaluation"):
         return evaluate(run.chunks, run.pipe, run.held_out, run.micro_batches, run.mesh)
 
 
+def _eval_due(run: Run, step: int) -> bool:
+    cfg = run.cfg
+    return bool(run.held_out) and (step % cfg.eval_every == 0 or step == cfg.steps)
+
+
+def _save_due(cfg: TrainConfig, step: int) -> bool:
+    return not cfg.no_save and ((cfg.save_every and step % cfg.save_every == 0)
+                                or step == cfg.steps)
+
+
 def checkpoint_hook(run: Run, step: int, record: dict) -> None:
     """Save after every ``save_every``-th step and the last (unless ``no_save``)."""
     cfg = run.cfg
-    if cfg.no_save or not ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
+    if not _save_due(cfg, step):
         return
     with run.watchdog.region(step, "saving the checkpoint"):
         run.writer.save(step, run.chunks, run.opt, {
@@ -312,15 +376,17 @@ def train(cfg: TrainConfig, layout: Layout | None = None) -> list[dict]:
     step_tokens = cfg.global_batch_size * cfg.seq_len
     flops = cfg.model_config.train_flops(cfg.seq_len, step_tokens)  # model FLOPs, as MFU counts
     record = run_record(cfg)            # what every checkpoint says the run depends on
-    rows = []
+    rows, pending = [], PendingSteps()
     for step in range(run.start + 1, cfg.steps + 1):
         faults.before_step(run.fault, step, mesh.rank)
         run.profiler.before(step, first=step == run.start + 1)
         t0 = time.perf_counter()
-        loss, lr, ok = train_step(run, step)
+        loss, norm, bad, lr = train_step(run, step)
+        # The host's time (on a GPU: the device's only summed up to a read; metrics.py).
         step_time = time.perf_counter() - t0    # the evaluation is not part of the step
-        rows.append(run.metrics.log(step, loss, lr, step_tokens, step_time, flops, mesh.world_size,
-                                    skipped=not ok, val_loss=evaluate_hook(run, step)))
+        pending.add(step, (loss, norm, bad), lr=lr, step_time=step_time)
+        if _read_due(run, step):
+            rows += read_back(run, pending, step_tokens, flops)
         checkpoint_hook(run, step, record)
         traced = run.profiler.after(step)
         if traced is not None and run.say:
