@@ -148,6 +148,32 @@ class DataParallel(nn.Module):
         super().zero_grad(set_to_none=set_to_none)
         self._reducer.zero_main_grads()
 
+    def mean_grad_views(self, params) -> list[torch.Tensor]:
+        """Where the mean gradients of ``params`` live once synced, as views an in-place
+        collective may update (e.g. the TP sum of partial gradients under sequence
+        parallelism): each parameter's pieces of its bucket's mean gradient, which a
+        DistributedOptimizer reads (under ZeRO-1 this rank's shard only), and, where the bucket
+        only packed them, the ``.grad`` copies a torch optimizer reads."""
+        reducer, want, out = self._reducer, {id(p) for p in params}, []
+        if reducer.on_reduced is not None:
+            raise ValueError("DistributedOptimizer(overlap_step=True) steps each bucket as its "
+                             "reduction lands, before the partial gradients of the parameters "
+                             "replicated over TP are summed (sequence parallelism): build it "
+                             "with overlap_step=False")
+        for bucket in reducer.buckets:
+            flat, spec = reducer.mean_grads(bucket), bucket.spec
+            lo, hi = spec.shard(self.dp_rank, self.dp_size) if reducer.sharded else \
+                (0, spec.padded_numel)
+            for p, off, n in zip(bucket.params, spec.offsets, spec.numels):
+                if id(p) not in want:
+                    continue
+                a, z = max(off, lo), min(off + n, hi)
+                if a < z:
+                    out.append(flat[a - lo:z - lo])
+                if not (reducer.sharded or bucket.in_buffer) and p.grad is not None:
+                    out.append(p.grad)
+        return out
+
     @property
     def requires_gradient_sync(self) -> bool:
         return self._reducer.sync

@@ -64,36 +64,13 @@ def _pipeline(ddp, pipe, x, y, mesh, overlap: bool) -> torch.Tensor:
 
 
 def replicated_grads_of(ddp: DataParallel | None, chunks):
-    """Where ``ddp`` keeps its mean gradients once synced, as ``reduce_replicated_grads`` takes
-    them: the marked parameters' pieces of each bucket's mean gradient, which a
-    DistributedOptimizer reads (under ZeRO-1 this rank's shard only: every TP rank has the same
-    bucket layout, so the pieces line up), and, where the bucket only packed them, the ``.grad``
-    copies a torch optimizer reads. ``None`` without ``ddp``: each ``main_grad`` or ``.grad``."""
+    """What ``reduce_replicated_grads`` sums: ``ddp``'s views of the marked parameters' mean
+    gradients (:meth:`DataParallel.mean_grad_views`); ``None`` without ``ddp`` (each
+    ``main_grad`` or ``.grad``) or when nothing is marked."""
     if ddp is None or not partial_grad_params(chunks):
         return None
-    reducer = ddp._reducer
-    if reducer.on_reduced is not None:
-        raise ValueError("DistributedOptimizer(overlap_step=True) steps each bucket as its "
-                         "reduction lands, before the partial gradients of the parameters "
-                         "replicated over TP are summed (sequence parallelism): build it with "
-                         "overlap_step=False")
-
-    def grads(params):
-        want, out = {id(p) for p in params}, []
-        for bucket in reducer.buckets:
-            flat, spec = reducer.mean_grads(bucket), bucket.spec
-            lo, hi = spec.shard(ddp.dp_rank, ddp.dp_size) if reducer.sharded else \
-                (0, spec.padded_numel)
-            for p, off, n in zip(bucket.params, spec.offsets, spec.numels):
-                a, z = max(off, lo), min(off + n, hi)
-                if id(p) not in want:
-                    continue
-                if a < z:
-                    out.append(flat[a - lo:z - lo])
-                if not (reducer.sharded or bucket.in_buffer) and p.grad is not None:
-                    out.append(p.grad)
-        return out
-    return grads
+    ddp.mean_grad_views([])         # refuses overlap_step before the step runs
+    return ddp.mean_grad_views
 
 
 def _sync_final_backward(ddp: DataParallel):
