@@ -123,9 +123,13 @@ def _overlap_off_is_identical(mesh, name, v, m):
 
 def _gpt_stages(mesh):
     """fastpar's GPT built per stage (layers, pre_process, post_process) runs as it is."""
+    for rotary in (True, False):        # learned positions: a table the forward slices
+        _gpt_stages_of(mesh, GPTConfig(vocab_size=64, n_layers=4, d_model=32, n_heads=4,
+                                       max_seq_len=16, pad_vocab_to=64, rotary=rotary))
+
+
+def _gpt_stages_of(mesh, cfg):
     pp, rank = mesh.pp_size, mesh.pp_rank
-    cfg = GPTConfig(vocab_size=64, n_layers=4, d_model=32, n_heads=4, max_seq_len=16,
-                    pad_vocab_to=64)
     ref = GPT(cfg)
     tokens, targets = batch(4, size=8, seq=16, vocab=64)
 
@@ -142,6 +146,7 @@ def _gpt_stages(mesh):
         pipe.step(tokens, targets)
         for st in stages:
             for n, p in st.named_parameters():
+                assert p.grad is not None, f"GPT {name} rotary={cfg.rotary}: no grad for {n}"
                 _close(p.grad, ref.get_parameter(n).grad, f"GPT {name} grad {n}")
 
 

@@ -8,8 +8,9 @@ told through :mod:`fastpar.split_backward`) and keeps the graph. W runs, per rec
 module, a backward from its output, with the gradient B captured, to its own parameters only: the
 weight half of exactly those nodes, and nothing upstream.
 
-A module whose output is not a tensor, that runs twice in one forward, or whose parameters are
-shared with another module cannot be split this way; its parameters get their gradients in B.
+A module whose output is not a tensor, that runs twice in one forward, that is not called (its
+parameters used directly), or whose parameters are shared with another module cannot be split
+this way; its parameters get their gradients in B.
 """
 from __future__ import annotations
 
@@ -54,6 +55,10 @@ class Capture:
         for h in self._handles:
             h.remove()
         self._handles = []
+        # A module whose parameters the forward used without calling it (a slice of a learned
+        # position table) has no output to defer from: its gradients are computed in B.
+        called = {id(m) for m, _ in self.outputs}
+        self.outputs += [(m, None) for m in self.modules if id(m) not in called]
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor,

@@ -61,8 +61,7 @@ def reduce_replicated_grads(modules: nn.Module | list[nn.Module], tp_group: Grou
         tp_group: the tensor-parallel group; ``None`` or one rank: nothing to do.
         grads: where the gradients live (see ``GradsOf``); default :func:`param_grads`. Under
             fastpar's DataParallel with a DistributedOptimizer, which reads its own buckets
-            (under ZeRO-1 this rank's shards of them), pass
-            ``fastpar.train.step.replicated_grads_of(ddp, modules)``.
+            (under ZeRO-1 this rank's shards of them), pass ``ddp.mean_grad_views``.
 
     The buffer is in the gradients' widest dtype, at least fp32, so bf16 gradients are summed in
     fp32 and rounded once.
