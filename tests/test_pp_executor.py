@@ -123,27 +123,35 @@ def _overlap_off_is_identical(mesh, name, v, m):
 
 def _gpt_stages(mesh):
     """fastpar's GPT built per stage (layers, pre_process, post_process) runs as it is."""
-    for rotary in (True, False):        # learned positions: a table the forward slices
-        _gpt_stages_of(mesh, GPTConfig(vocab_size=64, n_layers=4, d_model=32, n_heads=4,
+    for rotary, vocab in ((True, 64), (False, 60)):    # learned positions: a table the forward
+        _gpt_stages_of(mesh, GPTConfig(vocab_size=vocab, n_layers=4, d_model=32, n_heads=4,
                                        max_seq_len=16, pad_vocab_to=64, rotary=rotary))
+
+
+def _unused(logits, targets):
+    raise AssertionError("stage_loss=True: the last stage computes the loss, loss_fn is unused")
 
 
 def _gpt_stages_of(mesh, cfg):
     pp, rank = mesh.pp_size, mesh.pp_rank
     ref = GPT(cfg)
-    tokens, targets = batch(4, size=8, seq=16, vocab=64)
+    tokens, targets = batch(4, size=8, seq=16, vocab=cfg.vocab_size)
 
     def gpt_loss(logits, t):                     # logits (B, S, V) on the last stage
         return F.cross_entropy(logits.flatten(0, 1), t.flatten())
 
     gpt_loss(ref(tokens), targets).backward()
-    for name, v in (("zb-h1", 1), ("interleaved", 2)):
+    # stage_loss: the last stage computes the model's own loss (padding columns unmasked).
+    for name, v, stage_loss in (("zb-h1", 1, False), ("interleaved", 2, False),
+                                ("1f1b", 1, True), ("zb-h1", 1, True)):
         parts = partition([0.0] + [1.0] * cfg.n_layers + [0.0], pp, v)
         stages = [GPT(cfg, layers=parts[s], pre_process=s == 0, post_process=s == pp * v - 1)
                   for s in (c * pp + rank for c in range(v))]
         pipe = PipelineExecutor(stages, build_schedule(name, pp, 4, v), mesh.pp_group,
-                                loss_fn=gpt_loss)
-        pipe.step(tokens, targets)
+                                loss_fn=_unused if stage_loss else gpt_loss, stage_loss=stage_loss)
+        loss = pipe.step(tokens, targets)
+        if rank == pp - 1:
+            _close(loss, gpt_loss(ref(tokens), targets).detach(), f"GPT {name} loss")
         for st in stages:
             for n, p in st.named_parameters():
                 assert p.grad is not None, f"GPT {name} rotary={cfg.rotary}: no grad for {n}"

@@ -84,14 +84,19 @@ class PipelineExecutor:
     same numbers, no communication behind compute. ``record=True`` keeps each step's measured
     timeline in ``events`` (compute only: an action's time starts when its input has arrived;
     seconds since ``step_start``, a ``time.perf_counter()`` reading; CPU clocks, so on CUDA it
-    shows launch times unless the caller synchronises).
+    shows launch times unless the caller synchronises). ``activation=(shape, dtype)``: what
+    passes between stages (see the module doc). ``stage_loss=True``: the last stage computes
+    the loss itself, called as ``stage(x, target)`` (fastpar's GPT does, given targets: it then
+    reads the head's output in place, padding columns included, with no masked copy of the
+    logits); ``loss_fn`` is not called.
     """
 
     def __init__(self, stages: list[nn.Module], schedule: Schedule, pp_group=None, *,
                  loss_fn: Callable, grads_ready: Callable | None = None,
                  before_backward: Callable | None = None, grads_set: Callable | None = None,
                  overlap: bool = True,
-                 record: bool = False, activation: tuple | None = None):
+                 record: bool = False, activation: tuple | None = None,
+                 stage_loss: bool = False):
         if not isinstance(schedule, Schedule):
             raise ValueError(f"PipelineExecutor: schedule must be a Schedule (build_schedule), "
                              f"got {type(schedule).__name__}")
@@ -126,6 +131,7 @@ class PipelineExecutor:
                        for r in range(size)]
         self._split = [deferrable(st) for st in stages] if schedule.split_backward else None
         self._meta: dict = {}                   # ("in" | "out", stage) -> (shape, dtype)
+        self.stage_loss = bool(stage_loss)
         self.activation = None if activation is None else \
             (torch.Size(activation[0]), activation[1])
         acts = schedule.actions[self.rank]
@@ -233,20 +239,22 @@ class PipelineExecutor:
         else:
             x = self._take(st, ("F", a.microbatch, s))
             x.requires_grad_(x.is_floating_point())
+        last = s == self.schedule.num_stages - 1
+        args = (x, st.ts[a.microbatch]) if last and self.stage_loss else (x,)
         captured = []
         if self._split is not None:
             with Capture(self._split[a.chunk][0]) as cap:
-                y = self.stages[a.chunk](x)
+                y = self.stages[a.chunk](*args)
             captured = cap.outputs
         else:
-            y = self.stages[a.chunk](x)
+            y = self.stages[a.chunk](*args)
         if self.activation is not None and s < self.schedule.num_stages - 1 and \
                 (y.shape, y.dtype) != self.activation:
             raise ValueError(f"pipeline stage {s} (pp rank {self.rank}): its output is "
                              f"{tuple(y.shape)} {y.dtype}, the declared activation "
                              f"{tuple(self.activation[0])} {self.activation[1]}")
-        if s == self.schedule.num_stages - 1:
-            loss = self.loss_fn(y, st.ts[a.microbatch])
+        if last:
+            loss = y if self.stage_loss else self.loss_fn(y, st.ts[a.microbatch])
             st.losses.append(loss.detach())
             y = loss / self.schedule.num_microbatches
         st.live[(a.microbatch, a.chunk)] = _Live(x, y, captured)

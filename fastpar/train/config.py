@@ -54,7 +54,9 @@ class TrainConfig(ParallelConfig):
                                         # printed); without it such a resume is refused
     keep_last: int = 0                  # complete checkpoints kept, the newest; 0 keeps all
     async_save: bool = False            # write checkpoints on a background thread
-    timeout: float = 600.0              # seconds a collective waits for a peer before failing
+    timeout: float = 600.0              # seconds a rank may go without progress (no collective,
+                                        # no step region) before every rank dumps its record of
+                                        # collectives and the run stops, naming where they differ
     max_skipped_steps: int = 5          # non-finite steps in a row (skipped) before stopping
     deterministic: bool = False         # deterministic kernels on GPU (CPU always is)
     compile: bool = False               # torch.compile each Transformer block (fullgraph, inductor;

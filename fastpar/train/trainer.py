@@ -8,8 +8,10 @@ Every layout runs the same math: the global batch of step s is fixed by (seed, s
 takes its share, cut into micro-batches; gradients are averaged over the DP group, the loss is the
 mean over the whole global batch; gradients are clipped by the true global norm.
 
-Reliability: every collective waits at most ``cfg.timeout`` seconds, and a stuck one fails with a
-message naming it, its group and the ranks that did not arrive (:mod:`fastpar.mesh.watchdog`); a
+Reliability: a rank that makes no progress for ``cfg.timeout`` seconds (no collective issued, no
+step region begun) is noticed by its watchdog thread, on gloo and NCCL alike: every rank dumps
+its record of collectives and the launcher names the first rank and collective that differ
+(:mod:`fastpar.mesh.watchdog`, :mod:`fastpar.mesh.flight`); a
 non-finite step is skipped on every rank (:mod:`.guard`); checkpoints are atomic, checksummed and
 optionally written in the background (:mod:`.checkpoint_writer`).
 
@@ -246,7 +248,8 @@ def setup(cfg: TrainConfig, layout: Layout | None = None) -> Run:
         sched = build_schedule(cfg.schedule, lay.pp, cfg.num_microbatches(
             cfg.global_batch_size, lay.dp), cfg.virtual_stages)
         pipe = PipelineExecutor(chunks, sched, mesh.pp_group, loss_fn=loss_fn(mesh.tp_group),
-                                activation=_activation(cfg, mesh, chunks, sched))
+                                activation=_activation(cfg, mesh, chunks, sched),
+                                stage_loss=True)
     start = 0 if resume_from is None else \
         load_checkpoint(resume_from, chunks, opt, mesh)["data_step"]
     if mesh.rank == 0:
