@@ -6,7 +6,7 @@ layout built from torch's own parts, tokens/s and step-time ratio in one run.
 
 One step = what ``fastpar.train`` does per step minus its logging, LR schedule, watchdog and
 non-finite guard: forward and backward of the global batch in micro-batches, gradient sync, the
-loss all-reduce over DP, clipping by the true global gradient norm, AdamW (fp32, foreach). Every
+loss all-reduce over DP, clipping by the true global gradient norm, AdamW (fp32, fused). Every
 variant starts from the same weights and sees the same batch; the losses of the two warm-up steps
 (the second one after an optimizer step, so it checks the gradients too) must agree across all
 variants, or the run stops.
@@ -19,13 +19,12 @@ variants, or the run stops.
                 embedding, head and cross-entropy)
   fastpar tp2-sp  the same with sequence parallelism (Megatron's 6 all-gathers + 4
                 reduce-scatters per layer)
-  torch   tp2[-sp]  torchtitan's Llama with the same weights, sharded by torchtitan's TP plan
-                (bench/titan.py): Colwise wq, wk, wv, w1, w3, Rowwise wo, w2, the embedding
-                Rowwise, the head Colwise with vocabulary-sharded logits under ``loss_parallel``;
-                for tp2-sp ``SequenceParallel`` norms and ``PrepareModuleInput`` gathering the
-                sequence before attention and the MLP. The gradient norm is torchtitan's
-                (``get_total_norm`` over the DTensor gradients; without SP the norms' plain
-                gradients are added by hand).
+  torch   tp2[-sp]  the installed torchtitan 0.3.0 (bench/titan_real.py): its Llama3 with the
+                same weights, its own TP plan (``set_llama3_sharding_config`` +
+                ``Module.parallelize``), its vocabulary-parallel cross-entropy with gradient
+                accumulation over the global token count, its clipping, fused AdamW; under
+                ``--titan-backend`` spmd_types (its default) or partial_dtensor (DTensor), one
+                backend per process (torchtitan sets it globally).
   fastpar pp2   the trainer's two stages in the PipelineExecutor, 1F1B
   torch   pp2   the same two stage modules in torch.distributed.pipelining PipelineStage +
                 Schedule1F1B; the norm is summed over the stages by hand (torch has no helper)
@@ -33,8 +32,9 @@ Layouts that mix these torch parts (DDP with pipelining, DTensor TP inside pipel
 not measured: only the pure ones at world size 2.
 
 TP bytes: one extra step of each TP variant under tests/wire.py's recorder (collectives of at
-least 4 KiB), against ``megatron_tp_bytes``. DTensor saves the gathered activations for
-backward instead of gathering them again, so it moves less than Megatron's formula under SP.
+least 4 KiB), against ``megatron_tp_bytes``. The recorder sees the torch.distributed calls made
+from Python; collectives DTensor issues from its dispatch may be missed (count from the
+profiler for those).
 
 Timing (bench/common.py's ``compare``): the variants (fastpar, the torch peer and a second
 instance of the peer, an A/A control) of each layout in ``--layouts`` live in the same two ranks
@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -88,7 +89,7 @@ class BenchConfig(TrainConfig):
 
 def _adamw(cfg, chunks):
     return torch.optim.AdamW(_param_groups(chunks, cfg.weight_decay), lr=cfg.lr,
-                             betas=(0.9, 0.95), eps=1e-8, foreach=True)
+                             betas=(0.9, 0.95), eps=1e-8, fused=True)     # as the trainer
 
 
 def _mean_loss(model, x, y, M, sync=None):
@@ -116,7 +117,7 @@ def _finish(loss, group, dp, opt, params, norm_fn, max_norm):
 def fastpar_variant(cfg, mesh):
     chunks = build_model(cfg, mesh)
     dp = mesh.dp_size
-    ddp, opt = _wrap(cfg, chunks, mesh, dp)         # as the trainer: DataParallel + its optimizer
+    ddp, opt = _wrap(cfg, chunks, mesh)             # as the trainer: DataParallel + its optimizer
     M = cfg.num_microbatches(cfg.global_batch_size, dp)
     pipe = None
     if cfg.pp > 1:
@@ -149,39 +150,17 @@ def torch_dp(cfg, mesh):
     return step
 
 
-def torch_tp(cfg, mesh):
-    """torchtitan's Llama and TP plan (bench/titan.py), loss_parallel, with or without SP."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
-    import titan
+def torch_tp(cfg, mesh, backend="spmd_types"):
+    """The installed torchtitan (0.3.0): its Llama3 with the same weights, its own TP plan, its
+    loss-parallel cross-entropy and clipping, under ``backend`` (bench/titan_real.py)."""
+    import titan_real
 
-    model = titan.TitanLlama.from_gpt(GPT(cfg.model_config, device=mesh.device))
-    titan.parallelize(model, DeviceMesh(mesh.device.type, mesh.group_ranks("tp")),
-                      sequence_parallel=cfg.sequence_parallel)
-    opt, params = _adamw(cfg, [model]), list(model.parameters())
-    M = cfg.num_microbatches(cfg.global_batch_size, mesh.dp_size)
-
-    def norm(grads):
-        """torchtitan's clip_grad_norm_ over the DTensor gradients (all of them under SP;
-        without SP the norms stay plain replicated tensors and are added by hand)."""
-        sq = torch.zeros(())
-        for part in ([g for g in grads if isinstance(g, DTensor)],
-                     [g for g in grads if not isinstance(g, DTensor)]):
-            if part:
-                total = torch.nn.utils.get_total_norm(part)
-                sq = sq + (total.full_tensor() if isinstance(total, DTensor) else total) ** 2
-        return sq.sqrt()
-
-    def step(x, y):
-        total = torch.zeros(())
-        for xm, ym in zip(x.chunk(M), y.chunk(M)):
-            with loss_parallel():
-                loss = F.cross_entropy(model(xm).flatten(0, 1), ym.flatten(0, 1)) / M
-                loss.backward()
-            total += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
-        return _finish(total, mesh.dp_group, mesh.dp_size, opt, params, norm, cfg.grad_clip)
-    return step
+    if mesh.dp_size > 1 or mesh.pp_size > 1:
+        raise ValueError("the torchtitan peer is tensor parallel over the whole world only")
+    return titan_real.build_step(GPT(cfg.model_config, device=mesh.device),
+                                 cfg.sequence_parallel, backend, lr=cfg.lr,
+                                 weight_decay=cfg.weight_decay, max_norm=cfg.grad_clip,
+                                 micro_batches=cfg.num_microbatches(cfg.global_batch_size, 1))
 
 
 def torch_pp(cfg, mesh):
@@ -230,8 +209,10 @@ def _measure(rank, world_size, a, model):
         mesh = fastpar.init(layout=cfg.check_layout(world_size))
         shares[name] = x.chunk(mesh.dp_size)[mesh.dp_rank], y.chunk(mesh.dp_size)[mesh.dp_rank]
         variants[f"fastpar {name}"] = fastpar_variant(cfg, mesh)
-        variants[f"torch {name}"] = TORCH[name](cfg, mesh)
-        variants[f"torch-aa {name}"] = TORCH[name](cfg, mesh)   # A/A: the peer against itself
+        peer = functools.partial(TORCH[name], backend=a.titan_backend) \
+            if name.startswith("tp") else TORCH[name]
+        variants[f"torch {name}"] = peer(cfg, mesh)
+        variants[f"torch-aa {name}"] = peer(cfg, mesh)   # A/A: the peer against itself
     layout = {key: key.split()[1] for key in variants}
 
     losses = {key: [step(*shares[layout[key]]) for _ in range(2)]
@@ -284,6 +265,9 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--label", default="cpu", help="suffix of the results file")
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--titan-backend", default="spmd_types",
+                   choices=("spmd_types", "partial_dtensor"),
+                   help="torchtitan's SPMD backend for the tp peers (one per process)")
     a = p.parse_args(argv)
     world, tokens = 2, a.batch * a.seq
     rows, comparisons = [], []
