@@ -238,12 +238,20 @@ def _check_head(peak, logits_bytes, new, copies, tp):
 def test_head_and_loss_hold_the_logits_and_one_gradient(monkeypatch, impl, path, vocab):
     """tp = 1: the head + loss make two logits-sized tensors (the head's output, the gradient),
     copy neither, and peak at 2 L + small terms; the loss and the head's weight gradient equal
-    F.cross_entropy on the masked logits. (The pipeline's last stage returns the user-facing
-    logits, masked by a copy when the vocabulary is padded: measured here unpadded.)"""
+    F.cross_entropy on the masked logits. (The "pipeline" path is a loss_fn on a stage's
+    user-facing logits, masked by a copy when the vocabulary is padded: measured here unpadded;
+    the trainer's pipeline has the last stage compute the model's own loss instead.)"""
     monkeypatch.setenv("FASTPAR_KERNEL_IMPL", impl)
     monkeypatch.setattr(ce_kernels, "REFERENCE_CHUNK", SMALL_CHUNK)
     peak, logits_bytes, new, copies, loss, grad = _measure(path, vocab)
     _check_head(peak, logits_bytes, new, copies, 1)
+    want, want_grad = _reference(vocab)
+    assert torch.allclose(loss, want, rtol=1e-5, atol=1e-6), (loss, want)
+    assert torch.allclose(grad, want_grad, rtol=1e-4, atol=1e-6)
+
+
+def _reference(vocab):
+    """The single-device loss and head weight gradient: F.cross_entropy on the masked logits."""
     model = _head(vocab)
     g = torch.Generator().manual_seed(0)
     h = torch.randn(S, B, D, generator=g)
@@ -251,8 +259,7 @@ def test_head_and_loss_hold_the_logits_and_one_gradient(monkeypatch, impl, path,
     targets[0, :7] = -100
     want = torch.nn.functional.cross_entropy(model(h).flatten(0, 1), targets.flatten())
     want.backward()
-    assert torch.allclose(loss, want, rtol=1e-5, atol=1e-6), (loss, want)
-    assert torch.allclose(grad, model.head.weight.grad, rtol=1e-4, atol=1e-6)
+    return want, model.head.weight.grad
 
 
 def _head_ranks(rank, tp):
@@ -275,15 +282,9 @@ def test_tp_head_and_loss_hold_the_logits_and_one_gradient():
     the single-device ones."""
     ranks = run_ranks(_head_ranks, 2, timeout=120)
     for path, vocab, k in (("model", VOCAB, 0), ("pipeline", 4096, 2)):
-        model = _head(vocab)
-        g = torch.Generator().manual_seed(0)
-        h = torch.randn(S, B, D, generator=g)
-        targets = torch.randint(vocab, (B, S), generator=g)
-        targets[0, :7] = -100
-        want = torch.nn.functional.cross_entropy(model(h).flatten(0, 1), targets.flatten())
-        want.backward()
+        want, want_grad = _reference(vocab)
         for rank, results in enumerate(ranks):
             for loss, grad, _ in results[k:k + 2]:                 # SP off, on
                 assert torch.allclose(loss, want, rtol=1e-5, atol=1e-6), (loss, want)
-                shard = model.head.weight.grad.chunk(2, 0)[rank]
+                shard = want_grad.chunk(2, 0)[rank]
                 assert torch.allclose(grad, shard, rtol=1e-4, atol=1e-6)
