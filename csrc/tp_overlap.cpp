@@ -173,16 +173,20 @@ std::tuple<at::Tensor, at::Tensor> column_linear_backward(
   const int64_t tp = pg->getSize();
   const at::Tensor grad_out = grad_out_.contiguous(), input = input_.contiguous();
   const int64_t rows = grad_out.size(0);
-  TORCH_CHECK(input.size(0) * (sequence_parallel ? tp : 1) == rows,
+  // Under SP the input is this rank's shard, gathered again here for the weight gradient, or
+  // the whole gathered input the forward kept (rows == grad_out's): nothing to gather.
+  const bool gathered = sequence_parallel && tp > 1 && input.size(0) == rows;
+  TORCH_CHECK(gathered || input.size(0) * (sequence_parallel ? tp : 1) == rows,
               "column_linear_backward: input has ", input.size(0), " rows, grad_out ", rows,
               " (sequence_parallel=", sequence_parallel, ", tp=", tp, ")");
+  const int64_t shard_rows = sequence_parallel ? rows / tp : rows;
   at::Tensor total = input, grad_input, grad_weight;
   std::vector<Work> reduce_works;
   Work gather_work;
   if (need_input_grad && sequence_parallel) {
     // The wgrad GEMM needs the whole sequence: gather it while the dgrad GEMM computes, then
     // reduce-scatter the dgrad while the wgrad GEMM computes.
-    if (need_weight_grad) {
+    if (need_weight_grad && !gathered) {
       total = at::empty({rows, input.size(1)}, input.options());
       trace_event("comm_start", 0);
       trace_collective("coll:all_gather", total);
@@ -192,7 +196,7 @@ std::tuple<at::Tensor, at::Tensor> column_linear_backward(
     at::Tensor partial = at::mm(grad_out, w);  // (rows, K): this rank's share of the sum
     trace_event("gemm_end", 0);
     if (gather_work) wait(gather_work, 0);
-    grad_input = at::empty({rows / tp, input.size(1)}, input.options());
+    grad_input = at::empty({shard_rows, input.size(1)}, input.options());
     trace_event("comm_start", 1);
     trace_collective("coll:reduce_scatter", partial);
     reduce_works.push_back(issued(pg->_reduce_scatter_base(grad_input, partial), 1));
@@ -212,7 +216,7 @@ std::tuple<at::Tensor, at::Tensor> column_linear_backward(
       trace_event("comm_start", i);
       reduce_works.push_back(issued(pg->allreduce(bufs), i));
     }
-  } else if (sequence_parallel && need_weight_grad) {
+  } else if (sequence_parallel && need_weight_grad && !gathered) {
     total = at::empty({rows, input.size(1)}, input.options());
     trace_event("comm_start", 0);
     trace_collective("coll:all_gather", total);

@@ -27,7 +27,8 @@ at::Tensor matmul_reducescatter(const at::Tensor& x, const at::Tensor& w,
 // ColumnParallelLinear backward: the input-gradient all-reduce (reduce-scatter under sequence
 // parallelism) runs while the weight-gradient GEMM computes; without SP the input gradient is
 // computed in `chunks` row chunks, each all-reduced while the next computes; under SP the input
-// all-gather runs while the input-gradient GEMM computes. Returns (grad_input, grad_weight); a
+// all-gather runs while the input-gradient GEMM computes, unless `input` is already the whole
+// gathered input (as many rows as grad_out). Returns (grad_input, grad_weight); a
 // gradient that is not needed comes back as an empty tensor.
 std::tuple<at::Tensor, at::Tensor> column_linear_backward(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& w,

@@ -60,12 +60,18 @@ def test_tp_collectives_and_overlap():
     assert cost.tp_collectives(shape, ROUND, 100.0) == (pytest.approx(2 * ar),
                                                        pytest.approx(2 * ar))
     f_sp, b_sp = cost.tp_collectives(Shape(GPT, 2048, 1, tp=4, sp=True), ROUND, 100.0)
-    assert f_sp == pytest.approx(2 * ar) and b_sp == pytest.approx(3 * ar)   # AG = RS = ar / 2
+    assert f_sp == pytest.approx(2 * ar) and b_sp == pytest.approx(2 * ar)   # AG = RS = ar / 2
+    # Gathering the column inputs again in backward (Megatron's; fastpar's under selective
+    # recompute) adds one all-gather per column linear.
+    b_sp = cost.tp_collectives(Shape(GPT, 2048, 1, tp=4, sp=True), ROUND, 100.0,
+                               regather=True)[1]
+    assert b_sp == pytest.approx(3 * ar)
     # Separate q, k, v, gate and up linears (as fastpar had) reduce one input gradient each.
     unfused = Features(fused_qkv=False)
     f, b = cost.tp_collectives(shape, ROUND, 100.0, unfused)
     assert (f, b) == (pytest.approx(2 * ar), pytest.approx(4 * ar))
-    f_sp, b_sp = cost.tp_collectives(Shape(GPT, 2048, 1, tp=4, sp=True), ROUND, 100.0, unfused)
+    f_sp, b_sp = cost.tp_collectives(Shape(GPT, 2048, 1, tp=4, sp=True), ROUND, 100.0, unfused,
+                                     regather=True)
     assert f_sp == pytest.approx(3 * ar) and b_sp == pytest.approx(5 * ar)
     # Each overlapped all-reduce is tp_chunks calls, each paying the per-step latency.
     slow = Hardware(**{**ROUND.to_dict(), "collective_latency_us": 100.0})
@@ -516,21 +522,27 @@ def test_context_parallelism_in_the_cost_model():
     assert all(c.cp == 1 for c in planner.candidates(work, cluster, {"tp": 2}))
 
 
-def _saved_layer_bytes(model, mode="fp32", recompute="none", seq=96, batch=3):
+def _saved_layer_bytes(model, mode="fp32", recompute="none", seq=96, batch=3, tp_group=None,
+                       sp=False):
     """Bytes of the distinct storages autograd saves for one layer's backward on the CPU path
-    (the layer's input included, parameters and rotary tables excluded), per token. ``mode``
-    "bf16": bf16 parameters under bf16 autocast, as ``--precision bf16`` trains."""
+    (the layer's input included, parameters and rotary tables excluded), per token of the
+    whole sequence. ``mode`` "bf16": bf16 parameters under bf16 autocast, as ``--precision
+    bf16`` trains. ``tp_group`` / ``sp``: this rank's layer under TP (and SP), built as GPT
+    builds it (the column inputs gathered again under selective recompute)."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
+    from fastpar.mesh.groups import group_size
     from fastpar.models.layers import ParallelTransformerLayer, rotary_tables
 
     torch.manual_seed(0)
-    layer = ParallelTransformerLayer(model)
+    layer = ParallelTransformerLayer(model, tp_group=tp_group, sequence_parallel=sp,
+                                     regather_input=recompute == "selective")
     dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     layer = layer.to(dtype)
     rope = rotary_tables(model) if model.rotary else None
-    x = torch.randn(seq, batch, model.d_model, dtype=dtype, requires_grad=True)
+    rows = seq // group_size(tp_group) if sp else seq
+    x = torch.randn(rows, batch, model.d_model, dtype=dtype, requires_grad=True)
     skip = {t.untyped_storage().data_ptr() for t in [*layer.parameters(), *(rope or ())]}
     saved = {}
 
@@ -565,6 +577,27 @@ def test_reference_activation_bytes_match_what_autograd_saves(model, mode, recom
     feat = Features(dropout=model.dropout > 0)
     want = cost.activation_bytes(Shape(model, 96, 3), recompute, feat, E, reference=True)
     assert want / (96 * 3) == pytest.approx(_saved_layer_bytes(model, mode, recompute), rel=0.01)
+
+
+def _saved_tp_bytes(rank, tp, sp, recompute):
+    import torch.distributed as dist
+
+    return _saved_layer_bytes(_TINY, "fp32", recompute, tp_group=dist.new_group(list(range(tp))),
+                              sp=sp)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_tp_activation_bytes_match_what_autograd_saves(sp, recompute):
+    """Under TP (and SP) too, the model counts what one rank's layer keeps: under SP the
+    column linears keep their gathered inputs, tp times the shard, except under selective
+    recompute, where they gather them again in backward."""
+    from fastpar.testing import run_ranks
+
+    want = cost.activation_bytes(Shape(_TINY, 96, 3, tp=2, sp=sp), recompute, Features(), 4,
+                                 reference=True)
+    for got in run_ranks(_saved_tp_bytes, 2, sp, recompute, timeout=60):
+        assert want / (96 * 3) == pytest.approx(got, rel=0.01)
 
 
 def test_memory_per_gpu_is_evaluates_memory():

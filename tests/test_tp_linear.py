@@ -26,16 +26,18 @@ def _inputs(shape, rank, tp, sp):
     return x.requires_grad_(), mine.detach().clone().requires_grad_()
 
 
-def _column(g, rank, tp, sp, overlap, shape, gather_output):
+def _column(g, rank, tp, sp, overlap, shape, gather_output, regather=False):
     ref = nn.Linear(shape[-1], 8 * tp)
     layer = ColumnParallelLinear.from_linear(ref, tp_group=g, sequence_parallel=sp,
-                                             overlap=overlap, gather_output=gather_output)
+                                             overlap=overlap, gather_output=gather_output,
+                                             regather_input=regather)
     x, mine = _inputs(shape, rank, tp, sp)
     y_ref, y = ref(x), layer(mine)
     dy = torch.randn_like(y_ref)
     y_ref.backward(dy)
     y.backward(dy if gather_output else dy.chunk(tp, -1)[rank])
-    what = f"Column tp={tp} sp={sp} overlap={overlap} shape={shape} gather={gather_output}"
+    what = f"Column tp={tp} sp={sp} overlap={overlap} shape={shape} gather={gather_output} " \
+        f"regather={regather}"
     _close(y, y_ref if gather_output else y_ref.chunk(tp, -1)[rank], what + " out")
     _close(layer.weight.grad, ref.weight.grad.chunk(tp, 0)[rank], what + " dW")
     _close(layer.bias.grad, ref.bias.grad.chunk(tp, 0)[rank], what + " db")
@@ -98,6 +100,9 @@ def _layers(rank, tp):
                 for flag in ((False, True) if not sp else (False,)):
                     outs[("col", sp, overlap, shape, flag)] = _column(g, rank, tp, sp, overlap,
                                                                       shape, flag)
+                if sp:      # the input gathered again in backward instead of kept
+                    outs[("col-regather", sp, overlap, shape, False)] = _column(
+                        g, rank, tp, sp, overlap, shape, False, regather=True)
                 for flag in ((True, False) if not sp else (True,)):
                     shape_r = shape[:-1] + (4 * tp,)
                     outs[("row", sp, overlap, shape, flag)] = _row(g, rank, tp, sp, overlap,
@@ -123,7 +128,7 @@ def test_row_chunks_keep_each_all_reduce_above_the_minimum():
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_layers_match_unsharded(tp):
-    assert run_ranks(_layers, tp, timeout=120) == [28] * tp
+    assert run_ranks(_layers, tp, timeout=120) == [32] * tp
 
 
 def _init_and_conversions(rank, tp):

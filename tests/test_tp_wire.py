@@ -4,12 +4,14 @@ Megatron's volumes per layer, forward + backward, with activations of S*B*H elem
 - with sequence parallelism: 6 all-gathers (forward: the inputs of the attention's and the MLP's
   column linears; backward: those inputs again for the weight gradients, and the two row
   linears' output gradients) and 4 reduce-scatters (forward: the two row outputs; backward: the
-  two column input gradients), each of S*B*H elements;
+  two column input gradients), each of S*B*H elements; 4 all-gathers when the column linears
+  keep their gathered inputs (``regather_input=False``, the layers' default, as autograd keeps
+  them for torch's own SP) instead of gathering them again (``True``, Megatron's choice, which
+  GPT makes under selective recompute);
 - without: 4 all-reduces of S*B*H (forward: the two row outputs; backward: the two column input
   gradients).
 That holds because q, k, v are one column linear and up, gate another (with overlap=False,
-the plain path, autograd keeps the gathered inputs rather than gathering them again: 4
-all-gathers). Under sequence
+the plain path, autograd keeps the gathered inputs: 4 all-gathers). Under sequence
 parallelism the replicated norm weights see a sequence shard, so their gradients are partial
 sums: nothing is sent for them in backward, and the step's one all-reduce of all of them
 (reduce_replicated_grads) moves H elements per norm weight (and bias), far below an activation;
@@ -37,10 +39,13 @@ def _layer_traffic(rank, tp):
     cfg = GPTConfig(**CFG)
     H = cfg.d_model
     out = {}
-    for sp, overlap, bf16 in itertools.product((True, False), (True, False), (False, True)):
+    for sp, overlap, bf16, regather in itertools.product((True, False), (True, False),
+                                                        (False, True), (False, True)):
+        if regather and not (sp and overlap):       # only the overlapped SP path gathers again
+            continue
         torch.manual_seed(0)
         layer = ParallelTransformerLayer(cfg, tp_group=group, sequence_parallel=sp,
-                                         overlap=overlap)
+                                         overlap=overlap, regather_input=regather)
         x = torch.randn(S // tp if sp else S, B, H, requires_grad=True)
         rope = rotary_tables(cfg)
         with WireRecorder() as wire, torch.autocast("cpu", torch.bfloat16, enabled=bf16):
@@ -52,12 +57,11 @@ def _layer_traffic(rank, tp):
         act = S * B * H * elem                      # one S*B*H activation, in bytes
         big = wire.summary(min_bytes=act)
         small = wire.summary()
-        what = f"tp={tp} sp={sp} overlap={overlap} bf16={bf16}"
+        what = f"tp={tp} sp={sp} overlap={overlap} bf16={bf16} regather={regather}"
         if sp:
-            # overlap=False is the plain sequence of mappings, whose autograd keeps the
-            # gathered input for the weight gradient instead of gathering it again: 2 fewer
-            # all-gathers, for tp times the activation memory of those two inputs.
-            gathers = 6 if overlap else 4
+            # Kept gathered inputs (and the plain path's autograd, which keeps them too): 2
+            # fewer all-gathers, for tp times the activation memory of those two inputs.
+            gathers = 6 if regather else 4
             assert big == {"all_gather": (gathers, gathers * act),
                            "reduce_scatter": (4, 4 * act)}, (what, big)
             # The two RMSNorm weights' gradients, H fp32 elements each, in one all-reduce
@@ -73,7 +77,7 @@ def _layer_traffic(rank, tp):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_traffic_per_layer_is_megatrons(tp):
-    assert len(run_ranks(_layer_traffic, tp, timeout=120)[0]) == 8
+    assert len(run_ranks(_layer_traffic, tp, timeout=120)[0]) == 10
 
 
 def _pipeline_bytes(rank, world, pp, bf16):

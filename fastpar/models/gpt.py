@@ -60,6 +60,12 @@ class GPT(nn.Module):
         self.pre_process, self.post_process, self.recompute = pre_process, post_process, recompute
         seed = config.init_seed * 1_000_003
         kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
+        # Under SP the column linears keep their gathered inputs for the weight gradients
+        # (as autograd does for torch's own SP), unless activations are recomputed to save
+        # memory: then they gather them again in backward, one more all-gather each, as
+        # Megatron does. A fully recomputed block gathers in its forward replay anyway, so its
+        # linears keep that copy; the head's is kept only without recompute.
+        regather = recompute == "selective"
         if pre_process:
             with _seeded(seed):
                 self.embed = VocabParallelEmbedding(config.padded_vocab, config.d_model,
@@ -75,6 +81,7 @@ class GPT(nn.Module):
             with _seeded(seed + 100 + i):
                 self.layers[str(i)] = ParallelTransformerLayer(config, overlap=overlap,
                                                                cp_group=self.cp_group,
+                                                               regather_input=regather,
                                                                **kw).to(device)
         if post_process:
             self.norm = Norm(config, **kw).to(device)
@@ -82,6 +89,7 @@ class GPT(nn.Module):
                 with _seeded(seed + 2):
                     self.head = ColumnParallelLinear(config.d_model, config.padded_vocab,
                                                      bias=False, overlap=overlap, device=device,
+                                                     regather_input=recompute != "none",
                                                      **kw)
             elif not pre_process:
                 raise ValueError("tie_embeddings needs the embedding and the head on one stage")

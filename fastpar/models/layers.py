@@ -57,7 +57,7 @@ class ParallelAttention(nn.Module):
     input all-gather / gradient reduction instead of three."""
 
     def __init__(self, config: GPTConfig, tp_group=None, sequence_parallel=False, overlap=True,
-                 cp_group=None):
+                 cp_group=None, regather_input=False):
         super().__init__()
         tp = group_size(tp_group)
         config.check_tp(tp)
@@ -66,7 +66,7 @@ class ParallelAttention(nn.Module):
         self.cp_overlap = True      # False: each k/v transfer waited at once (same numbers)
         self.heads, self.kv_heads = config.n_heads // tp, config.kv_heads // tp
         col = dict(bias=config.bias, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                   overlap=overlap)
+                   overlap=overlap, regather_input=regather_input)
         parts = [("q", config.n_heads * hd), ("k", config.kv_heads * hd),
                  ("v", config.kv_heads * hd)]
         self.qkv = ColumnParallelLinear(config.d_model, sum(n for _, n in parts), parts=parts,
@@ -116,11 +116,12 @@ class ParallelMLP(nn.Module):
     """SwiGLU or GELU: fc1 (Column; parts "up" and, for SwiGLU, "gate" in one GEMM) -> down
     (Row)."""
 
-    def __init__(self, config: GPTConfig, tp_group=None, sequence_parallel=False, overlap=True):
+    def __init__(self, config: GPTConfig, tp_group=None, sequence_parallel=False, overlap=True,
+                 regather_input=False):
         super().__init__()
         d, f = config.d_model, config.ffn_dim
         col = dict(bias=config.bias, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                   overlap=overlap)
+                   overlap=overlap, regather_input=regather_input)
         self.swiglu = config.activation == "swiglu"
         parts = [("up", f)] + ([("gate", f)] if self.swiglu else [])
         self.fc1 = ColumnParallelLinear(d, f * len(parts), parts=parts,
@@ -150,12 +151,13 @@ class ParallelTransformerLayer(nn.Module):
     unsharded mask."""
 
     def __init__(self, config: GPTConfig, tp_group=None, sequence_parallel=False, overlap=True,
-                 cp_group=None):
+                 cp_group=None, regather_input=False):
         super().__init__()
         kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
         self.norm1, self.norm2 = Norm(config, **kw), Norm(config, **kw)
-        self.attn = ParallelAttention(config, overlap=overlap, cp_group=cp_group, **kw)
-        self.mlp = ParallelMLP(config, overlap=overlap, **kw)
+        self.attn = ParallelAttention(config, overlap=overlap, cp_group=cp_group,
+                                      regather_input=regather_input, **kw)
+        self.mlp = ParallelMLP(config, overlap=overlap, regather_input=regather_input, **kw)
         self.dropout = config.dropout
         self.shard = group_rank(tp_group) if sequence_parallel else 0
 

@@ -276,7 +276,8 @@ def layer_cost(shape: Shape, hw: Hardware, recompute: str = "none", tp_link_gbps
         core_b += (REFERENCE_OPS["core"][1] - back * REFERENCE_OPS["core"][0]) \
             * hw.kernel_overhead_us * 1e-6
     b = gemm_b + core_b + elem_b
-    comm_f, comm_b = tp_collectives(shape, hw, tp_link_gbps, feat)
+    comm_f, comm_b = tp_collectives(shape, hw, tp_link_gbps, feat,
+                                    regather=regathers(recompute, feat))
     if recompute == "full":
         b, comm_b = b + f, comm_b + comm_f
     elif recompute == "selective":
@@ -336,7 +337,7 @@ def collective_time(kind: str, nbytes: float, n: int, link_gbps: float, hw: Hard
 
 
 def tp_collectives(shape: Shape, hw: Hardware, link_gbps: float,
-                   feat: Features = FASTPAR) -> tuple[float, float]:
+                   feat: Features = FASTPAR, regather: bool = False) -> tuple[float, float]:
     """Seconds of one layer's TP communication, forward and backward, before any overlap.
 
     With ``c`` column-parallel linears (fastpar: q, k, v, and gate and up or fc1, each with its
@@ -345,9 +346,10 @@ def tp_collectives(shape: Shape, hw: Hardware, link_gbps: float,
     gradient (backward); the overlapped path issues each of them as :func:`tp_pieces`
     all-reduces of a row chunk, so the per-call latency is paid that many times. With SP: every column
     linear gathers its input and every row linear reduce-scatters its output (forward); the
-    backward gathers each column linear's input again for its weight gradient and
-    reduce-scatters its input gradient, and gathers each row linear's output gradient (fastpar
-    does not keep gathered inputs).
+    backward reduce-scatters each column linear's input gradient and gathers each row linear's
+    output gradient; with ``regather`` (Megatron's choice, fastpar's under selective recompute)
+    it also gathers each column linear's input again for its weight gradient, which fastpar
+    otherwise keeps from the forward.
     """
     t = shape.tp
     if t == 1:
@@ -360,7 +362,8 @@ def tp_collectives(shape: Shape, hw: Hardware, link_gbps: float,
 
     if shape.sp:
         fwd = col * ring("all_gather") + row * ring("reduce_scatter")
-        return fwd, col * (ring("all_gather") + ring("reduce_scatter")) + row * ring("all_gather")
+        again = ring("all_gather") if regather else 0.0
+        return fwd, col * (again + ring("reduce_scatter")) + row * ring("all_gather")
     pieces = tp_pieces(shape, hw, feat)
     return row * ring("all_reduce", pieces), col * ring("all_reduce", pieces)
 
@@ -397,6 +400,13 @@ def norm_bytes(shape: Shape, bytes_per_element: int = 2, reference: bool = False
     return (2 * REFERENCE_COMPUTE_BYTES + E) * rep if reference else 2 * E * rep
 
 
+def regathers(recompute: str, feat: Features = FASTPAR) -> bool:
+    """Whether the column linears gather their inputs again in backward under SP (instead of
+    keeping the forward's gathered copy): on the overlapped path under selective recompute
+    (fastpar.models.gpt.GPT); the plain path's autograd always keeps them."""
+    return feat.tp_overlap and recompute == "selective"
+
+
 def activation_bytes(shape: Shape, recompute: str, feat: Features = FASTPAR,
                      bytes_per_element: int = 2, reference: bool = False) -> float:
     """Bytes one layer keeps for its backward, per micro-batch, on one GPU (see the module doc).
@@ -430,6 +440,10 @@ def activation_bytes(shape: Shape, recompute: str, feat: Features = FASTPAR,
     else:            # the fused kernels: their inputs (up and gate, or fc1's output) and down's
         act = E * f * (3 if m.activation == "swiglu" else 2)
     mlp = norm + act
+    if shape.sp and t > 1 and not regathers(recompute, feat):
+        # qkv and fc1 keep their gathered inputs (tp times the shard the norm wrote)
+        kept = E * (T * m.d_model - rep)
+        attn, mlp = attn + kept, mlp + kept
     masks = 2 * rep if feat.dropout else 0.0            # one byte per element
     scores = 0.0
     if not feat.flash_attention and recompute != "selective":

@@ -246,6 +246,20 @@ def _dp_time(cluster, cfg, feat, params, last_backward, tensors) -> float:
     return reduce + gather + hw.memory_time(BUCKET_COPY_PASSES * nbytes, tensors + 1)
 
 
+def _schedule(cfg: ParallelConfig, work: Workload, schedules: dict):
+    """The pipeline schedule of ``cfg``, built once per (schedule, pp, micro-batches, v)."""
+    key = (cfg.schedule, cfg.pp, cfg.num_microbatches(work.global_batch), cfg.virtual_stages)
+    if key not in schedules:
+        schedules[key] = build_schedule(*key)
+    return schedules[key]
+
+
+def _cache_key(cfg: ParallelConfig) -> tuple:
+    """What a configuration's per-stage costs depend on (the last item: a split backward)."""
+    return (cfg.tp, cfg.pp, cfg.virtual_stages, cfg.micro_batch_size, cfg.recompute,
+            cfg.sequence_parallel, cfg.schedule == "zb-h1")
+
+
 def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
              feat: Features = FASTPAR, schedules: dict | None = None) -> Estimate:
     """Predict one configuration. Raises ValueError if it cannot run; one that runs out of
@@ -253,11 +267,7 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
     check(cfg, work, cluster)
     hw, m = cluster.hardware, work.model
     num_mb = cfg.num_microbatches(work.global_batch)
-    key = (cfg.schedule, cfg.pp, num_mb, cfg.virtual_stages)
-    schedules = {} if schedules is None else schedules
-    if key not in schedules:
-        schedules[key] = build_schedule(*key)
-    sched = schedules[key]
+    sched = _schedule(cfg, work, {} if schedules is None else schedules)
     fbw, ranges, tp_exposed, _, cp_exposed = _stage_costs(work, cluster, cfg, feat,
                                                           sched.split_backward)
     mem = _memory(work, cluster, cfg, feat, ranges, sched.peak_activations)
@@ -399,8 +409,7 @@ def search(work: Workload, cluster: Cluster, feat: Features = FASTPAR, fixed: di
     too_big = []            # (memory lower bound, cfg, ranges) of each configuration rejected
     limit = cluster.hardware.hbm_gb
     for cfg in candidates(work, cluster, fixed):
-        key = (cfg.tp, cfg.pp, cfg.virtual_stages, cfg.micro_batch_size, cfg.recompute,
-               cfg.sequence_parallel, cfg.schedule == "zb-h1")
+        key = _cache_key(cfg)
         if key not in cache:
             fbw, ranges, _, _, _ = _stage_costs(work, cluster, cfg, feat, key[-1])
             cache[key] = fbw, ranges
@@ -416,8 +425,16 @@ def search(work: Workload, cluster: Cluster, feat: Features = FASTPAR, fixed: di
     bounds.sort(key=lambda x: x[0])
     found: list[Estimate] = []
     schedules: dict = {}
-    for bound, cfg in bounds:
+    for i, (bound, cfg) in enumerate(bounds):
         if len(found) >= top and bound >= found[top - 1].step_time_s:
+            # Too slow to rank, but still counted if it does not fit: its memory at its
+            # schedule's own peak (no simulation of its step).
+            for _, rest in bounds[i:]:
+                need = _memory(work, cluster, rest, feat, cache[_cache_key(rest)][1],
+                               _schedule(rest, work, schedules).peak_activations)["total"]
+                if need > limit:
+                    rejected["memory"] += 1
+                    too_big.append((need, rest, None))
             break
         est = evaluate(work, cluster, cfg, feat, schedules)
         if not est.fits:

@@ -169,13 +169,17 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features, out_features, bias=True, *, tp_group=None,
                  gather_output=False, sequence_parallel=False, overlap=True, chunks=4,
-                 parts=None, skip_bias_add=False, dtype=None, device=None):
+                 parts=None, skip_bias_add=False, regather_input=False, dtype=None,
+                 device=None):
         if parts and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output with parts is not supported "
                              "(the gathered features would be interleaved by rank)")
         super().__init__(in_features, out_features, bias, tp_group, sequence_parallel, overlap,
                          chunks, dtype, device, parts)
         self.gather_output = gather_output
+        # Under SP with overlap: gather the input again in backward for the weight gradient
+        # instead of keeping the gathered copy (one more all-gather, 1/tp of its memory).
+        self.regather_input = regather_input
         # Return (y, bias) with the bias not added, for a fused kernel to add it (bias_gelu).
         self.skip_bias_add = skip_bias_add
         if skip_bias_add and gather_output:
@@ -217,7 +221,8 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.overlap:
             rows = x.reshape(-1, x.shape[-1])        # (S*B, in); a sequence shard under SP
             y = ColumnLinearOverlap.apply(rows, weight, self.tp_group,
-                                          self.sequence_parallel, self.chunks, self._weight_id())
+                                          self.sequence_parallel, self.chunks, self._weight_id(),
+                                          self.regather_input)
             lead = ((x.shape[0] * self.tp_size,) + x.shape[1:-1]) if self.sequence_parallel \
                 else x.shape[:-1]
             y = y.view(*lead, -1)

@@ -38,16 +38,22 @@ def _needs(ctx) -> tuple[bool, bool]:
 
 class ColumnLinearOverlap(torch.autograd.Function):
     """Forward: x @ w.T (under SP: ring all-gather fused with the GEMM). Backward: the input-grad
-    all-reduce (in row chunks) / reduce-scatter overlaps the weight-grad GEMM."""
+    all-reduce (in row chunks) / reduce-scatter overlaps the weight-grad GEMM.
+
+    Under SP the weight gradient needs the whole gathered input: ``regather=False`` keeps the
+    one the forward gathered (tp times the shard's memory, as autograd keeps it on the plain
+    path); ``regather=True`` keeps the shard and gathers it again in backward, under the
+    input-gradient GEMM (Megatron's choice: one more all-gather per call for less memory)."""
 
     @staticmethod
-    def forward(ctx, x, w, group, sequence_parallel, chunks, weight_id):
+    def forward(ctx, x, w, group, sequence_parallel, chunks, weight_id, regather=True):
         ctx.group, ctx.sp, ctx.chunks, ctx.weight_id = group, sequence_parallel, chunks, weight_id
-        ctx.save_for_backward(x, w)
         if sequence_parallel:
-            # The gathered input is not kept: backward gathers it again while it computes.
             with span("tp all-gather + GEMM (column forward)"):
-                return extension.allgather_matmul(x, w, group)[0]
+                out, gathered = extension.allgather_matmul(x, w, group)
+            ctx.save_for_backward(x if regather else gathered, w)
+            return out
+        ctx.save_for_backward(x, w)
         return x @ w.t()
 
     @staticmethod
@@ -62,7 +68,7 @@ class ColumnLinearOverlap(torch.autograd.Function):
                   "of the input grad under the weight-grad GEMM"):
             gx, gw = extension.column_linear_backward(g.contiguous(), x, w, ctx.group, ctx.sp,
                                                       need_x, need_w, chunks)
-        return (gx if need_x else None), (gw if need_w else None), None, None, None, None
+        return (gx if need_x else None), (gw if need_w else None), None, None, None, None, None
 
 
 class RowLinearOverlap(torch.autograd.Function):
