@@ -131,6 +131,40 @@ class RotaryFunction(torch.autograd.Function):
         return rotary_backward(dy, cos, sin), None, None, None
 
 
+def _rotate_torch(x, cos, sin, conjugate: bool) -> torch.Tensor:
+    """x (B, T, H, D) rotated (by -theta when ``conjugate``) into a new (B, T, H, D) tensor in
+    x's dtype, in fp32 arithmetic: a few whole-tensor torch ops (no Python per head)."""
+    ct = torch.promote_types(x.dtype, torch.float32)
+    T, D, r2 = x.shape[1], x.shape[3], cos.shape[1]
+    c, s = cos[:T, None, :].to(ct), sin[:T, None, :].to(ct)            # (T, 1, R/2)
+    xf = x.to(ct)
+    x1, x2 = xf[..., :r2], xf[..., r2:2 * r2]
+    y = torch.empty(x.shape, dtype=ct, device=x.device)
+    y1, y2 = y[..., :r2], y[..., r2:2 * r2]
+    sign = 1.0 if conjugate else -1.0
+    torch.mul(x1, c, out=y1).addcmul_(x2, s, value=sign)        # x1 cos -+ x2 sin
+    torch.mul(x2, c, out=y2).addcmul_(x1, s, value=-sign)       # x2 cos +- x1 sin
+    if 2 * r2 < D:
+        y[..., 2 * r2:] = xf[..., 2 * r2:]
+    return y if ct == x.dtype else y.to(x.dtype)
+
+
+class RotaryTorchFunction(torch.autograd.Function):
+    """RoPE of one tensor off CUDA, as :class:`RotaryFunction`: forward and backward each a
+    handful of whole-tensor ops (the plain reference's autograd runs about three times as
+    many); saves cos and sin only."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate_torch(x, cos, sin, False)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return _rotate_torch(dy, cos, sin, True), None, None
+
+
 def rotary_reference(q, k, cos, sin, inplace=False):
     """The same math in torch: fp32 arithmetic (fp64 stays fp64), results in q's and k's dtype."""
     def rotate(x):
@@ -149,11 +183,13 @@ def rotary(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torc
            inplace: bool = False):
     """Rotate ``q`` (B, T, Hq, D) and ``k`` (B, T, Hk, D) (or None) by the angles whose
     ``cos``/``sin`` (>= T, R/2) are given; returns ``(q_rot, k_rot)``. With ``inplace`` q and
-    k are overwritten and returned. Triton on CUDA (see :func:`fastpar.kernels.impl_for`), the
-    torch reference elsewhere."""
+    k are overwritten and returned. Triton on CUDA (see :func:`fastpar.kernels.impl_for`),
+    elsewhere torch ops (:class:`RotaryTorchFunction`; in place, the plain reference)."""
     _check_shapes(q, k, cos, sin)
     tensors = (q, cos, sin) if k is None else (q, k, cos, sin)
     if impl_for(*tensors) == "triton":
         return tuple(None if x is None else RotaryFunction.apply(x, cos, sin, inplace)
                      for x in (q, k))
-    return rotary_reference(q, k, cos, sin, inplace)
+    if inplace:
+        return rotary_reference(q, k, cos, sin, inplace)
+    return tuple(None if x is None else RotaryTorchFunction.apply(x, cos, sin) for x in (q, k))

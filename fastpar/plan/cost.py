@@ -128,8 +128,9 @@ def _core_time(shape: Shape, hw: Hardware, feat: Features) -> float:
 # Operators of torch's reference code (what fastpar runs off CUDA) per forward / backward,
 # counted with a dispatch-mode counter on fastpar's modules (tests/test_plan.py re-counts them):
 # a norm is pow, mean, add, rsqrt and two muls (RMSNorm; LayerNorm adds a mean, a sub, an add);
-# rotary is four muls, a sub, an add and a cat per rotated tensor.
-REFERENCE_OPS = {"rmsnorm": (6, 14), "layernorm": (9, 20), "rotary": (7, 8), "swiglu": (2, 3),
+# rotary, per rotated tensor (q, k), is an empty output, two muls and two addcmuls
+# (kernels.rotary's RotaryTorchFunction; its backward the same rotation by -theta).
+REFERENCE_OPS = {"rmsnorm": (6, 14), "layernorm": (9, 20), "rotary": (5, 5), "swiglu": (2, 3),
                  "gelu": (1, 1), "core": (2, 7), "residual": (1, 0)}
 
 
@@ -167,7 +168,7 @@ def reference_ops(model: GPTConfig, feat: Features = None) -> tuple[int, int]:
 # to (s, b, h) and, in the backward, of q's, k's and v's gradients; a residual add.
 # The vocab-parallel cross entropy's reference (row chunks of ~1M elements), in fp32 (s b, V)
 # logits: 8 forward, 17 backward (it recomputes the softmax), of them 2 each its exp's.
-REFERENCE_BYTES = {"rmsnorm": (7, 24), "layernorm": (12, 33), "rotary": (9.5, 10),
+REFERENCE_BYTES = {"rmsnorm": (7, 24), "layernorm": (12, 33), "rotary": (7, 7),
                    "swiglu": (5, 9), "gelu": (2, 3), "transcendental": (2, 3), "residual": (3, 0),
                    "cross_entropy": (8, 17), "cross_entropy_exp": (2, 2)}
 # Its operators: a fixed few plus, per row chunk, (forward, backward).
