@@ -184,12 +184,13 @@ def rotary(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torc
     """Rotate ``q`` (B, T, Hq, D) and ``k`` (B, T, Hk, D) (or None) by the angles whose
     ``cos``/``sin`` (>= T, R/2) are given; returns ``(q_rot, k_rot)``. With ``inplace`` q and
     k are overwritten and returned. Triton on CUDA (see :func:`fastpar.kernels.impl_for`),
-    elsewhere torch ops (:class:`RotaryTorchFunction`; in place, the plain reference)."""
+    elsewhere torch ops (:class:`RotaryTorchFunction`; in place or under torch.compile, the
+    plain reference)."""
     _check_shapes(q, k, cos, sin)
     tensors = (q, cos, sin) if k is None else (q, k, cos, sin)
     if impl_for(*tensors) == "triton":
         return tuple(None if x is None else RotaryFunction.apply(x, cos, sin, inplace)
                      for x in (q, k))
-    if inplace:
+    if inplace or torch.compiler.is_compiling():    # compiled: inductor fuses the reference
         return rotary_reference(q, k, cos, sin, inplace)
     return tuple(None if x is None else RotaryTorchFunction.apply(x, cos, sin) for x in (q, k))

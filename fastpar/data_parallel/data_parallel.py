@@ -30,6 +30,21 @@ from .reducer import GradReducer
 _FIRST_BUCKET_BYTES = 2**20
 
 
+def bucket_specs(params: list[tuple[int, torch.dtype]], dp_size: int,
+                 bucket_cap_mb: float | None = None, reduce_dtype: torch.dtype | None = None,
+                 main_grads: bool = False) -> list[BucketSpec]:
+    """The buckets :class:`DataParallel` makes for parameters given as ``(numel, dtype)`` in
+    registration order (each flat buffer padded to ``dp_size`` equal ZeRO shards): what a dry
+    run counts without building the wrapper."""
+    # torch DDP's rule: the 1 MiB first bucket only with the default cap (25 MiB).
+    first_mb = None if bucket_cap_mb is not None else _FIRST_BUCKET_BYTES / 2**20
+    bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
+    # Buckets close by the bytes that travel (the main gradients are fp32).
+    wire = reduce_dtype or (torch.float32 if main_grads else None)
+    return assign_buckets(params, int(bucket_cap_mb * 2**20), pad_to=dp_size, reduce_dtype=wire,
+                          first_cap_bytes=int((first_mb or bucket_cap_mb) * 2**20))
+
+
 class DataParallel(nn.Module):
     """Replicate ``module`` over ``dp_group``; after backward each gradient is the group mean.
 
@@ -70,9 +85,6 @@ class DataParallel(nn.Module):
                  main_grads: bool = False, find_unused_parameters: bool = False):
         super().__init__()
         check_options(module, bucket_cap_mb, reduce_dtype)
-        # torch DDP's rule: the 1 MiB first bucket only with the default cap (25 MiB).
-        first_mb = None if bucket_cap_mb is not None else _FIRST_BUCKET_BYTES / 2**20
-        bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
         group = resolve_group(dp_group)
         named = check_params(module, reduce_dtype)
         device = named[0][1].device
@@ -81,15 +93,13 @@ class DataParallel(nn.Module):
             broadcast_state(module, group)
         self.module = module
         self.dp_group, self.dp_size, self.dp_rank = group, group_size(group), group_rank(group)
-        self.bucket_cap_mb, self.overlap, self.reduce_dtype = bucket_cap_mb, overlap, reduce_dtype
+        self.bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
+        self.overlap, self.reduce_dtype = overlap, reduce_dtype
         self.find_unused_parameters, self.main_grads = find_unused_parameters, bool(main_grads)
         params = [p for _, p in named]
-        # Buckets close by the bytes that travel (the main gradients are fp32).
-        wire = reduce_dtype or (torch.float32 if main_grads else None)
-        self.bucket_specs: list[BucketSpec] = assign_buckets(
-            [(p.numel(), p.dtype) for p in params], int(bucket_cap_mb * 2**20),
-            pad_to=self.dp_size, reduce_dtype=wire,
-            first_cap_bytes=int((first_mb or bucket_cap_mb) * 2**20))
+        self.bucket_specs: list[BucketSpec] = bucket_specs(
+            [(p.numel(), p.dtype) for p in params], self.dp_size, bucket_cap_mb, reduce_dtype,
+            self.main_grads)
         self.events = EventLog()    # "launch", "done" (index: bucket), "backward_end"
         self._reducer = GradReducer(params, [n for n, _ in named], self.bucket_specs, group,
                                     self.dp_size, reduce_dtype=reduce_dtype, overlap=overlap,

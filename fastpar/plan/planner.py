@@ -193,13 +193,26 @@ def memory_per_gpu(work: Workload, cluster: Cluster, cfg: ParallelConfig,
 
 
 def _memory(work, cluster, cfg, feat, ranges, peaks) -> dict:
-    """:func:`memory_per_gpu` with the stage split and the peaks given."""
+    """:func:`memory_per_gpu` with the stage split and the peaks given: the fullest rank's."""
+    return max(memory_rows(work, cluster, cfg, feat, ranges, peaks), key=lambda r: r["total"])
+
+
+def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> list[dict]:
+    """:func:`memory_per_gpu`'s breakdown for every pipeline rank, in pp-rank order (GB, and
+    ``params_per_gpu``); the defaults as there."""
+    m, pp = work.model, cfg.pp
+    if ranges is None:
+        ranges = [range(m.n_layers)] if pp * cfg.virtual_stages == 1 else \
+            partition(m.piece_flops(work.seq_len), pp, cfg.virtual_stages)
+    if peaks is None:
+        peaks = build_schedule(cfg.schedule, pp, cfg.num_microbatches(work.global_batch),
+                               cfg.virtual_stages).peak_activations
     hw, m, t, pp = cluster.hardware, work.model, cfg.tp, cfg.pp
     E, ref = hw.bytes_per_element, hw.kind == "cpu"
     shape = Shape(m, work.seq_len, cfg.micro_batch_size, t, cfg.sequence_parallel, cfg.cp)
     per_layer = cost.activation_bytes(shape, cfg.recompute, feat, E, ref)
     full = cost.activation_bytes(shape, "none", feat, E, ref)
-    best = None
+    rows = []
     for rank in range(pp):
         mine = [s for s in range(len(ranges)) if s % pp == rank]
         params = sum(len(ranges[s]) for s in mine) * m.layer_params() / t
@@ -216,14 +229,17 @@ def _memory(work, cluster, cfg, feat, ranges, peaks) -> dict:
             # (fastpar/tensor_parallel/cross_entropy.py). Once: the last stage runs each
             # micro-batch's backward right after its forward (GPipe's would hold more).
             acts += cost.norm_bytes(shape, E, ref) + 2 * shape.tokens * m.padded_vocab / t * E
+            if shape.sp and t > 1 and (cfg.recompute == "none" or not feat.tp_overlap):
+                # the head keeps its gathered input (fastpar.models.gpt: gathered again only
+                # under recompute)
+                acts += E * shape.tokens * m.d_model * (1 - 1 / t)
         opt = feat.optimizer_bytes / (cfg.dp if cfg.zero1 else 1)
         row = {"weights": params * feat.weight_bytes, "gradients": params * feat.grad_bytes,
                "optimizer": params * opt, "activations": acts,
                "reserve": hw.memory_reserve_gb * 1e9, "params_per_gpu": params}
         row["total"] = sum(v for k, v in row.items() if k != "params_per_gpu")
-        if best is None or row["total"] > best["total"]:
-            best = row
-    return {k: (v if k == "params_per_gpu" else v / 1e9) for k, v in best.items()}
+        rows.append({k: (v if k == "params_per_gpu" else v / 1e9) for k, v in row.items()})
+    return rows
 
 
 def _dp_time(cluster, cfg, feat, params, last_backward, tensors) -> float:

@@ -33,11 +33,18 @@ def add_train(sub) -> None:
                         "given)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart failed workers this many times, resuming from the checkpoint")
+    p.add_argument("--dry-run", action="store_true",
+                   help="start nothing: check the launch of --nproc ranks (any number) and "
+                        "print each pipeline rank's memory, built in this process on a fake "
+                        "process group and the meta device, with the planner's step time")
+    p.add_argument("--hardware", default="h100-80gb",
+                   help="--dry-run: the GPU each rank has (a built-in planner profile or a "
+                        ".json)")
 
 
 def run_train(args) -> int:
     opts = {k: v for k, v in vars(args).items()
-            if k not in ("command", "version", "nproc", "max_restarts")}
+            if k not in ("command", "version", "nproc", "max_restarts", "dry_run", "hardware")}
     try:
         cfg = TrainConfig(**opts)
         # Default: all ranks of the torchrun job, else tp*cp*pp*dp here (dp=2 when not given).
@@ -47,6 +54,12 @@ def run_train(args) -> int:
             cfg.tp * cfg.cp * cfg.pp * (cfg.dp or 2)
         if args.max_restarts < 0:
             raise ValueError(f"--max-restarts={args.max_restarts} must be >= 0")
+        if args.dry_run:
+            from .dry_run import dry_run, format_report
+
+            report = dry_run(cfg, nproc, args.hardware)
+            print(format_report(report), flush=True)
+            return 0 if report.fits else 2
         launch(cfg, nproc, args.max_restarts)
     except ValueError as e:
         print(f"fastpar train: error: {e}", file=sys.stderr)

@@ -1,0 +1,75 @@
+"""``fastpar train --dry-run``: the real launch path of up to thousands of ranks in one process,
+each pipeline rank's model built on a fake process group and the meta device, its memory equal to
+the memory model's."""
+import pytest
+
+from fastpar.cli import main
+from fastpar.train import TrainConfig
+from fastpar.train.dry_run import dry_run, format_report
+
+
+def _cfg(**kw):
+    base = dict(model="70b", tp=8, pp=8, seq_len=4096, global_batch_size=256,
+                micro_batch_size=1, zero1=True, sequence_parallel=True, out="unused")
+    return TrainConfig(**{**base, **kw})
+
+
+def _check_against_the_model(rep, world, pp, n_layers):
+    assert len(rep.roles) == pp and sum(r.ranks for r in rep.roles) == world
+    # Every layer built once, on the stage the planner's split gives it.
+    assert sorted(i for r in rep.roles for i in r.layers) == list(range(n_layers))
+    for r in rep.roles:
+        assert r.params == pytest.approx(r.model_params, rel=1e-3), r
+        assert r.total == pytest.approx(r.model_total, rel=1e-3), r
+        assert r.weights > 0 and r.gradients > 0 and r.optimizer > 0 and r.activations > 0
+
+
+def test_1024_ranks_tp8_pp8_dp16_match_the_memory_model():
+    """70b on 1,024 ranks: 8 roles of 128 ranks, each built as its first rank builds it; the
+    counted parameters, the DataParallel buffers and the ZeRO-1 shards, with the schedule's
+    peak activations, are the memory model's per pipeline rank."""
+    rep = dry_run(_cfg(dp=16), 1024, "h100-80gb")
+    _check_against_the_model(rep, 1024, 8, 80)
+    assert rep.layout == "tp8 x cp1 x pp8 x dp16" and rep.fits
+    assert rep.step_time_s and rep.step_time_s > 0
+    # 1F1B: the first stage holds the most micro-batches in flight (pp of them), the last one.
+    acts = [r.activations for r in rep.roles]
+    assert acts == sorted(acts, reverse=True) and acts[0] > 5 * acts[-1]
+    # The embedding and the head (vocab / tp rows each) sit on the first and the last stage.
+    assert rep.roles[0].params > rep.roles[1].params < rep.roles[-1].params
+    text = format_report(rep)
+    assert text.count("\n| ") == 8 + 1 and "fits: the fullest rank (pp 0)" in text
+
+
+def test_1024_ranks_with_context_parallelism():
+    rep = dry_run(_cfg(cp=2, pp=4, dp=16, seq_len=8192, zero1=False), 1024, "h100-80gb")
+    _check_against_the_model(rep, 1024, 4, 80)
+    assert rep.layout == "tp8 x cp2 x pp4 x dp16"
+    # Without ZeRO-1 every rank keeps the whole optimizer state of its parameters.
+    assert all(r.optimizer > 2 * r.gradients for r in rep.roles)
+
+
+def test_zero1_divides_the_optimizer_state_by_dp():
+    one, sharded = (dry_run(_cfg(model="7b", pp=2, dp=4, zero1=z), 64) for z in (False, True))
+    for a, b in zip(one.roles, sharded.roles):
+        assert b.optimizer == pytest.approx(a.optimizer / 4, rel=1e-3)
+        assert (a.weights, a.gradients) == (b.weights, b.gradients)
+
+
+def test_bad_input_is_refused_before_anything_is_built():
+    with pytest.raises(ValueError, match="1000"):
+        dry_run(_cfg(), 1000)                  # not divisible by tp x pp = 64
+    with pytest.raises(ValueError, match="unknown hardware"):
+        dry_run(_cfg(dp=16), 1024, "a-gpu-we-do-not-know")
+
+
+def test_the_command_prints_the_table_and_refuses_what_cannot_fit(capsys):
+    args = ["train", "--model", "7b", "--tp", "8", "--micro-batch-size", "1",
+            "--global-batch-size", "16", "--nproc", "16", "--dry-run"]
+    assert main(args + ["--seq-len", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run: 16 ranks, tp8 x cp1 x pp1 x dp2" in out and "fits:" in out
+    # A sequence far beyond the memory: refused in the same second, nothing started.
+    assert main(args + ["--seq-len", "400000"]) == 2
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out
