@@ -94,7 +94,13 @@ def test_search_prints_the_train_command_of_its_best_layout(capsys, monkeypatch,
     assert main(plan + ["--json"]) == 0
     best = json.loads(capsys.readouterr().out)[0]
     assert main(plan) == 0
-    line = capsys.readouterr().out.split("run it:\n", 1)[1].splitlines()[0].strip()
+    out = capsys.readouterr().out
+    line = out.split("run it:\n", 1)[1].splitlines()[0].strip()
+    # The dry run it prints checks that layout here: the same memory per GPU as the plan's.
+    check = out.split("check it first, here", 1)[1].splitlines()[1].split()
+    assert check[-3:-2] == ["--dry-run"] and main(check[1:]) == 0
+    need = capsys.readouterr().out.split("needs ", 1)[1].split(" GB")[0]
+    assert float(need) == pytest.approx(best["memory_gb_per_gpu"], abs=0.051)
     if gpus == 8:
         assert line.startswith("fastpar train --model 1b") and line.endswith(f"--nproc {gpus}")
         argv = line.split()[1:]
@@ -105,7 +111,8 @@ def test_search_prints_the_train_command_of_its_best_layout(capsys, monkeypatch,
 
     def fake_train(args):                  # the train command's own parser and checks
         opts = {k: v for k, v in vars(args).items()
-                if k not in ("command", "version", "nproc", "max_restarts")}
+                if k not in ("command", "version", "nproc", "max_restarts", "dry_run",
+                             "hardware")}
         cfg = TrainConfig(**opts)
         seen["dp"] = cfg.check_layout(gpus).dp
         seen["cfg"] = cfg

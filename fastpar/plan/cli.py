@@ -103,7 +103,7 @@ def run_plan(args) -> int:
         print(no_fit(rejected, cluster))
     else:
         print(_table(best) + "\n\n" + _why(best, rejected) + "\n\n"
-              + train_command(best[0].config, work, cluster, args.model))
+              + train_command(best[0].config, work, cluster, args.model, args.hardware))
     return 0 if best else 1
 
 
@@ -132,8 +132,9 @@ def describe_layout(cfg: ParallelConfig) -> str:
 
 
 def train_command(cfg: ParallelConfig, work: Workload, cluster: Cluster,
-                  preset: str | None) -> str:
-    """The ``fastpar train`` line that runs ``cfg`` (a torchrun line per node on several)."""
+                  preset: str | None, hardware: str | None = None) -> str:
+    """The ``fastpar train`` line that runs ``cfg`` (a torchrun line per node on several), and
+    the ``--dry-run`` line that checks it first, on this machine, for every rank role."""
     names = ("tp", "pp", "dp") + tuple(k for k in LAYOUT_FLAGS[2:]
                                        if k != "schedule" or cfg.pp > 1)
     flags = flags_of(cfg, names, TrainConfig(), always=("tp", "pp", "dp"))
@@ -149,7 +150,12 @@ def train_command(cfg: ParallelConfig, work: Workload, cluster: Cluster,
                 f"-m fastpar train {args}      # on each of the {nodes} nodes")
     note = "" if preset else ("\n(fastpar train builds presets only: this shape is not one; "
                               "give the layout to your own training script)")
-    return f"run it:\n  {line}{note}"
+    check = ""
+    if preset:
+        check = (f"\ncheck it first, here (each pipeline rank built on a fake process group, "
+                 f"its memory printed):\n  fastpar train {args} --nproc {cluster.gpus} "
+                 f"--dry-run" + (f" --hardware {hardware}" if hardware else ""))
+    return f"run it:\n  {line}{note}{check}"
 
 
 _COLUMNS = (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("v", "virtual_stages"),

@@ -144,7 +144,7 @@ def format_report(rep: DryRunReport) -> str:
              "activations | reserve | total GB | memory model GB |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep.roles:
-        span = f"{r.layers[0]}-{r.layers[-1]}" if r.layers else "-"
+        span = f"{len(r.layers)}: {r.layers[0]}..{r.layers[-1]}" if r.layers else "-"
         lines.append(f"| {r.pp_rank} | {r.ranks} | {span} | {r.params:,} | {r.weights:.2f} | "
                      f"{r.gradients:.2f} | {r.optimizer:.2f} | {r.activations:.2f} | "
                      f"{r.reserve:.2f} | {r.total:.2f} | {r.model_total:.2f} |")
