@@ -24,17 +24,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..data_parallel.data_parallel import bucket_specs
-from ..models.parallel_config import ParallelConfig
 from ..plan import planner
 from ..plan.cost import trainer_features
 from ..plan.hardware import get_hardware
-from .memory_check import precision_mode
+from .memory_check import layout_config, precision_mode
 
 
 @dataclass
@@ -96,8 +95,7 @@ def dry_run(cfg, world_size: int, hardware: str = "h100-80gb") -> DryRunReport:
     mode = precision_mode(cfg, "cuda")
     hw = dataclasses.replace(hw, bytes_per_element=2 if mode != "fp32" else 4)
     feat = trainer_features(mode, cfg.grad_reduce_dtype, dropout=False)
-    layout = ParallelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ParallelConfig)
-                               if f.name != "dp"}, dp=lay.dp)
+    layout = layout_config(cfg, lay)
     work = planner.Workload(cfg.model_config, cfg.seq_len, cfg.global_batch_size)
     per_node = min(8, world_size)
     cluster = planner.Cluster(world_size, per_node if world_size % per_node == 0 else 1, hw)

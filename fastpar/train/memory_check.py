@@ -127,12 +127,17 @@ def device_memory(device_type: str, local_ranks: int,
     return host / local_ranks, f"{host:.1f} GB {what}{shared}"
 
 
+def layout_config(cfg, lay: Layout) -> ParallelConfig:
+    """The planner's ParallelConfig of ``cfg`` (a ``TrainConfig``) on the run's layout."""
+    return ParallelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ParallelConfig)
+                             if f.name != "dp"}, dp=lay.dp)
+
+
 def _planner_inputs(cfg, lay: Layout, device_type: str, memory_gb: float):
     """The planner's (Workload, Cluster, ParallelConfig, Features) for ``cfg`` on ``lay``'s
     ranks of this device."""
     world_size = lay.world_size
-    layout = ParallelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ParallelConfig)
-                               if f.name != "dp"}, dp=lay.dp)
+    layout = layout_config(cfg, lay)
     mc, mode = cfg.model_config, precision_mode(cfg, device_type)
     low = mode != "fp32"                        # activations in bf16 under autocast
     hw = device_profile(device_type, 2 if low else 4, memory_gb)
