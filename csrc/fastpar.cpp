@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_memory.h"
 #include "tp_overlap.h"
 #include "trace.h"
 
@@ -98,6 +99,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Clear the overlap event log and switch recording on or off.");
   m.def("trace_take", &fastpar::trace_take,
         "Return and clear the recorded (event, index, nanoseconds) tuples.");
+  m.def("cpu_memory_install", &fastpar::cpu_memory_install,
+        "Count CPU tensor memory from now on (a counting allocator replaces c10's CPU one).");
+  m.def("cpu_memory_installed", &fastpar::cpu_memory_installed);
+  m.def("cpu_memory_allocated", &fastpar::cpu_memory_allocated,
+        "Bytes of live CPU tensors allocated since the install, on every thread.");
+  m.def("cpu_max_memory_allocated", &fastpar::cpu_max_memory_allocated,
+        "The most bytes live at once since the install or the last reset.");
+  m.def("cpu_reset_peak_memory", &fastpar::cpu_reset_peak_memory,
+        "Restart the peak from what is live now.");
   m.def("build_info", &build_info, "How this extension was built (torch version, CUDA, archs).");
   m.def("cuda_device_count", &cuda_device_count,
         "CUDA devices visible to the extension's runtime; 0 without CUDA.");

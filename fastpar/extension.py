@@ -151,3 +151,35 @@ def multi_tensor_unpack(flat: torch.Tensor, tensors: list[torch.Tensor],
 def multi_tensor_scale(tensors: list[torch.Tensor], scale: float) -> None:
     """Multiply every tensor of the list by ``scale`` in place."""
     _ops.multi_tensor_scale(list(tensors), float(scale))
+
+
+class CPUMemory:
+    """Allocator-level CPU tensor memory, the CPU analogue of ``torch.cuda.memory_allocated`` and
+    ``max_memory_allocated``. :meth:`install` puts a counting allocator in place of c10's CPU
+    allocator for the rest of the process; every CPU tensor allocated after it is counted until it
+    is freed, on whichever thread frees it (gloo's and autograd's too), which the profiler's
+    per-thread memory events cannot do. Tensors allocated before the install are not counted.
+
+        CPUMemory.install(); CPUMemory.reset_peak()
+        ...; CPUMemory.peak() - base                # bytes
+    """
+
+    @staticmethod
+    def install() -> None:
+        _C.cpu_memory_install()
+
+    @staticmethod
+    def installed() -> bool:
+        return _C.cpu_memory_installed()
+
+    @staticmethod
+    def allocated() -> int:
+        return _C.cpu_memory_allocated()
+
+    @staticmethod
+    def peak() -> int:
+        return _C.cpu_max_memory_allocated()
+
+    @staticmethod
+    def reset_peak() -> None:
+        _C.cpu_reset_peak_memory()

@@ -181,3 +181,15 @@ def test_forward_schedule_keeps_the_forward_order(name, v):
             assert {a.kind for a in f.actions[rank]} <= {"F", "SEND_F", "RECV_F"}
     with pytest.raises(ScheduleError, match="expected"):    # a B on one rank only is no schedule
         Schedule("half", 1, 2, 1, [[Action("F", 0), Action("B", 0), Action("F", 1)]])
+
+
+def test_in_flight_counts_what_waits_for_w():
+    """Under a split backward a micro-batch is alive from F to W, and between its B and its W it
+    also holds its weights' output gradients: the memory model reads both counts."""
+    zb = build_schedule("zb-h1", 2, 4)
+    # rank 1 runs F0 B0 F1 B1 W0 ...: after B1, two alive and both awaiting W
+    assert (2, 2) in zb.in_flight[1]
+    assert all(alive >= waiting for f in zb.in_flight for alive, waiting in f)
+    assert zb.peak_activations == tuple(max(a for a, _ in f) for f in zb.in_flight)
+    plain = build_schedule("1f1b", 4, 8)
+    assert plain.in_flight == tuple(((p, 0),) for p in plain.peak_activations)

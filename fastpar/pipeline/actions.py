@@ -72,12 +72,17 @@ class Schedule:
     actions: tuple
     split_backward: bool = field(init=False)
     peak_activations: tuple = field(init=False)     # per rank: most micro-batch chunks alive
+    # Per rank: the (alive, awaiting W) counts the peak memory can be at, the pairs no other
+    # point of the rank's order exceeds in both; ((peak, 0),) unless the backward is split.
+    in_flight: tuple = field(init=False)
 
     def __post_init__(self):
         object.__setattr__(self, "actions", tuple(tuple(a) for a in self.actions))
-        split, peaks = validate(self)
+        split, frontier = validate(self)
         object.__setattr__(self, "split_backward", split)
-        object.__setattr__(self, "peak_activations", tuple(peaks))
+        object.__setattr__(self, "in_flight", tuple(frontier))
+        object.__setattr__(self, "peak_activations",
+                           tuple(max(alive for alive, _ in f) for f in frontier))
 
     @property
     def num_stages(self) -> int:
@@ -121,7 +126,7 @@ _PRODUCES = {"F": "SEND_F", "B": "SEND_B"}     # what a compute action sends aft
 _NEEDS = {"F": "RECV_F", "B": "RECV_B"}        # what it must have received before it
 
 
-def validate(s) -> tuple[bool, list[int]]:
+def validate(s) -> tuple[bool, list[tuple]]:
     _check_shape(s)
     split = _check_compute(s)
     _check_dataflow(s)
@@ -278,17 +283,23 @@ def _ready(s, rank, steps, pos, where) -> bool:
     return True
 
 
-def _peaks(s, split: bool) -> list[int]:
-    """Per rank, the most (micro-batch, chunk) pairs whose F has run and whose backward has not
-    finished (B, or W when the schedule splits it off)."""
-    peaks = []
+def _peaks(s, split: bool) -> list[tuple]:
+    """Per rank, after each compute action: the (micro-batch, chunk) pairs whose F has run and
+    whose backward has not finished (B, or W when the schedule splits it off), and of those the
+    ones whose B has run and whose W has not (they hold their weights' output gradients too).
+    Returns the pairs of counts not dominated by another point of the rank's order."""
+    frontier = []
     for acts in s.actions:
-        live = peak = 0
+        live = waiting = 0
+        points = {(0, 0)}
         for a in acts:
             if a.kind == "F":
                 live += 1
-                peak = max(peak, live)
-            elif a.kind == ("W" if split else "B"):
-                live -= 1
-        peaks.append(peak)
-    return peaks
+            elif a.kind == "B":
+                live, waiting = (live, waiting + 1) if split else (live - 1, waiting)
+            elif a.kind == "W":
+                live, waiting = live - 1, waiting - 1
+            points.add((live, waiting))
+        frontier.append(tuple(sorted(p for p in points if not any(
+            q != p and q[0] >= p[0] and q[1] >= p[1] for q in points))))
+    return frontier

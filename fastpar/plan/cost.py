@@ -51,6 +51,7 @@ class Features:
     weight_bytes: int = 2            # per parameter: bf16 weights (--precision bf16, the GPU default)
     grad_bytes: int = 4              # per parameter: fp32 main gradients, reduced over DP as fp32
     optimizer_bytes: int = 12        # per parameter: fp32 master weight and Adam's two moments
+    reduce_bytes: int = 4            # per parameter: the DP buckets' reduction dtype (fp32)
 
 
 FASTPAR = Features()
@@ -78,7 +79,8 @@ def trainer_features(precision: str, grad_reduce_dtype: str = "fp32", **fields) 
         raise ValueError(f"precision={precision!r} is not one of {tuple(PRECISION_BYTES)}")
     w, g, o = PRECISION_BYTES[precision]
     g += 2 if grad_reduce_dtype == "bf16" else 0
-    return Features(**{"weight_bytes": w, "grad_bytes": g, "optimizer_bytes": o, **fields})
+    return Features(**{"weight_bytes": w, "grad_bytes": g, "optimizer_bytes": o,
+                       "reduce_bytes": 2 if grad_reduce_dtype == "bf16" else 4, **fields})
 
 
 @dataclass(frozen=True)
@@ -451,3 +453,15 @@ def activation_bytes(shape: Shape, recompute: str, feat: Features = FASTPAR,
         p = shape.micro_batch * m.n_heads / t * shape.seq_len ** 2 / shape.cp
         scores = E * p + ((1 + E) * p if feat.dropout else 0.0)
     return attn + mlp + masks + scores
+
+
+def waiting_grad_bytes(shape: Shape, bytes_per_element: int = 2) -> float:
+    """Bytes one layer holds per micro-batch between a zero-bubble schedule's B and its W, on top
+    of its activations (which B keeps for W: ``retain_graph``): the output gradient of every
+    module whose weight gradient waits for W (fastpar/pipeline/backward.py, ``backward_input``),
+    the two norms, q/k/v, o, the first MLP linear (gate and up) and the second."""
+    m, t, E, T = shape.model, shape.tp, bytes_per_element, shape.tokens
+    rep = T * m.d_model / (t if shape.sp else 1)
+    q, kv = T * m.n_heads * m.head_dim / t, T * m.kv_heads * m.head_dim / t
+    f = T * m.ffn_dim / t * (2 if m.activation == "swiglu" else 1)
+    return E * (2 * rep + q + 2 * kv + rep + f + rep)

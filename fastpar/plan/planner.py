@@ -174,8 +174,9 @@ def memory_per_gpu(work: Workload, cluster: Cluster, cfg: ParallelConfig,
 
     ``ranges``: each stage's layers; default the trainer's split (``partition`` over
     ``GPTConfig.piece_flops``, as ``fastpar.train.trainer.build_model`` cuts the model).
-    ``peaks``: micro-batch chunks alive at once on each pipeline rank; default the schedule's
-    own (``build_schedule(...).peak_activations``, as :func:`evaluate` uses). Bytes per
+    ``peaks``: per pipeline rank, the (micro-batch chunks alive, of those awaiting W) pairs the
+    peak can be at; default the schedule's own (``build_schedule(...).in_flight``, as
+    :func:`evaluate` uses). Bytes per
     parameter come from ``feat``, bytes per activation element and the reserve from the
     hardware; ``hardware.kind == "cpu"`` counts what torch's reference ops keep (fastpar's
     path off CUDA). This is the one memory model: the planner and the trainer's check before
@@ -188,13 +189,30 @@ def memory_per_gpu(work: Workload, cluster: Cluster, cfg: ParallelConfig,
             partition(m.piece_flops(work.seq_len), pp, cfg.virtual_stages)
     if peaks is None:
         peaks = build_schedule(cfg.schedule, pp, cfg.num_microbatches(work.global_batch),
-                               cfg.virtual_stages).peak_activations
+                               cfg.virtual_stages).in_flight
     return _memory(work, cluster, cfg, feat, ranges, peaks)
 
 
 def _memory(work, cluster, cfg, feat, ranges, peaks) -> dict:
     """:func:`memory_per_gpu` with the stage split and the peaks given: the fullest rank's."""
     return max(memory_rows(work, cluster, cfg, feat, ranges, peaks), key=lambda r: r["total"])
+
+
+def bytes_per_param(cfg: ParallelConfig, feat: Features, hw) -> tuple[float, float, float]:
+    """Bytes per parameter of ``cfg``'s weights, gradients and optimizer state on ``hw``: the
+    trainer's under its precision (``feat``), with what ZeRO-1 shards and adds. Each bucket's
+    reduce-scatter lands in a 1/dp shard of its own beside the bucket (gloo's pairwise
+    reduce-scatter, ``hw.kind == "cpu"``, also keeps (dp-1)/dp of scratch), copied into an fp32
+    shard for the optimizer when reduced in bf16; bf16 parameters are gathered into a flat bucket
+    and unpacked from it (fastpar/data_parallel/reducer.py ``enable_sharding``, zero.py
+    ``_shard_buffers``)."""
+    weight, grad, opt = feat.weight_bytes, feat.grad_bytes, feat.optimizer_bytes
+    if cfg.zero1 and cfg.dp > 1:
+        opt /= cfg.dp
+        grad += feat.reduce_bytes * (1 if hw.kind == "cpu" else 1 / cfg.dp)
+        grad += 4 / cfg.dp if feat.reduce_bytes < 4 else 0
+        weight += weight if feat.weight_bytes < 4 else 0
+    return weight, grad, opt
 
 
 def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> list[dict]:
@@ -206,17 +224,26 @@ def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> li
             partition(m.piece_flops(work.seq_len), pp, cfg.virtual_stages)
     if peaks is None:
         peaks = build_schedule(cfg.schedule, pp, cfg.num_microbatches(work.global_batch),
-                               cfg.virtual_stages).peak_activations
+                               cfg.virtual_stages).in_flight
     hw, m, t, pp = cluster.hardware, work.model, cfg.tp, cfg.pp
     E, ref = hw.bytes_per_element, hw.kind == "cpu"
     shape = Shape(m, work.seq_len, cfg.micro_batch_size, t, cfg.sequence_parallel, cfg.cp)
     per_layer = cost.activation_bytes(shape, cfg.recompute, feat, E, ref)
     full = cost.activation_bytes(shape, "none", feat, E, ref)
     rows = []
+    waiting = cost.waiting_grad_bytes(shape, E)
+    rep = shape.tokens * m.d_model / (t if shape.sp else 1)
     for rank in range(pp):
         mine = [s for s in range(len(ranges)) if s % pp == rank]
         params = sum(len(ranges[s]) for s in mine) * m.layer_params() / t
-        acts = peaks[rank] * max(len(ranges[s]) for s in mine) * per_layer
+        layers = max(len(ranges[s]) for s in mine)
+        # Under a split backward each micro-batch between its B and its W also holds its
+        # weights' output gradients: the layers', the embedding's on the first stage, the final
+        # norm's and the head's (the logits') on the last.
+        ends = (E * rep if 0 in mine else 0.0) + (
+            E * (rep + shape.tokens * m.padded_vocab / t) if len(ranges) - 1 in mine else 0.0)
+        acts = max(alive * layers * per_layer + wait * (layers * waiting + ends)
+                   for alive, wait in peaks[rank])
         if cfg.recompute == "full":
             acts += full                           # one layer's activations while it recomputes
         if 0 in mine:
@@ -233,8 +260,8 @@ def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> li
                 # the head keeps its gathered input (fastpar.models.gpt: gathered again only
                 # under recompute)
                 acts += E * shape.tokens * m.d_model * (1 - 1 / t)
-        opt = feat.optimizer_bytes / (cfg.dp if cfg.zero1 else 1)
-        row = {"weights": params * feat.weight_bytes, "gradients": params * feat.grad_bytes,
+        weight, grad, opt = bytes_per_param(cfg, feat, hw)
+        row = {"weights": params * weight, "gradients": params * grad,
                "optimizer": params * opt, "activations": acts,
                "reserve": hw.memory_reserve_gb * 1e9, "params_per_gpu": params}
         row["total"] = sum(v for k, v in row.items() if k != "params_per_gpu")
@@ -286,7 +313,7 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
     sched = _schedule(cfg, work, {} if schedules is None else schedules)
     fbw, ranges, tp_exposed, _, cp_exposed = _stage_costs(work, cluster, cfg, feat,
                                                           sched.split_backward)
-    mem = _memory(work, cluster, cfg, feat, ranges, sched.peak_activations)
+    mem = _memory(work, cluster, cfg, feat, ranges, sched.in_flight)
     tokens = cfg.micro_batch_size * work.seq_len // cfg.cp * m.d_model * hw.bytes_per_element
     p2p = 0.0
     if cfg.pp > 1:
@@ -431,7 +458,7 @@ def search(work: Workload, cluster: Cluster, feat: Features = FASTPAR, fixed: di
             cache[key] = fbw, ranges
         fbw, ranges = cache[key]
         num_mb = cfg.num_microbatches(work.global_batch)
-        peaks = [_peak_lower_bound(cfg, num_mb)] + [0] * (cfg.pp - 1)
+        peaks = [((_peak_lower_bound(cfg, num_mb), 0),)] + [((0, 0),)] * (cfg.pp - 1)
         need = _memory(work, cluster, cfg, feat, ranges, peaks)["total"]
         if need > limit:
             rejected["memory"] += 1
@@ -447,7 +474,7 @@ def search(work: Workload, cluster: Cluster, feat: Features = FASTPAR, fixed: di
             # schedule's own peak (no simulation of its step).
             for _, rest in bounds[i:]:
                 need = _memory(work, cluster, rest, feat, cache[_cache_key(rest)][1],
-                               _schedule(rest, work, schedules).peak_activations)["total"]
+                               _schedule(rest, work, schedules).in_flight)["total"]
                 if need > limit:
                     rejected["memory"] += 1
                     too_big.append((need, rest, None))
@@ -479,7 +506,7 @@ def _smallest_need(work, cluster, feat, too_big, schedules) -> Estimate | None:
             if key not in schedules:
                 schedules[key] = build_schedule(*key)
             need = _memory(work, cluster, cfg, feat, ranges,
-                           schedules[key].peak_activations)["total"]
+                           schedules[key].in_flight)["total"]
         if best is None or need < best[0]:
             best = (need, cfg)
     return None if best is None else evaluate(work, cluster, best[1], feat, schedules)

@@ -118,7 +118,8 @@ def dry_run(cfg, world_size: int, hardware: str = "h100-80gb") -> DryRunReport:
         buffered = sum(s.padded_numel for s in specs)
         stepped = buffered // dp if cfg.zero1 and dp > 1 else n
         row = rows[p]
-        mine = {"weights": n * feat.weight_bytes / 1e9, "gradients": buffered * feat.grad_bytes / 1e9,
+        weight, grad, _ = planner.bytes_per_param(layout, feat, hw)
+        mine = {"weights": n * weight / 1e9, "gradients": buffered * grad / 1e9,
                 "optimizer": stepped * feat.optimizer_bytes / 1e9,
                 "activations": row["activations"], "reserve": row["reserve"]}
         layers = sorted(int(i) for c in chunks for i in c.layers.keys())
