@@ -65,16 +65,31 @@ class Simulation:
         return chrome_trace(self.events, path, unit_us, name=self.schedule.name)
 
 
-def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0) -> Simulation:
+def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
+             shared=None) -> Simulation:
     """Time ``schedule`` with forward ``f``, input-gradient ``b``, weight-gradient ``w`` and
-    per-message ``comm`` costs (see the module doc). Returns a :class:`Simulation`."""
+    per-message ``comm`` costs (see the module doc). Returns a :class:`Simulation`.
+
+    ``waits``: optional (f, b, w) costs of the same shapes, the part of each action spent
+    waiting (on collectives) rather than computing; included in its time.
+    ``shared``: (processes per pipeline rank, cores) when the ranks' processes share fewer CPU
+    cores than there are processes: then a computing process runs at ``min(1, cores / busy)``
+    of its speed, ``busy`` being the processes computing at that moment (processor sharing, as
+    the operating system's scheduler shares the cores), while one waiting uses no core. The
+    costs are each action's time on a core of its own."""
     s = schedule
     cost = {"F": _per_stage("f", f, s.num_stages), "B": _per_stage("b", b, s.num_stages),
             "W": _per_stage("w", w, s.num_stages)}
+    idle = {k: [0.0] * s.num_stages for k in "FBW"} if waits is None else {
+        k: _per_stage(k.lower() + " waits", v, s.num_stages) for k, v in zip("FBW", waits)}
     if not s.split_backward:
-        cost["B"] = [x + y for x, y in zip(cost["B"], cost["W"])]
+        for d in (cost, idle):
+            d["B"] = [x + y for x, y in zip(d["B"], d["W"])]
     if not isinstance(comm, (int, float)) or comm < 0:
         raise ValueError(f"simulate: comm={comm!r} must be a number >= 0")
+    if shared is not None:
+        return _simulate_shared(s, cost, idle, comm, *shared)
+    cost = {k: [x + y for x, y in zip(cost[k], idle[k])] for k in cost}
     clock = [0.0] * s.pp_size
     pos = [0] * s.pp_size
     arrival: dict = {}                     # message -> time it is at its receiver
@@ -108,6 +123,62 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0) -> Simulation:
     busy = [sum(e.end - e.start for e in events if e.rank == r) for r in range(s.pp_size)]
     bubble = sum((step - x) / step for x in busy) / len(busy) if step > 0 else 0.0
     return Simulation(s, step, busy, bubble, list(s.peak_activations), events)
+
+
+def _simulate_shared(s: Schedule, cost: dict, idle: dict, comm: float, procs: float,
+                     cores: float) -> Simulation:
+    """:func:`simulate` with processor sharing: event by event, each computing process at
+    ``min(1, cores / busy processes)`` of a core; an action computes, then waits its ``idle``."""
+    if procs <= 0 or cores <= 0:
+        raise ValueError(f"simulate: shared=({procs}, {cores}) must be positive")
+    n = s.pp_size
+    pos, now = [0] * n, 0.0
+    arrival: dict = {}
+    last_end = [0.0] * n
+    running: list = [None] * n      # [action, start, work left, wait left] of each rank
+    events: list[Event] = []
+    while True:
+        for rank in range(n):       # start what can start now
+            acts = s.actions[rank]
+            while running[rank] is None and pos[rank] < len(acts):
+                a = acts[pos[rank]]
+                if a.kind.startswith("SEND"):
+                    arrival[s.message(rank, a)] = last_end[rank] + comm
+                elif not a.kind.startswith("RECV"):
+                    need = _needs(s, rank, a)
+                    if need is not None and arrival.get(need, float("inf")) > now:
+                        break
+                    i = s.stage_index(rank, a.chunk)
+                    running[rank] = [a, now, cost[a.kind][i], idle[a.kind][i]]
+                pos[rank] += 1
+        if all(r is None for r in running):
+            if all(pos[r] == len(s.actions[r]) for r in range(n)):
+                break
+            later = [t for t in arrival.values() if t > now]
+            if not later:
+                raise RuntimeError(f"simulate: {s!r} made no progress")
+            now = min(later)
+            continue
+        computing = [r for r in running if r is not None and r[2] > 0]
+        rate = min(1.0, cores / (len(computing) * procs)) if computing else 1.0
+        step = min([r[2] / rate for r in computing] + [r[3] for r in running
+                                                         if r is not None and r[2] <= 0]
+                   + [t - now for t in arrival.values() if t > now])
+        now += step
+        for rank, r in enumerate(running):
+            if r is None:
+                continue
+            if r[2] > 0:
+                r[2] = max(0.0, r[2] - step * rate) if r[2] > step * rate * (1 + 1e-12) else 0.0
+            else:
+                r[3] = max(0.0, r[3] - step) if r[3] > step * (1 + 1e-12) else 0.0
+            if r[2] <= 0 and r[3] <= 0:
+                events.append(Event(rank, r[0], r[1], now))
+                last_end[rank] = now
+                running[rank] = None
+    busy = [sum(e.end - e.start for e in events if e.rank == r) for r in range(n)]
+    bubble = sum((now - x) / now for x in busy) / len(busy) if now > 0 else 0.0
+    return Simulation(s, now, busy, bubble, list(s.peak_activations), events)
 
 
 def _needs(s: Schedule, rank: int, a: Action):

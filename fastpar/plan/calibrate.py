@@ -29,6 +29,7 @@ None of this runs fastpar's model or trainer.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import operator
@@ -44,8 +45,14 @@ from .hardware import Hardware, save_hardware
 
 
 def _timed(fn, device, iters: int, barrier=None) -> float:
-    """Median seconds of ``fn`` over ``iters`` calls, after two untimed ones and ``barrier()``
-    (when several ranks calibrate together: all ranks time the same thing at the same moment)."""
+    """Seconds of ``fn`` over ``iters`` calls, after two untimed ones and ``barrier()`` (when
+    several ranks calibrate together: all ranks time the same thing at the same moment).
+
+    On a GPU the median call (each synchronised). On a CPU the mean: its ranks share the cores
+    and the operating system's scheduler, and a rank that has to wait for a core, or whose
+    gloo threads take one, waits between calls for a time slice; a median of calls shorter
+    than the slice leaves those waits out (four ranks on two cores then time their GEMMs at
+    a whole core's rate), a training step pays them all."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -60,7 +67,7 @@ def _timed(fn, device, iters: int, barrier=None) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times) if device.type == "cuda" else statistics.fmean(times)
 
 
 def gemm_shapes(sizes=(64, 128, 256, 512, 1024)) -> list[tuple[int, int, int]]:
@@ -128,7 +135,8 @@ def count_ops(fn) -> int:
 
 
 def measure_op_overhead(device: torch.device, barrier=None) -> float:
-    """Seconds per operator of eager forward + backward code on tiny tensors."""
+    """Seconds per operator of eager forward + backward code on tiny tensors (a synthetic block
+    of plain operators; :func:`measure_layer_overhead` measures fastpar's own layer)."""
     torch.manual_seed(0)
     lin1, lin2 = torch.nn.Linear(16, 32, bias=False), torch.nn.Linear(32, 16, bias=False)
     w = torch.ones(16, requires_grad=True)
@@ -146,6 +154,41 @@ def measure_op_overhead(device: torch.device, barrier=None) -> float:
 
     ops = count_ops(block)
     return _timed(block, device, iters=30, barrier=barrier) / ops
+
+
+def measure_layer_overhead(hw: Hardware, device: torch.device, barrier=None,
+                           layers: int = 4, seq_len: int = 4) -> float:
+    """Seconds of host work per operator the cost model counts, measured on fastpar's own
+    transformer layer (forward and backward, one rank, no tensor parallelism) at a shape whose
+    arithmetic is nearly nil (4 tokens, width 64): the layer's time less what ``hw`` models for
+    its GEMMs, attention and bytes, divided by the operators the model counts for it.
+
+    Besides dispatch and autograd's bookkeeping per operator, a layer pays for its modules'
+    calls, its Python autograd Functions, its views and the split backward's bookkeeping: on a
+    CPU core about 1.5x what the same number of plain operators cost in a tight loop
+    (:func:`measure_op_overhead`), which is what the model's operator counts are priced at."""
+    from ..models import GPT, get_config
+    from .cost import Shape, layer_cost
+
+    config = get_config("tiny", d_model=64, n_heads=2, n_layers=layers)
+    model = GPT(config, device=device)
+    params = list(model.parameters())
+    rope = (model.rope_cos[:seq_len], model.rope_sin[:seq_len])
+    x0 = torch.randn(seq_len, 1, config.d_model, device=device)
+    blocks = list(model.layers.values())
+
+    def run():
+        for p in params:
+            p.grad = None
+        h = x0.clone().requires_grad_()
+        for block in blocks:
+            h = block(h, rope, False)
+        h.backward(torch.ones_like(h))
+    t = _timed(run, device, iters=20, barrier=barrier) / layers
+    shape = Shape(config, seq_len, 1, 1, False, 1)
+    zero, one = (sum(dataclasses.astuple(layer_cost(shape, dataclasses.replace(
+        hw, kernel_overhead_us=us)))[:3]) for us in (0.0, 1.0))
+    return max(0.0, t - zero) / ((one - zero) * 1e6)
 
 
 def measure_attention(device: torch.device, dtype: torch.dtype, overhead: float,
@@ -172,14 +215,24 @@ def measure_attention(device: torch.device, dtype: torch.dtype, overhead: float,
 
 
 def measure_memory(device: torch.device,
-                   sizes=(2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24, 2 ** 26), barrier=None) -> list:
-    """[(bytes moved, bytes per second)] of copies whose source is ``sizes`` bytes."""
+                   sizes=(2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24, 2 ** 26), barrier=None,
+                   working_set: float = 64e6) -> list:
+    """[(bytes moved, bytes per second)] of an elementwise operator (read ``sizes`` bytes, write a
+    new tensor of as many) as a model runs them.
+
+    Each size's operator takes turns over inputs that together fill ``working_set`` bytes, so it
+    reads what other operators wrote since, as a model's do: reading the same tensor again from
+    the cache runs 2-3x faster at 256 KB to 1 MB on a CPU core (``copy_`` into a second resident
+    tensor, the earlier measure, also reads each destination line before writing it)."""
     points = []
     for size in sizes:
-        src = torch.empty(size // 4, device=device, dtype=torch.float32).uniform_()
-        dst = torch.empty_like(src)
-        t = _timed(lambda: dst.copy_(src), device, max(10, min(200, 2 ** 26 // size)), barrier)
+        inputs = [torch.empty(size // 4, device=device, dtype=torch.float32).uniform_()
+                  for _ in range(max(2, int(working_set // size)))]
+        turn = itertools.cycle(inputs)
+        t = _timed(lambda: next(turn) * 2.0, device, max(10, min(200, 2 ** 26 // size)),
+                   barrier)
         points.append((2.0 * size, 2.0 * size / t))
+        del inputs
     return points
 
 
@@ -193,19 +246,47 @@ def measure_activation(device: torch.device, dtype: torch.dtype, numel: int = 2 
     return statistics.median(nbytes / _timed(lambda: fn(x), device, 20, barrier) for fn in fns)
 
 
-def measure_link(group=None, device=None, barrier=None) -> tuple[float, float, float]:
+def _mean_time(fn, device, iters: int, barrier=None) -> float:
+    """Mean seconds of ``fn`` over ``iters`` calls timed as one window (after two untimed
+    calls and ``barrier()``): what a sum of such calls costs, rare slow calls included."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    for _ in range(2):
+        fn()
+    sync()
+    if barrier is not None:
+        barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / iters
+
+
+def measure_link(group=None, device=None, barrier=None,
+                 work_size: int = 320) -> tuple[float, float, float]:
     """(bytes per second, seconds of latency per ring step, seconds of sync per call) of
     all-reduce over ``group``.
 
     Bandwidth and latency come from all-reduces back to back, as the chunks of one overlapped
     collective run. The sync is what a small all-reduce costs more when it is issued as
-    training issues a collective call, right after every rank has computed on its own (a few
-    GEMMs; their time alone is subtracted): ranks that drifted apart wait for each other, and
-    on cores the ranks share, waking the collective's threads preempts the others' compute."""
+    training issues a collective call, right after every rank has computed on its own (three
+    GEMMs of ``work_size``, about a millisecond on a CPU core, as a layer's operators between
+    two of its collectives; their time alone is subtracted): ranks that drifted apart wait for
+    each other, and on cores the ranks share, the collective's threads wait to be scheduled.
+
+    Every figure is the mean of a window of calls, not the median call: a training step pays
+    the sum of its collectives, and on cores the ranks share a few calls in ten take a
+    scheduler's time slice, which makes the mean 1.5-2x the median call on 2 gloo ranks of a
+    2-core machine (the median underestimated the step's communication, and differences of
+    medians moved from run to run with whichever calls were slow). Three rounds, each timing
+    every case, so that a slow spell of a shared machine does not fall on one case only; the
+    median round of each."""
     n = dist.get_world_size(group)
     small, large = 16 * 2 ** 10, 4 * 2 ** 20           # float32 elements: 64 KB and 16 MB
     dev = device or torch.device("cpu")
-    a, b = (torch.randn(256, 256, device=dev) for _ in range(2))
+    a, b = (torch.randn(work_size, work_size, device=dev) for _ in range(2))
 
     def work():
         for _ in range(3):
@@ -220,16 +301,14 @@ def measure_link(group=None, device=None, barrier=None) -> tuple[float, float, f
     def after_work():
         work()
         dist.all_reduce(xs[small], group=group)
-    # Three rounds, each timing every case, so that a slow spell of a shared machine does not
-    # fall on one case only; the median round of each.
     rounds: dict = {}
     for _ in range(3):
         for key, fn, iters in (
-                (small, lambda: dist.all_reduce(xs[small], group=group), 10),
-                (large, lambda: dist.all_reduce(xs[large], group=group), 3),
-                ("work", work, 10), ("after_work", after_work, 10)):
+                (small, lambda: dist.all_reduce(xs[small], group=group), 100),
+                (large, lambda: dist.all_reduce(xs[large], group=group), 4),
+                ("work", work, 50), ("after_work", after_work, 100)):
             dist.barrier(group=group)
-            rounds.setdefault(key, []).append(slowest(_timed(fn, dev, iters, barrier)))
+            rounds.setdefault(key, []).append(slowest(_mean_time(fn, dev, iters, barrier)))
     times = {k: statistics.median(v) for k, v in rounds.items()}
     sync = max(0.0, times["after_work"] - times["work"] - times[small])
     steps, share = 2 * (n - 1), 2 * (n - 1) / n
@@ -243,13 +322,57 @@ def measure(name: str = "calibrated", group=None) -> Hardware:
 
     All ranks measure at once, each with its own thread count, and start every measurement
     together (a barrier before each), so on a CPU whose cores the ranks share the rates are
-    those a rank gets while the others run the same work, as they will in training."""
+    those a rank gets while the others run the same work, as they will in training. Where a
+    CPU's ranks need more cores than it has (cores / threads per rank fewer than the ranks),
+    they measure compute in turns of as many as the cores hold, so the rates are a core's; the
+    profile's ``concurrent_ranks`` tells the planner how many ranks compute at once at those
+    rates (its simulator shares the cores among the ranks that compute at each moment)."""
     cuda = torch.cuda.is_available()
     grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
     barrier = functools.partial(dist.barrier, group=group) if grouped else None
-    compute = _measure_compute(device, torch.bfloat16 if cuda else torch.float32, cuda, barrier)
-    return _profile(name, group, cuda, barrier, *compute)
+    concurrent = 0.0 if cuda else float(max(1, len(os.sched_getaffinity(0))
+                                            // max(1, torch.get_num_threads())))
+    turns = _turns(int(concurrent)) if grouped and not cuda and group is None else None
+
+    def in_turns(fn):
+        if turns is None:
+            return fn(barrier)
+        mine, subgroups = turns
+        out = None
+        for i, sub in enumerate(subgroups):
+            if i == mine:
+                out = fn(functools.partial(dist.barrier, group=sub))
+            dist.barrier(group=group)
+        return out
+    hw = _profile(name, group, cuda, barrier,
+                  *in_turns(lambda b: _measure_compute(device, dtype, cuda, b)))
+    if cuda:
+        return hw
+    layer = in_turns(lambda b: measure_layer_overhead(
+        hw, device, **({"barrier": b} if b is not None else {})))
+    return dataclasses.replace(hw, kernel_overhead_us=1e6 * max(hw.kernel_overhead_us * 1e-6,
+                                                                layer),
+                               concurrent_ranks=concurrent)
+
+
+def _turns(concurrent: int):
+    """(this rank's turn, one process group per turn) when this node's ranks outnumber the
+    ranks its cores run at once, else None. Turns go by local rank (``LOCAL_RANK``, else the
+    rank): ranks ``concurrent * i`` to ``concurrent * (i + 1) - 1`` of every node measure
+    together. Every rank of the world takes part (it makes process groups)."""
+    rank = dist.get_rank()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    if local_world <= concurrent:
+        return None
+    mine = local_rank // concurrent
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    count = -(-local_world // concurrent)
+    return mine, [dist.new_group([r for r, t in enumerate(everyone) if t == i])
+                  for i in range(count)]
 
 
 def _measure_compute(device, dtype, cuda, barrier):

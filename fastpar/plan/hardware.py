@@ -68,6 +68,9 @@ class Hardware:
     matmul_curve: tuple = ()              # ((flops of one GEMM, fraction of peak), ...)
     memory_curve: tuple = ()              # ((bytes of one kernel, GB/s), ...)
     attention_curve: tuple = ()           # ((flops of one attention call, fraction), ...)
+    concurrent_ranks: float = 0.0         # on a CPU: ranks of a node that compute at once at
+    #                                       the measured rates (cores / threads per rank); more
+    #                                       share the cores. 0: a device per rank, no sharing
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -87,7 +90,7 @@ class Hardware:
                 raise ValueError(f"hardware {self.name!r}: {f.name}={value!r} must be a number")
             zero_ok = f.name in ("collective_latency_us", "kernel_overhead_us",
                                  "memory_reserve_gb", "attention_efficiency", "activation_gbps",
-                                 "sync_us")
+                                 "sync_us", "concurrent_ranks")
             if value < 0 or (value == 0 and not zero_ok):
                 raise ValueError(f"hardware {self.name!r}: {f.name}={value!r} must be "
                                  f"{'>= 0' if zero_ok else '> 0'}")
@@ -204,14 +207,16 @@ CPU_OPTIMIZER_OPS_PER_TENSOR = 14
 
 # Bytes per parameter of the optimizer step on fp32 masters (arithmetic): AdamW reads weight,
 # gradient and both moments (16) and writes weight and moments (12); clipping reads the
-# gradient for its norm (4). The clipping's scale (a read and a write of the gradient) is not
-# counted.
-OPTIMIZER_STEP_BYTES = 32
-# Passes over the DP gradient bytes besides the collective (arithmetic): each gradient copied
-# into its bucket (read, write) and divided by dp there (read, write).
-BUCKET_COPY_PASSES = 4
-# Passes over the gradient bytes per micro-batch after the first (arithmetic): adding its weight
-# gradients into the accumulated ones reads two and writes one.
+# gradient for its norm (4) and scales it (a read and a write, 8: like torch's
+# clip_grad_norm_, it multiplies by the clamped coefficient whatever the norm, so that the host
+# never waits to read it).
+OPTIMIZER_STEP_BYTES = 40
+# Passes over the gradient bytes (arithmetic). Every layout's gradients live in DataParallel's
+# bucket buffers: the first micro-batch's gradient is copied into its bucket view (divided by dp
+# on the way: read, write), each later micro-batch's is added into it by autograd (read two,
+# write one). With fp32 main gradients (bf16 weights) every micro-batch's is added into the
+# zeroed main gradient (and the buffer is zeroed and, under DP, divided in place).
+BUCKET_COPY_PASSES = 2
 ACCUMULATE_PASSES = 3
 
 

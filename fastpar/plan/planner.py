@@ -138,12 +138,12 @@ def _stage_costs(work, cluster, cfg, feat, split):
     fp32_logits = T * m.padded_vocab / t * 4
     if ref:     # reference ops, bytes counted as they run (cost.REFERENCE_BYTES); exp's own rate
         nb_f, nb_b = cost.REFERENCE_BYTES[m.norm]
-        (ce_bf, ce_bb), (exp_b, _) = (cost.REFERENCE_BYTES[k] for k in
-                                      ("cross_entropy", "cross_entropy_exp"))
-        ce = (hw.memory_time((ce_bf - exp_b) * fp32_logits, ce_f)
-              + hw.activation_time(exp_b * fp32_logits),
-              hw.memory_time((ce_bb - exp_b) * fp32_logits, ce_b)
-              + hw.activation_time(exp_b * fp32_logits))
+        (ce_bf, ce_bb), (ce_exp, _) = (cost.REFERENCE_BYTES[k] for k in
+                                       ("cross_entropy", "cross_entropy_exp"))
+        ce = (hw.memory_time((ce_bf - ce_exp) * fp32_logits, ce_f)
+              + hw.activation_time(ce_exp * fp32_logits),
+              hw.memory_time((ce_bb - ce_exp) * fp32_logits, ce_b)
+              + hw.activation_time(ce_exp * fp32_logits))
         norm = (hw.memory_time(nb_f * act, norm_f), hw.memory_time(nb_b * act, norm_b))
     else:       # the kernels read the logits (forward), read them and write the gradient
         # (backward); the fused norm reads and writes
@@ -159,12 +159,32 @@ def _stage_costs(work, cluster, cfg, feat, split):
     else:
         ranges = partition([sum(embed)] + [sum(layer)] * m.n_layers + [sum(head)],
                            cfg.pp, cfg.virtual_stages)
-    fbw = []
+    fbw, waits = [], []
+    # Of each, the time spent waiting on collectives (what uses no core while it waits)
+    layer_waits = (exp_f + lc.cp_exposed_f, exp_b + lc.cp_exposed_b, 0.0)
+    embed_waits, head_waits = (tp_ar, 0.0, 0.0), (ce_ar, head_ar, 0.0)
     for s, r in enumerate(ranges):
         fbw.append([len(r) * layer[i] + (embed[i] if s == 0 else 0.0)
                     + (head[i] if s == stages - 1 else 0.0) for i in range(3)])
+        waits.append([len(r) * layer_waits[i] + (embed_waits[i] if s == 0 else 0.0)
+                      + (head_waits[i] if s == stages - 1 else 0.0) for i in range(3)])
     return fbw, ranges, (exp_f + exp_b) * max(len(r) for r in ranges), lc, \
-        (lc.cp_exposed_f + lc.cp_exposed_b) * max(len(r) for r in ranges)
+        (lc.cp_exposed_f + lc.cp_exposed_b) * max(len(r) for r in ranges), waits
+
+
+def _sharing(cluster: Cluster, cfg: ParallelConfig) -> tuple[tuple | None, float]:
+    """How the ranks of a CPU node share its cores: the simulator's ``shared`` argument
+    (processes per pipeline rank, ranks that compute at once) when one node holds every rank,
+    and the factor by which what all ranks compute at once (the optimizer, the gradients'
+    accumulation) slows: node ranks / ranks that compute at once, at least 1."""
+    concurrent = cluster.hardware.concurrent_ranks
+    node = min(cluster.gpus, cluster.gpus_per_node)
+    if not concurrent or node <= concurrent:
+        return None, 1.0
+    slow = node / concurrent
+    if cluster.gpus > cluster.gpus_per_node:        # several nodes: every rank busy, as a rule
+        return None, slow
+    return (cfg.tp * cfg.cp * cfg.dp, concurrent), slow
 
 
 def memory_per_gpu(work: Workload, cluster: Cluster, cfg: ParallelConfig,
@@ -286,7 +306,8 @@ def _dp_time(cluster, cfg, feat, params, last_backward, tensors) -> float:
     if hidden and hw.kind != "cpu":
         buckets = max(1, round(nbytes / (feat.bucket_mb * 1e6)))
         reduce = cost.exposed(reduce, last_backward, buckets)
-    return reduce + gather + hw.memory_time(BUCKET_COPY_PASSES * nbytes, tensors + 1)
+    main_grads = feat.weight_bytes != feat.grad_bytes     # divided in place before the reduction
+    return reduce + gather + (hw.memory_time(2 * nbytes, 1) if main_grads else 0.0)
 
 
 def _schedule(cfg: ParallelConfig, work: Workload, schedules: dict):
@@ -311,8 +332,11 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
     hw, m = cluster.hardware, work.model
     num_mb = cfg.num_microbatches(work.global_batch)
     sched = _schedule(cfg, work, {} if schedules is None else schedules)
-    fbw, ranges, tp_exposed, _, cp_exposed = _stage_costs(work, cluster, cfg, feat,
-                                                          sched.split_backward)
+    fbw, ranges, tp_exposed, _, cp_exposed, waits = _stage_costs(work, cluster, cfg, feat,
+                                                                 sched.split_backward)
+    shared, slow = _sharing(cluster, cfg)
+    if shared is None and slow > 1:
+        fbw = [[slow * (x - y) + y for x, y in zip(row, wrow)] for row, wrow in zip(fbw, waits)]
     mem = _memory(work, cluster, cfg, feat, ranges, sched.in_flight)
     tokens = cfg.micro_batch_size * work.seq_len // cfg.cp * m.d_model * hw.bytes_per_element
     p2p = 0.0
@@ -320,18 +344,22 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
         p2p = cost.ring_time("send", tokens / (cfg.tp if cfg.sequence_parallel else 1), 2,
                              cluster.link_gbps(cfg.tp * cfg.cp * cfg.dp * cfg.pp),
                              hw.collective_latency_us)
-    sim = simulate(sched, *([row[i] for row in fbw] for i in range(3)), comm=p2p)
+    sim = simulate(sched, *([row[i] - wrow[i] for row, wrow in zip(fbw, waits)]
+                            for i in range(3)), comm=p2p,
+                   waits=[[wrow[i] for wrow in waits] for i in range(3)], shared=shared)
     params, tensors = mem["params_per_gpu"], _tensors_per_gpu(m, ranges, cfg)
     dp_exposed = _dp_time(cluster, cfg, feat, params, fbw[-1][1] + fbw[-1][2], tensors)
-    # Every micro-batch after the first adds its weight gradients into the accumulated ones,
-    # one add per parameter tensor (autograd's AccumulateGrad): read two, write one.
-    accumulate = (num_mb - 1) * hw.memory_time(ACCUMULATE_PASSES * params * feat.grad_bytes,
-                                               tensors)
+    # The gradients' way into DataParallel's buckets (any dp): the first micro-batch's copied
+    # into its bucket view, each later one's added there by autograd (one add per parameter
+    # tensor); fp32 main gradients are zeroed, then every micro-batch's is added into them.
+    passes = (1 + num_mb * ACCUMULATE_PASSES) if feat.weight_bytes != feat.grad_bytes else \
+        BUCKET_COPY_PASSES + (num_mb - 1) * ACCUMULATE_PASSES
+    accumulate = slow * hw.memory_time(passes * params * feat.grad_bytes, num_mb * tensors)
     # Adam reads weight, gradient and both moments and writes three; clipping reads the grads.
     # Multi-tensor kernels on a GPU; off CUDA torch's foreach ops loop over the tensors.
     kernels = GPU_OPTIMIZER_KERNELS if hw.kind != "cpu" else CPU_OPTIMIZER_OPS_PER_TENSOR * tensors
-    optimizer = hw.memory_time(params / (cfg.dp if cfg.zero1 else 1) * OPTIMIZER_STEP_BYTES,
-                               kernels)
+    optimizer = slow * hw.memory_time(params / (cfg.dp if cfg.zero1 else 1)
+                                      * OPTIMIZER_STEP_BYTES, kernels)
     step = sim.step_time + accumulate + dp_exposed + optimizer + _step_collectives(cluster, cfg)
     tokens = work.global_batch * work.seq_len
     model_flops = m.train_flops(work.seq_len, tokens)
@@ -454,7 +482,7 @@ def search(work: Workload, cluster: Cluster, feat: Features = FASTPAR, fixed: di
     for cfg in candidates(work, cluster, fixed):
         key = _cache_key(cfg)
         if key not in cache:
-            fbw, ranges, _, _, _ = _stage_costs(work, cluster, cfg, feat, key[-1])
+            fbw, ranges = _stage_costs(work, cluster, cfg, feat, key[-1])[:2]
             cache[key] = fbw, ranges
         fbw, ranges = cache[key]
         num_mb = cfg.num_microbatches(work.global_batch)
