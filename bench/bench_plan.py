@@ -211,7 +211,7 @@ def cpu_once(run: str, layout: dict, steps: int) -> dict:
         return statistics.fmean(getattr(hw, field) for hw in results[0][0])
     return {"gflops": mean("peak_tflops") * 1e3, "op_us": mean("kernel_overhead_us"),
             "act_gbps": mean("activation_gbps"), "link_gbps": mean("intra_node_gbps"),
-            "latency_us": mean("collective_latency_us"), "sync_us": mean("sync_us"), "before_ms": preds[0] * 1e3,
+            "latency_us": mean("collective_latency_us"), "sync_us": mean("sync_us"), "post_us": mean("p2p_post_us"), "before_ms": preds[0] * 1e3,
             "after_ms": preds[1] * 1e3, "predicted_ms": predicted * 1e3,
             "measured_ms": measured * 1e3, "ratio": predicted / measured}
 

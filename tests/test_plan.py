@@ -418,8 +418,12 @@ def _measure_link_rank(rank, world):
 
 def test_measure_link_under_gloo():
     from fastpar.testing import run_ranks
-    for bw, latency, sync in run_ranks(_measure_link_rank, 2, timeout=120):
-        assert bw > 1e6 and 0 <= latency < 0.1 and 0 <= sync < 0.1
+    for bw, latency, sync, curve, post in run_ranks(_measure_link_rank, 2, timeout=120):
+        assert bw > 1e6 and 0 <= latency < 0.1 and 0 <= sync < 0.1 and 0 < post < 0.1
+        # 64 KB to 16 MB; the ring model is fitted at both ends, so they are 1 there
+        assert [x for x, _ in curve] == [2 ** 16, 2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24]
+        assert curve[0][1] == pytest.approx(1.0) and curve[-1][1] == pytest.approx(1.0)
+        assert all(0 < y < 100 for _, y in curve)
 
 
 def test_dp_across_nodes_uses_every_nic_of_its_ranks():

@@ -66,12 +66,14 @@ class Simulation:
 
 
 def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
-             shared=None) -> Simulation:
+             shared=None, post=0.0) -> Simulation:
     """Time ``schedule`` with forward ``f``, input-gradient ``b``, weight-gradient ``w`` and
     per-message ``comm`` costs (see the module doc). Returns a :class:`Simulation`.
 
     ``waits``: optional (f, b, w) costs of the same shapes, the part of each action spent
     waiting (on collectives) rather than computing; included in its time.
+    ``post``: the host time a rank spends issuing each send and each receive (gloo's isend /
+    irecv take a few hundred us of the calling thread; a message leaves once its send is posted).
     ``shared``: (processes per pipeline rank, cores) when the ranks' processes share fewer CPU
     cores than there are processes: then a computing process runs at ``min(1, cores / busy)``
     of its speed, ``busy`` being the processes computing at that moment (processor sharing, as
@@ -85,15 +87,15 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
     if not s.split_backward:
         for d in (cost, idle):
             d["B"] = [x + y for x, y in zip(d["B"], d["W"])]
-    if not isinstance(comm, (int, float)) or comm < 0:
-        raise ValueError(f"simulate: comm={comm!r} must be a number >= 0")
+    for name, value in (("comm", comm), ("post", post)):
+        if not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"simulate: {name}={value!r} must be a number >= 0")
     if shared is not None:
-        return _simulate_shared(s, cost, idle, comm, *shared)
+        return _simulate_shared(s, cost, idle, comm, post, *shared)
     cost = {k: [x + y for x, y in zip(cost[k], idle[k])] for k in cost}
     clock = [0.0] * s.pp_size
     pos = [0] * s.pp_size
     arrival: dict = {}                     # message -> time it is at its receiver
-    last_end = [0.0] * s.pp_size
     events: list[Event] = []
     while True:
         moved = False
@@ -101,10 +103,10 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
             acts = s.actions[rank]
             while pos[rank] < len(acts):
                 a = acts[pos[rank]]
-                if a.kind.startswith("SEND"):
-                    arrival[s.message(rank, a)] = last_end[rank] + comm
-                elif a.kind.startswith("RECV"):
-                    pass                   # posted; the compute that needs it waits below
+                if not a.is_compute:       # posted; a receive's compute waits for it below
+                    clock[rank] += post
+                    if a.kind.startswith("SEND"):
+                        arrival[s.message(rank, a)] = clock[rank] + comm
                 else:
                     need = _needs(s, rank, a)
                     if need is not None and need not in arrival:
@@ -112,7 +114,7 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
                     start = max(clock[rank], arrival.get(need, 0.0))
                     end = start + cost[a.kind][s.stage_index(rank, a.chunk)]
                     events.append(Event(rank, a, start, end))
-                    clock[rank] = last_end[rank] = end
+                    clock[rank] = end
                 pos[rank] += 1
                 moved = True
         if all(pos[r] == len(s.actions[r]) for r in range(s.pp_size)):
@@ -125,16 +127,16 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
     return Simulation(s, step, busy, bubble, list(s.peak_activations), events)
 
 
-def _simulate_shared(s: Schedule, cost: dict, idle: dict, comm: float, procs: float,
-                     cores: float) -> Simulation:
+def _simulate_shared(s: Schedule, cost: dict, idle: dict, comm: float, post: float,
+                     procs: float, cores: float) -> Simulation:
     """:func:`simulate` with processor sharing: event by event, each computing process at
-    ``min(1, cores / busy processes)`` of a core; an action computes, then waits its ``idle``."""
+    ``min(1, cores / busy processes)`` of a core; an action computes, then waits its ``idle``;
+    posting a send or a receive computes ``post``."""
     if procs <= 0 or cores <= 0:
         raise ValueError(f"simulate: shared=({procs}, {cores}) must be positive")
     n = s.pp_size
     pos, now = [0] * n, 0.0
     arrival: dict = {}
-    last_end = [0.0] * n
     running: list = [None] * n      # [action, start, work left, wait left] of each rank
     events: list[Event] = []
     while True:
@@ -142,9 +144,12 @@ def _simulate_shared(s: Schedule, cost: dict, idle: dict, comm: float, procs: fl
             acts = s.actions[rank]
             while running[rank] is None and pos[rank] < len(acts):
                 a = acts[pos[rank]]
-                if a.kind.startswith("SEND"):
-                    arrival[s.message(rank, a)] = last_end[rank] + comm
-                elif not a.kind.startswith("RECV"):
+                if not a.is_compute:
+                    if post > 0:
+                        running[rank] = [a, now, post, 0.0]
+                    elif a.kind.startswith("SEND"):
+                        arrival[s.message(rank, a)] = now + comm
+                else:
                     need = _needs(s, rank, a)
                     if need is not None and arrival.get(need, float("inf")) > now:
                         break
@@ -173,8 +178,10 @@ def _simulate_shared(s: Schedule, cost: dict, idle: dict, comm: float, procs: fl
             else:
                 r[3] = max(0.0, r[3] - step) if r[3] > step * (1 + 1e-12) else 0.0
             if r[2] <= 0 and r[3] <= 0:
-                events.append(Event(rank, r[0], r[1], now))
-                last_end[rank] = now
+                if r[0].is_compute:
+                    events.append(Event(rank, r[0], r[1], now))
+                elif r[0].kind.startswith("SEND"):
+                    arrival[s.message(rank, r[0])] = now + comm
                 running[rank] = None
     busy = [sum(e.end - e.start for e in events if e.rank == r) for r in range(n)]
     bubble = sum((now - x) / now for x in busy) / len(busy) if now > 0 else 0.0

@@ -157,16 +157,16 @@ def measure_op_overhead(device: torch.device, barrier=None) -> float:
 
 
 def measure_layer_overhead(hw: Hardware, device: torch.device, barrier=None,
-                           layers: int = 4, seq_len: int = 4) -> float:
-    """Seconds of host work per operator the cost model counts, measured on fastpar's own
-    transformer layer (forward and backward, one rank, no tensor parallelism) at a shape whose
-    arithmetic is nearly nil (4 tokens, width 64): the layer's time less what ``hw`` models for
-    its GEMMs, attention and bytes, divided by the operators the model counts for it.
+                           layers: int = 4, seq_len: int = 4) -> tuple[float, float]:
+    """(forward, backward) seconds of host work per operator the cost model counts, measured
+    on fastpar's own transformer layer (one rank, no tensor parallelism) at a shape whose
+    arithmetic is nearly nil (4 tokens, width 64): each pass's time less what ``hw`` models
+    for its GEMMs, attention and bytes, divided by the operators the model counts for it.
 
-    Besides dispatch and autograd's bookkeeping per operator, a layer pays for its modules'
-    calls, its Python autograd Functions, its views and the split backward's bookkeeping: on a
-    CPU core about 1.5x what the same number of plain operators cost in a tight loop
-    (:func:`measure_op_overhead`), which is what the model's operator counts are priced at."""
+    A forward pays, besides dispatch, for its modules' calls, its Python autograd Functions,
+    its views and autograd's recording of the graph: on a CPU core about 10 us per counted
+    operator, twice a backward's, which autograd's engine runs from C++ (and 2.5x the plain
+    operators of :func:`measure_op_overhead` in a tight loop)."""
     from ..models import GPT, get_config
     from .cost import Shape, layer_cost
 
@@ -176,19 +176,29 @@ def measure_layer_overhead(hw: Hardware, device: torch.device, barrier=None,
     rope = (model.rope_cos[:seq_len], model.rope_sin[:seq_len])
     x0 = torch.randn(seq_len, 1, config.d_model, device=device)
     blocks = list(model.layers.values())
+    outs = []
 
-    def run():
+    def forward():
         for p in params:
             p.grad = None
         h = x0.clone().requires_grad_()
         for block in blocks:
             h = block(h, rope, False)
+        outs.append(h)
+
+    def backward():
+        forward()
+        h = outs.pop()
         h.backward(torch.ones_like(h))
-    t = _timed(run, device, iters=20, barrier=barrier) / layers
+    t_f = _timed(lambda: (forward(), outs.clear()), device, iters=20, barrier=barrier) / layers
+    t_b = _timed(backward, device, iters=20, barrier=barrier) / layers - t_f
     shape = Shape(config, seq_len, 1, 1, False, 1)
-    zero, one = (sum(dataclasses.astuple(layer_cost(shape, dataclasses.replace(
-        hw, kernel_overhead_us=us)))[:3]) for us in (0.0, 1.0))
-    return max(0.0, t - zero) / ((one - zero) * 1e6)
+    zero, one = (layer_cost(shape, dataclasses.replace(hw, kernel_overhead_us=us,
+                                                       forward_overhead_us=us))
+                 for us in (0.0, 1.0))
+    per_f = max(0.0, t_f - zero.f) / ((one.f - zero.f) * 1e6)
+    per_b = max(0.0, t_b - zero.b - zero.w) / ((one.b + one.w - zero.b - zero.w) * 1e6)
+    return per_f, per_b
 
 
 def measure_attention(device: torch.device, dtype: torch.dtype, overhead: float,
@@ -265,9 +275,16 @@ def _mean_time(fn, device, iters: int, barrier=None) -> float:
 
 
 def measure_link(group=None, device=None, barrier=None,
-                 work_size: int = 320) -> tuple[float, float, float]:
-    """(bytes per second, seconds of latency per ring step, seconds of sync per call) of
-    all-reduce over ``group``.
+                 work_size: int = 320) -> tuple[float, float, float, tuple, float]:
+    """(bytes per second, seconds of latency per ring step, seconds of sync per call, curve,
+    seconds to post a send or a receive) of all-reduce and point-to-point over ``group``.
+
+    ``curve``: ((bytes, measured / modelled time), ...) of all-reduces of 64 KB to 16 MB: how
+    far the ring model fitted at the two ends is from what one costs in between (gloo's
+    all-reduce of 256 KB to 2 MB takes up to 1.6x what a straight line between 64 KB and 16 MB
+    gives on 2 ranks of a 2-core machine; a tensor-parallel layer's activations are that size).
+    The post time is the host time of issuing one pipeline message (gloo's isend / irecv: a few
+    hundred us of the calling thread on a CPU, paid by every pipeline rank for every message).
 
     Bandwidth and latency come from all-reduces back to back, as the chunks of one overlapped
     collective run. The sync is what a small all-reduce costs more when it is issued as
@@ -285,6 +302,7 @@ def measure_link(group=None, device=None, barrier=None,
     median round of each."""
     n = dist.get_world_size(group)
     small, large = 16 * 2 ** 10, 4 * 2 ** 20           # float32 elements: 64 KB and 16 MB
+    between = (2 ** 16, 2 ** 18, 2 ** 20)                # 256 KB, 1 MB, 4 MB
     dev = device or torch.device("cpu")
     a, b = (torch.randn(work_size, work_size, device=dev) for _ in range(2))
 
@@ -296,17 +314,38 @@ def measure_link(group=None, device=None, barrier=None,
         t = torch.tensor([max(t, 0.0)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return float(t)
-    xs = {numel: torch.ones(numel, device=device) for numel in (small, large)}
+    xs = {numel: torch.ones(numel, device=device) for numel in (small, large, *between)}
 
     def after_work():
         work()
         dist.all_reduce(xs[small], group=group)
+    # Posting a pipeline's messages: each rank sends 128 KB to the next and receives from the
+    # previous, posted as one batch after computing on its own, as the executor posts them.
+    rank = dist.get_rank(group)
+    peers = [(rank + d) % n if group is None else dist.get_global_rank(group, (rank + d) % n)
+             for d in (1, -1)]
+    message = [torch.ones(32 * 2 ** 10, device=device) for _ in range(2)]
+    posts: list = []
+
+    def exchange():
+        work()
+        t0 = time.perf_counter()
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, message[0], peers[0], group),
+                                        dist.P2POp(dist.irecv, message[1], peers[1], group)])
+        posts.append((time.perf_counter() - t0) / 2)
+        for w in works:
+            w.wait()
     rounds: dict = {}
     for _ in range(3):
+        posts.clear()
+        _mean_time(exchange, dev, 50, barrier)
+        rounds.setdefault("post", []).append(slowest(statistics.fmean(posts)))
         for key, fn, iters in (
                 (small, lambda: dist.all_reduce(xs[small], group=group), 100),
                 (large, lambda: dist.all_reduce(xs[large], group=group), 4),
-                ("work", work, 50), ("after_work", after_work, 100)):
+                ("work", work, 50), ("after_work", after_work, 100),
+                *((numel, functools.partial(dist.all_reduce, xs[numel], group=group),
+                   max(4, 2 ** 22 // numel)) for numel in between)):
             dist.barrier(group=group)
             rounds.setdefault(key, []).append(slowest(_mean_time(fn, dev, iters, barrier)))
     times = {k: statistics.median(v) for k, v in rounds.items()}
@@ -314,7 +353,9 @@ def measure_link(group=None, device=None, barrier=None,
     steps, share = 2 * (n - 1), 2 * (n - 1) / n
     bw = share * 4 * (large - small) / max(times[large] - times[small], 1e-9)
     latency = max(0.0, (times[small] - share * 4 * small / bw) / steps)
-    return bw, latency, sync
+    curve = tuple((4.0 * numel, times[numel] / (steps * latency + share * 4 * numel / bw))
+                  for numel in sorted((small, *between, large)))
+    return bw, latency, sync, curve, times["post"]
 
 
 def measure(name: str = "calibrated", group=None) -> Hardware:
@@ -350,10 +391,11 @@ def measure(name: str = "calibrated", group=None) -> Hardware:
                   *in_turns(lambda b: _measure_compute(device, dtype, cuda, b)))
     if cuda:
         return hw
-    layer = in_turns(lambda b: measure_layer_overhead(
+    forward, backward = in_turns(lambda b: measure_layer_overhead(
         hw, device, **({"barrier": b} if b is not None else {})))
-    return dataclasses.replace(hw, kernel_overhead_us=1e6 * max(hw.kernel_overhead_us * 1e-6,
-                                                                layer),
+    floor = hw.kernel_overhead_us * 1e-6
+    return dataclasses.replace(hw, kernel_overhead_us=1e6 * max(floor, backward),
+                               forward_overhead_us=1e6 * max(floor, forward),
                                concurrent_ranks=concurrent)
 
 
@@ -393,9 +435,10 @@ def _profile(name, group, cuda, barrier, peak, overhead, gemms, memory, attentio
     else:
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         hbm = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / ranks
-    link, latency, sync = (mem_bw, 0.0, 0.0)
+    link, latency, sync, link_curve, post = (mem_bw, 0.0, 0.0, (), 0.0)
     if barrier is not None:
-        link, latency, sync = measure_link(group, device if cuda else None, barrier)
+        link, latency, sync, link_curve, post = measure_link(group, device if cuda else None,
+                                                             barrier)
     return Hardware(name=name, peak_tflops=peak / 1e12,
                     matmul_efficiency=statistics.median(y for _, y in matmul_curve), hbm_gb=hbm,
                     hbm_gbps=mem_bw / 1e9, intra_node_gbps=link / 1e9, inter_node_gbps=link / 1e9,
@@ -407,7 +450,8 @@ def _profile(name, group, cuda, barrier, peak, overhead, gemms, memory, attentio
                         r for _, r in attention) / peak), activation_gbps=activation / 1e9,
                     matmul_curve=tuple(matmul_curve),
                     memory_curve=tuple((x, y / 1e9) for x, y in memory),
-                    attention_curve=tuple((x, min(1.0, y / peak)) for x, y in attention))
+                    attention_curve=tuple((x, min(1.0, y / peak)) for x, y in attention),
+                    link_curve=link_curve, p2p_post_us=post * 1e6)
 
 
 def calibrate(out: str | Path = "hardware.json", name: str | None = None) -> tuple[Hardware, Path]:

@@ -257,8 +257,11 @@ def layer_cost(shape: Shape, hw: Hardware, recompute: str = "none", tp_link_gbps
     """The :class:`LayerCost` of one layer on one GPU."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
-    gemm = sum(hw.gemm_time(*mnk) for mnk in _linears(shape))
-    gemm_b = gemm
+    # The forward's operators at their own overhead (on a CPU, Python modules and autograd's
+    # recording cost about twice the backward's per operator); the backward's at the default.
+    hf = hw.for_forward()
+    gemm = sum(hf.gemm_time(*mnk) for mnk in _linears(shape))
+    gemm_b = sum(hw.gemm_time(*mnk) for mnk in _linears(shape))
     c = tp_pieces(shape, hw, feat)
     if c > 1:
         # The overlapped path runs the row linears' forward GEMMs and the column linears'
@@ -266,15 +269,16 @@ def layer_cost(shape: Shape, hw: Hardware, recompute: str = "none", tp_link_gbps
         mats = _linears(shape)
         rows, cols = [mats[3], mats[-1]], mats[:3] + mats[4:-1]
 
-        def chunked(group):
-            return sum(hw.gemm_time(-(-m // c), n, k, c) - hw.gemm_time(m, n, k)
+        def chunked(h, group):
+            return sum(h.gemm_time(-(-m // c), n, k, c) - h.gemm_time(m, n, k)
                        for m, n, k in group)
-        gemm, gemm_b = gemm + chunked(rows), gemm + chunked([(m, k, n) for m, n, k in cols])
-    core = _core_time(shape, hw, feat)
-    elem_f, elem_b = _elementwise(shape, hw, feat)
+        gemm, gemm_b = gemm + chunked(hf, rows), \
+            gemm_b + chunked(hw, [(m, k, n) for m, n, k in cols])
+    core, core_at_b = _core_time(shape, hf, feat), _core_time(shape, hw, feat)
+    elem_f, elem_b = _elementwise(shape, hf, feat)[0], _elementwise(shape, hw, feat)[1]
     f = gemm + core + elem_f
     back = ATTENTION_BACKWARD_FLASH if feat.flash_attention else ATTENTION_BACKWARD_UNFUSED
-    core_b = back * core                            # flash recomputes q k^T
+    core_b = back * core_at_b                       # flash recomputes q k^T
     if hw.kind == "cpu" and feat.flash_attention:   # its backward's extra ops: overhead only
         core_b += (REFERENCE_OPS["core"][1] - back * REFERENCE_OPS["core"][0]) \
             * hw.kernel_overhead_us * 1e-6
@@ -286,7 +290,7 @@ def layer_cost(shape: Shape, hw: Hardware, recompute: str = "none", tp_link_gbps
     elif recompute == "selective":
         b += core
     w = sum(hw.gemm_time(*mnk) for mnk in _linears(shape))
-    cp_f, cp_b = cp_ring_exposed(shape, hw, cp_link_gbps, core, core_b)
+    cp_f, cp_b = cp_ring_exposed(shape, hw, cp_link_gbps, core_at_b, core_b)
     if recompute == "full":
         cp_b += cp_f
     return LayerCost(f=f, b=b, w=w, gemm_f=gemm, gemm_b=gemm_b, tp_comm_f=comm_f,
@@ -336,7 +340,7 @@ def collective_time(kind: str, nbytes: float, n: int, link_gbps: float, hw: Hard
     if n <= 1:
         return 0.0
     return pieces * ring_time(kind, nbytes / pieces, n, link_gbps, hw.collective_latency_us) \
-        + hw.sync_us * 1e-6
+        * hw.link_factor(nbytes / pieces) + hw.sync_us * 1e-6
 
 
 def tp_collectives(shape: Shape, hw: Hardware, link_gbps: float,

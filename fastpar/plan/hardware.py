@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 
@@ -68,6 +68,12 @@ class Hardware:
     matmul_curve: tuple = ()              # ((flops of one GEMM, fraction of peak), ...)
     memory_curve: tuple = ()              # ((bytes of one kernel, GB/s), ...)
     attention_curve: tuple = ()           # ((flops of one attention call, fraction), ...)
+    forward_overhead_us: float = 0.0      # per operator of a forward, where it differs from
+    #                                       kernel_overhead_us (measured on a CPU); 0: the same
+    p2p_post_us: float = 0.0              # host time to post one send or receive (measured;
+    #                                       0 in the built-in profiles: a launch, in the noise)
+    link_curve: tuple = ()                # ((bytes of one collective, measured / ring model
+    #                                       time), ...): the link's departure from the ring model
     concurrent_ranks: float = 0.0         # on a CPU: ranks of a node that compute at once at
     #                                       the measured rates (cores / threads per rank); more
     #                                       share the cores. 0: a device per rank, no sharing
@@ -90,7 +96,8 @@ class Hardware:
                 raise ValueError(f"hardware {self.name!r}: {f.name}={value!r} must be a number")
             zero_ok = f.name in ("collective_latency_us", "kernel_overhead_us",
                                  "memory_reserve_gb", "attention_efficiency", "activation_gbps",
-                                 "sync_us", "concurrent_ranks")
+                                 "sync_us", "concurrent_ranks", "forward_overhead_us",
+                                 "p2p_post_us")
             if value < 0 or (value == 0 and not zero_ok):
                 raise ValueError(f"hardware {self.name!r}: {f.name}={value!r} must be "
                                  f"{'>= 0' if zero_ok else '> 0'}")
@@ -148,6 +155,16 @@ class Hardware:
             return 0.0
         return nbytes / (self.activation_gbps * 1e9 if self.activation_gbps
                          else self.bandwidth(nbytes))
+
+    def for_forward(self) -> "Hardware":
+        """This profile with a forward's per-operator overhead (itself if there is none)."""
+        if not self.forward_overhead_us or self.forward_overhead_us == self.kernel_overhead_us:
+            return self
+        return replace(self, kernel_overhead_us=self.forward_overhead_us)
+
+    def link_factor(self, nbytes: float) -> float:
+        """Measured / modelled time of a collective of ``nbytes`` (1 without a link curve)."""
+        return _interp(self.link_curve, nbytes) if self.link_curve else 1.0
 
     def to_dict(self) -> dict:
         out = asdict(self)

@@ -132,7 +132,8 @@ def _stage_costs(work, cluster, cfg, feat, split):
     (fix_f, fix_b), (per_f, per_b) = cost.CE_REFERENCE_OPS
     embed_k, ce_f, ce_b = (CPU_EMBED_OPS, fix_f + per_f * chunks, fix_b + per_b * chunks) \
         if ref else (GPU_EMBED_KERNELS, *GPU_CROSS_ENTROPY_KERNELS)
-    embed = (hw.memory_time(2 * act / (t if cfg.sequence_parallel else 1), embed_k) + tp_ar,
+    hf = hw.for_forward()                       # a forward's operators at their own overhead
+    embed = (hf.memory_time(2 * act / (t if cfg.sequence_parallel else 1), embed_k) + tp_ar,
              hw.memory_time(2 * act, embed_k), 0.0)
     logits = (m.d_model, m.padded_vocab // t)
     fp32_logits = T * m.padded_vocab / t * 4
@@ -140,17 +141,17 @@ def _stage_costs(work, cluster, cfg, feat, split):
         nb_f, nb_b = cost.REFERENCE_BYTES[m.norm]
         (ce_bf, ce_bb), (ce_exp, _) = (cost.REFERENCE_BYTES[k] for k in
                                        ("cross_entropy", "cross_entropy_exp"))
-        ce = (hw.memory_time((ce_bf - ce_exp) * fp32_logits, ce_f)
+        ce = (hf.memory_time((ce_bf - ce_exp) * fp32_logits, ce_f)
               + hw.activation_time(ce_exp * fp32_logits),
               hw.memory_time((ce_bb - ce_exp) * fp32_logits, ce_b)
               + hw.activation_time(ce_exp * fp32_logits))
-        norm = (hw.memory_time(nb_f * act, norm_f), hw.memory_time(nb_b * act, norm_b))
+        norm = (hf.memory_time(nb_f * act, norm_f), hw.memory_time(nb_b * act, norm_b))
     else:       # the kernels read the logits (forward), read them and write the gradient
         # (backward); the fused norm reads and writes
         logit_bytes = T * m.padded_vocab / t * E
-        ce = (hw.memory_time(logit_bytes, ce_f), hw.memory_time(2 * logit_bytes, ce_b))
-        norm = (hw.memory_time(2 * act, norm_f), hw.memory_time(4 * act, norm_b))
-    head = (hw.gemm_time(T, logits[1], logits[0]) + ce[0] + norm[0] + ce_ar,
+        ce = (hf.memory_time(logit_bytes, ce_f), hw.memory_time(2 * logit_bytes, ce_b))
+        norm = (hf.memory_time(2 * act, norm_f), hw.memory_time(4 * act, norm_b))
+    head = (hf.gemm_time(T, logits[1], logits[0]) + ce[0] + norm[0] + ce_ar,
             hw.gemm_time(T, logits[0], logits[1]) + ce[1] + norm[1] + head_ar,
             hw.gemm_time(logits[0], logits[1], T))
     stages = cfg.pp * cfg.virtual_stages
@@ -346,7 +347,8 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
                              hw.collective_latency_us)
     sim = simulate(sched, *([row[i] - wrow[i] for row, wrow in zip(fbw, waits)]
                             for i in range(3)), comm=p2p,
-                   waits=[[wrow[i] for wrow in waits] for i in range(3)], shared=shared)
+                   waits=[[wrow[i] for wrow in waits] for i in range(3)], shared=shared,
+                   post=hw.p2p_post_us * 1e-6)
     params, tensors = mem["params_per_gpu"], _tensors_per_gpu(m, ranges, cfg)
     dp_exposed = _dp_time(cluster, cfg, feat, params, fbw[-1][1] + fbw[-1][2], tensors)
     # The gradients' way into DataParallel's buckets (any dp): the first micro-batch's copied
