@@ -297,7 +297,7 @@ def measure_link(group=None, device=None, barrier=None,
     the sum of its collectives, and on cores the ranks share a few calls in ten take a
     scheduler's time slice, which makes the mean 1.5-2x the median call on 2 gloo ranks of a
     2-core machine (the median underestimated the step's communication, and differences of
-    medians moved from run to run with whichever calls were slow). Three rounds, each timing
+    medians moved from run to run with whichever calls were slow). Five rounds, each timing
     every case, so that a slow spell of a shared machine does not fall on one case only; the
     median round of each."""
     n = dist.get_world_size(group)
@@ -336,7 +336,7 @@ def measure_link(group=None, device=None, barrier=None,
         for w in works:
             w.wait()
     rounds: dict = {}
-    for _ in range(3):
+    for _ in range(5):
         posts.clear()
         _mean_time(exchange, dev, 50, barrier)
         rounds.setdefault("post", []).append(slowest(statistics.fmean(posts)))
@@ -345,7 +345,7 @@ def measure_link(group=None, device=None, barrier=None,
                 (large, lambda: dist.all_reduce(xs[large], group=group), 4),
                 ("work", work, 50), ("after_work", after_work, 100),
                 *((numel, functools.partial(dist.all_reduce, xs[numel], group=group),
-                   max(4, 2 ** 22 // numel)) for numel in between)):
+                   max(20, 2 ** 24 // numel)) for numel in between)):
             dist.barrier(group=group)
             rounds.setdefault(key, []).append(slowest(_mean_time(fn, dev, iters, barrier)))
     times = {k: statistics.median(v) for k, v in rounds.items()}
