@@ -680,3 +680,66 @@ def test_search_records_the_smallest_memory_need():
                                      "reserve", "total"}
     best, rejected = search(_work(32), Cluster(8, 8, BUILTIN["a100-80gb"]), top=2)
     assert best and rejected == {"memory": 0, "smallest": None}
+
+
+def test_cpu_profile_mechanisms():
+    """What a CPU profile adds: a forward's own per-operator overhead, the link's curve, the
+    host time of posting pipeline messages and ranks sharing cores."""
+    cpu = Hardware(**{**ROUND.to_dict(), "kind": "cpu", "kernel_overhead_us": 5.0,
+                      "bytes_per_element": 4, "collective_latency_us": 100.0})
+    tiny = get_config("tiny")
+    shape = Shape(tiny, 128, 4)
+    base = cost.layer_cost(shape, cpu)
+    slow_fwd = cost.layer_cost(shape, dataclasses.replace(cpu, forward_overhead_us=15.0))
+    f_ops = cost.reference_ops(tiny)[0] + len(cost._linears(shape))   # its operators, GEMMs
+    assert slow_fwd.f - base.f == pytest.approx(f_ops * 10e-6, rel=0.05)
+    assert (slow_fwd.b, slow_fwd.w) == (base.b, base.w)
+    # The link curve scales each collective's ring time where it was measured.
+    curved = dataclasses.replace(cpu, link_curve=((1e4, 2.0), (1e8, 2.0)))
+    nbytes = 2 ** 20
+    assert cost.collective_time("all_reduce", nbytes, 2, 1.0, curved) == pytest.approx(
+        2 * cost.collective_time("all_reduce", nbytes, 2, 1.0, cpu))
+    # Posting messages costs the pipeline's ranks; a DP-only layout sends none.
+    work = Workload(tiny, 128, 16)
+    pp2 = ParallelConfig(tp=1, pp=2, dp=1, micro_batch_size=4)
+    dp2 = ParallelConfig(tp=1, pp=1, dp=2, micro_batch_size=4)
+    posting = dataclasses.replace(cpu, p2p_post_us=500.0)
+    assert evaluate(work, Cluster(2, 2, posting), pp2).step_time_s > \
+        evaluate(work, Cluster(2, 2, cpu), pp2).step_time_s + 8 * 500e-6 * 0.99
+    assert evaluate(work, Cluster(2, 2, posting), dp2).step_time_s == pytest.approx(
+        evaluate(work, Cluster(2, 2, cpu), dp2).step_time_s)
+    # Four ranks on cores that run two at once: slower than on four cores, at most 2x.
+    shared = dataclasses.replace(cpu, concurrent_ranks=2.0)
+    pp4 = ParallelConfig(tp=1, pp=4, dp=1, micro_batch_size=4)
+    alone, crowded = (evaluate(work, Cluster(4, 4, h), pp4).step_time_s for h in (cpu, shared))
+    assert alone < crowded <= 2 * alone
+    assert evaluate(work, Cluster(2, 2, shared), pp2).step_time_s == pytest.approx(
+        evaluate(work, Cluster(2, 2, cpu), pp2).step_time_s)   # two ranks: nothing shared
+
+
+def _turn_times(rank, world):
+    import functools
+    import time
+
+    import torch.distributed as dist
+
+    from fastpar.plan import calibrate
+
+    turns = calibrate._turns(2)
+    barrier = functools.partial(dist.barrier)
+
+    def work(b):
+        b()
+        t0 = time.monotonic()
+        time.sleep(0.2)
+        return t0, time.monotonic()
+    return turns[0], calibrate._in_turns(work, turns, barrier)
+
+
+def test_ranks_beyond_the_cores_measure_in_turns():
+    from fastpar.testing import run_ranks
+    out = run_ranks(_turn_times, 4, timeout=120)
+    assert [t for t, _ in out] == [0, 0, 1, 1]
+    (a0, a1), (b0, b1) = out[0][1], out[2][1]
+    assert a1 <= b0 + 1e-3        # the second turn starts after the first has finished
+    assert abs(out[0][1][0] - out[1][1][0]) < 0.15      # a turn's ranks run together

@@ -74,6 +74,8 @@ def test_calibrate_writes_a_profile(tmp_path, capsys, monkeypatch):
     assert hw.hbm_gbps > 0 and hw.name == "cpu" and hw.kind == "cpu"
     assert hw.matmul_curve == ((1e6, 0.5), (1e8, 1.0)) and hw.attention_efficiency == 0.3
     assert len(hw.memory_curve) >= 2 and hw.kernel_overhead_us >= 5.0
+    # measured on fastpar's own layer: a forward's and a backward's per-operator overhead
+    assert hw.forward_overhead_us >= 5.0 and hw.concurrent_ranks >= 1
     # An existing profile is not replaced unasked; --overwrite replaces it.
     before = (tmp_path / "cpu.json").read_bytes()
     capsys.readouterr()

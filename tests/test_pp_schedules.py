@@ -193,3 +193,36 @@ def test_in_flight_counts_what_waits_for_w():
     assert zb.peak_activations == tuple(max(a for a, _ in f) for f in zb.in_flight)
     plain = build_schedule("1f1b", 4, 8)
     assert plain.in_flight == tuple(((p, 0),) for p in plain.peak_activations)
+
+
+def test_simulator_posts_and_shared_cores():
+    """Host time of posting each message; ranks sharing CPU cores (processor sharing)."""
+    one = build_schedule("gpipe", 2, 1)
+    # rank 0: F (1), post its send (0.05), the message takes 0.1, rank 1: F, B (1 + 1), post
+    # its send, 0.1 in flight, rank 0's B (1); rank 0 posted its receive after its send.
+    sim = simulate(one, f=1, b=1, w=0, comm=0.1, post=0.05)
+    assert sim.step_time == pytest.approx(1 + 0.05 + 0.1 + 2 + 0.05 + 0.1 + 1)
+    for name, p, m, v in (("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2), ("zb-h1", 4, 8, 1)):
+        s = build_schedule(name, p, m, v)
+        plain = simulate(s, 1.0, 2.0, 1.0, comm=0.1, post=0.05)
+        # as many cores as processes: the same timeline
+        roomy = simulate(s, 1.0, 2.0, 1.0, comm=0.1, post=0.05, shared=(1, p))
+        assert roomy.step_time == pytest.approx(plain.step_time)
+        # half the cores: slower, but never slower than running every rank's work on them
+        half = simulate(s, 1.0, 2.0, 1.0, comm=0.1, post=0.05, shared=(1, p / 2))
+        work = p * m * v * (1 + 2 + 1 + 2 * 0.05)
+        assert plain.step_time < half.step_time <= work / (p / 2) + plain.step_time
+        assert half.step_time >= work / (p / 2) - 1e-9
+    # One core for a 2-stage GPipe: never idle (rank 0 runs while rank 1 waits), so the step is
+    # all the work, and processes per rank count as that many competitors.
+    g = build_schedule("gpipe", 2, 4)
+    assert simulate(g, 1.0, 2.0, 0.0, shared=(1, 1)).step_time == pytest.approx(2 * 4 * 3)
+    assert simulate(g, 1.0, 2.0, 0.0, shared=(2, 2)).step_time == pytest.approx(2 * 4 * 3)
+    # Waiting (on a collective) uses no core: two ranks that only wait run side by side.
+    zero = [0.0, 0.0]
+    both = simulate(g, zero, zero, zero, waits=([1.0, 1.0], [2.0, 2.0], zero), shared=(1, 1))
+    assert both.step_time == pytest.approx(simulate(g, 1.0, 2.0, 0.0).step_time)
+    with pytest.raises(ValueError, match="post"):
+        simulate(g, post=-1)
+    with pytest.raises(ValueError, match="shared"):
+        simulate(g, shared=(1, 0))

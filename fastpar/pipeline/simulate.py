@@ -140,22 +140,11 @@ def _simulate_shared(s: Schedule, cost: dict, idle: dict, comm: float, post: flo
     running: list = [None] * n      # [action, start, work left, wait left] of each rank
     events: list[Event] = []
     while True:
-        for rank in range(n):       # start what can start now
-            acts = s.actions[rank]
-            while running[rank] is None and pos[rank] < len(acts):
-                a = acts[pos[rank]]
-                if not a.is_compute:
-                    if post > 0:
-                        running[rank] = [a, now, post, 0.0]
-                    elif a.kind.startswith("SEND"):
-                        arrival[s.message(rank, a)] = now + comm
-                else:
-                    need = _needs(s, rank, a)
-                    if need is not None and arrival.get(need, float("inf")) > now:
-                        break
-                    i = s.stage_index(rank, a.chunk)
-                    running[rank] = [a, now, cost[a.kind][i], idle[a.kind][i]]
-                pos[rank] += 1
+        started = True
+        while started:              # start what can start now (a send may free a receiver)
+            started = False
+            for rank in range(n):
+                started |= _start(s, rank, pos, running, arrival, now, cost, idle, comm, post)
         if all(r is None for r in running):
             if all(pos[r] == len(s.actions[r]) for r in range(n)):
                 break
@@ -186,6 +175,28 @@ def _simulate_shared(s: Schedule, cost: dict, idle: dict, comm: float, post: flo
     busy = [sum(e.end - e.start for e in events if e.rank == r) for r in range(n)]
     bubble = sum((now - x) / now for x in busy) / len(busy) if now > 0 else 0.0
     return Simulation(s, now, busy, bubble, list(s.peak_activations), events)
+
+
+def _start(s: Schedule, rank: int, pos: list, running: list, arrival: dict, now: float,
+           cost: dict, idle: dict, comm: float, post: float) -> bool:
+    """Move ``rank`` through its actions up to one that must run or wait; whether it moved."""
+    acts, moved = s.actions[rank], False
+    while running[rank] is None and pos[rank] < len(acts):
+        a = acts[pos[rank]]
+        if not a.is_compute:
+            if post > 0:
+                running[rank] = [a, now, post, 0.0]
+            elif a.kind.startswith("SEND"):
+                arrival[s.message(rank, a)] = now + comm
+        else:
+            need = _needs(s, rank, a)
+            if need is not None and arrival.get(need, float("inf")) > now:
+                break
+            i = s.stage_index(rank, a.chunk)
+            running[rank] = [a, now, cost[a.kind][i], idle[a.kind][i]]
+        pos[rank] += 1
+        moved = True
+    return moved
 
 
 def _needs(s: Schedule, rank: int, a: Action):

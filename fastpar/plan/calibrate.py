@@ -378,15 +378,7 @@ def measure(name: str = "calibrated", group=None) -> Hardware:
     turns = _turns(int(concurrent)) if grouped and not cuda and group is None else None
 
     def in_turns(fn):
-        if turns is None:
-            return fn(barrier)
-        mine, subgroups = turns
-        out = None
-        for i, sub in enumerate(subgroups):
-            if i == mine:
-                out = fn(functools.partial(dist.barrier, group=sub))
-            dist.barrier(group=group)
-        return out
+        return _in_turns(fn, turns, barrier)
     hw = _profile(name, group, cuda, barrier,
                   *in_turns(lambda b: _measure_compute(device, dtype, cuda, b)))
     if cuda:
@@ -415,6 +407,20 @@ def _turns(concurrent: int):
     count = -(-local_world // concurrent)
     return mine, [dist.new_group([r for r, t in enumerate(everyone) if t == i])
                   for i in range(count)]
+
+
+def _in_turns(fn, turns, barrier):
+    """``fn(barrier)`` on this rank, in its turn (``_turns``: the ranks of one turn run it
+    together, with their own barrier, while the others wait), or at once if ``turns`` is None."""
+    if turns is None:
+        return fn(barrier)
+    mine, subgroups = turns
+    out = None
+    for i, sub in enumerate(subgroups):
+        if i == mine:
+            out = fn(functools.partial(dist.barrier, group=sub))
+        dist.barrier()
+    return out
 
 
 def _measure_compute(device, dtype, cuda, barrier):
