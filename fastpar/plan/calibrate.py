@@ -6,12 +6,13 @@
   the best rate is the profile's peak, every shape's fraction of it goes into ``matmul_curve``
   (by FLOPs per GEMM) and ``matmul_efficiency`` is the median fraction;
 - per-operator overhead: on a GPU the time of a tiny GEMM; on a CPU, where every operator runs
-  eagerly on the host, forward and backward of a small block of the usual eager operators
-  (linears, views, norm and activation ops, a residual add) on tiny tensors, divided by the
-  number of operators it dispatches (counted, views excluded): Python, dispatch and autograd
-  bookkeeping per operator, with no arithmetic to speak of;
-- memory: copies of 256 KB to 64 MB (read + write) into ``memory_curve``; ``hbm_gbps`` is the
-  64 MB one;
+  eagerly on the host, fastpar's own transformer layer at 4 tokens and width 64, a forward's
+  and a backward's time apart, less what the cost model gives their GEMMs, attention and bytes,
+  over the operators it counts for each (``forward_overhead_us``, ``kernel_overhead_us``;
+  Python, modules, dispatch and autograd's bookkeeping, with no arithmetic to speak of);
+- memory: an elementwise operator on 256 KB to 64 MB, reading inputs other operators wrote
+  since and writing a new tensor, as a model's do (read + write), into ``memory_curve``;
+  ``hbm_gbps`` is the 64 MB one;
 - activations: SiLU, tanh-GELU and exp on 1M elements, the median bytes read + written per
   second (``activation_gbps``): on a CPU core these transcendental kernels are compute-bound,
   several times slower than a copy;
@@ -19,13 +20,18 @@
   sizes, as a fraction of peak on the FLOPs the cost model counts (``attention_curve``);
 - links, under torchrun (or any initialised process group): all-reduces of 64 KB and 16 MB back to
   back, solved for the per-step latency and the bandwidth of the ring model of
-  :func:`cost.ring_time`; and how much longer the 64 KB one takes when every rank first computes
-  on its own, as in training (``sync_us``, paid once per collective call site).
+  :func:`cost.ring_time`, and of the sizes between, as the ratio of each to the model
+  (``link_curve``); how much longer the 64 KB one takes when every rank first computes on its
+  own, as in training (``sync_us``, paid once per collective call site); and the host time of
+  posting one pipeline message (``p2p_post_us``).
 
-With several ranks on one machine every rank measures at the same time, as they will train:
-run it under torchrun with the training run's ``--nproc-per-node`` so that every rate is the one
-a rank gets while the others share the cores (each rank keeps its share of the threads).
-None of this runs fastpar's model or trainer.
+On a CPU every time is the mean of its calls (the step pays the slow ones too); on a GPU the
+median. With several ranks on one machine every rank measures at the same time, as they will
+train: run it under torchrun with the training run's ``--nproc-per-node`` so that every rate is
+the one a rank gets while the others share the cores (each rank keeps its share of the threads).
+Ranks that need more cores than the machine has measure compute in turns, and the profile's
+``concurrent_ranks`` lets the planner share the cores itself. The only model code it runs is the
+layer of the per-operator overhead.
 """
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ from first principles for what a kernel achieves:
 ahead of the device, TP collectives on their own streams overlapping the GEMMs) or ``"cpu"``
 (torch reference ops, run eagerly one after another on the host, gloo collectives on the same
 cores). On a CPU every operator pays ``kernel_overhead_us`` of host work (Python, dispatch,
-autograd bookkeeping), which dominates a small model, and communication does not overlap compute.
+autograd bookkeeping; ``forward_overhead_us`` in a forward), which dominates a small model, and
+communication does not overlap compute.
 
 Measured profiles may carry curves, tuples of ``(size, value)`` points interpolated in log size
 and clamped at the ends: ``matmul_curve`` (FLOPs of one GEMM -> fraction of peak),
