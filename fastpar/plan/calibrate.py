@@ -280,8 +280,8 @@ def _mean_time(fn, device, iters: int, barrier=None) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def measure_link(group=None, device=None, barrier=None,
-                 work_size: int = 320) -> tuple[float, float, float, tuple, float]:
+def measure_link(group=None, device=None, barrier=None, work_size: int = 320,
+                 rounds: int = 5) -> tuple[float, float, float, tuple, float]:
     """(bytes per second, seconds of latency per ring step, seconds of sync per call, curve,
     seconds to post a send or a receive) of all-reduce and point-to-point over ``group``.
 
@@ -303,7 +303,7 @@ def measure_link(group=None, device=None, barrier=None,
     the sum of its collectives, and on cores the ranks share a few calls in ten take a
     scheduler's time slice, which makes the mean 1.5-2x the median call on 2 gloo ranks of a
     2-core machine (the median underestimated the step's communication, and differences of
-    medians moved from run to run with whichever calls were slow). Five rounds, each timing
+    medians moved from run to run with whichever calls were slow). ``rounds`` rounds, each timing
     every case, so that a slow spell of a shared machine does not fall on one case only; the
     median round of each."""
     n = dist.get_world_size(group)
@@ -341,11 +341,11 @@ def measure_link(group=None, device=None, barrier=None,
         posts.append((time.perf_counter() - t0) / 2)
         for w in works:
             w.wait()
-    rounds: dict = {}
-    for _ in range(5):
+    timed: dict = {}
+    for _ in range(rounds):
         posts.clear()
         _mean_time(exchange, dev, 50, barrier)
-        rounds.setdefault("post", []).append(slowest(statistics.fmean(posts)))
+        timed.setdefault("post", []).append(slowest(statistics.fmean(posts)))
         for key, fn, iters in (
                 (small, lambda: dist.all_reduce(xs[small], group=group), 100),
                 (large, lambda: dist.all_reduce(xs[large], group=group), 4),
@@ -353,8 +353,8 @@ def measure_link(group=None, device=None, barrier=None,
                 *((numel, functools.partial(dist.all_reduce, xs[numel], group=group),
                    max(20, 2 ** 24 // numel)) for numel in between)):
             dist.barrier(group=group)
-            rounds.setdefault(key, []).append(slowest(_mean_time(fn, dev, iters, barrier)))
-    times = {k: statistics.median(v) for k, v in rounds.items()}
+            timed.setdefault(key, []).append(slowest(_mean_time(fn, dev, iters, barrier)))
+    times = {k: statistics.median(v) for k, v in timed.items()}
     sync = max(0.0, times["after_work"] - times["work"] - times[small])
     steps, share = 2 * (n - 1), 2 * (n - 1) / n
     bw = share * 4 * (large - small) / max(times[large] - times[small], 1e-9)
