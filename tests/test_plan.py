@@ -405,6 +405,10 @@ def test_gradient_accumulation_per_extra_micro_batch():
     # after it each read two gradients and write one (fp32).
     assert one.grad_accumulation_s == pytest.approx(2 * 4 * params / 1000e9)
     assert eight.grad_accumulation_s == pytest.approx((2 + 7 * 3) * 4 * params / 1000e9)
+    # Under amp the weights are fp32 (and a bf16 copy): gradients are bucket views, as fp32.
+    amp = evaluate(work, cluster, ParallelConfig(tp=1, pp=1, dp=8, micro_batch_size=1),
+                   cost.trainer_features("amp"))
+    assert amp.grad_accumulation_s == pytest.approx(eight.grad_accumulation_s)
     # With bf16 weights and fp32 main gradients: zeroed, then every micro-batch added.
     bf16 = cost.trainer_features("bf16")
     eight16 = evaluate(work, cluster, ParallelConfig(tp=1, pp=1, dp=8, micro_batch_size=1), bf16)
@@ -435,7 +439,7 @@ def test_dp_across_nodes_uses_every_nic_of_its_ranks():
     for tp, per_node in ((1, 8), (2, 4), (8, 1)):
         dp = 32 // tp
         cfg = ParallelConfig(tp=tp, pp=1, dp=dp)
-        t = planner._dp_time(cluster, cfg, Features(dp_overlap=False), grads / 4, 0.0, 1)
+        t = planner._dp_time(cluster, cfg, Features(dp_overlap=False), grads / 4, 0.0)
         ring = 2 * (dp - 1) / dp * grads / (min(100.0, 10.0 * per_node) * 1e9)
         # plus the fp32 main gradients divided in place (bf16 weights); the copy into the
         # buckets is the accumulation's

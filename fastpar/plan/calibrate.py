@@ -50,7 +50,7 @@ import torch.distributed as dist
 from .hardware import Hardware, save_hardware
 
 
-def _timed(fn, device, iters: int, barrier=None) -> float:
+def _timed(fn, device, iters: int, barrier=None, window: bool = False) -> float:
     """Seconds of ``fn`` over ``iters`` calls, after two untimed ones and ``barrier()`` (when
     several ranks calibrate together: all ranks time the same thing at the same moment).
 
@@ -58,7 +58,9 @@ def _timed(fn, device, iters: int, barrier=None) -> float:
     and the operating system's scheduler, and a rank that has to wait for a core, or whose
     gloo threads take one, waits between calls for a time slice; a median of calls shorter
     than the slice leaves those waits out (four ranks on two cores then time their GEMMs at
-    a whole core's rate), a training step pays them all."""
+    a whole core's rate), a training step pays them all. ``window``: the mean of the calls
+    timed as one window on any device (synchronised once, at its end), what a sum of such
+    calls costs."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -67,6 +69,12 @@ def _timed(fn, device, iters: int, barrier=None) -> float:
     sync()
     if barrier is not None:
         barrier()
+    if window:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / iters
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -262,24 +270,6 @@ def measure_activation(device: torch.device, dtype: torch.dtype, numel: int = 2 
     return statistics.median(nbytes / _timed(lambda: fn(x), device, 20, barrier) for fn in fns)
 
 
-def _mean_time(fn, device, iters: int, barrier=None) -> float:
-    """Mean seconds of ``fn`` over ``iters`` calls timed as one window (after two untimed
-    calls and ``barrier()``): what a sum of such calls costs, rare slow calls included."""
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    for _ in range(2):
-        fn()
-    sync()
-    if barrier is not None:
-        barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / iters
-
-
 def measure_link(group=None, device=None, barrier=None, work_size: int = 320,
                  rounds: int = 5) -> tuple[float, float, float, tuple, float]:
     """(bytes per second, seconds of latency per ring step, seconds of sync per call, curve,
@@ -344,7 +334,7 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320,
     timed: dict = {}
     for _ in range(rounds):
         posts.clear()
-        _mean_time(exchange, dev, 50, barrier)
+        _timed(exchange, dev, 50, barrier, window=True)
         timed.setdefault("post", []).append(slowest(statistics.fmean(posts)))
         for key, fn, iters in (
                 (small, lambda: dist.all_reduce(xs[small], group=group), 100),
@@ -353,7 +343,7 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320,
                 *((numel, functools.partial(dist.all_reduce, xs[numel], group=group),
                    max(20, 2 ** 24 // numel)) for numel in between)):
             dist.barrier(group=group)
-            timed.setdefault(key, []).append(slowest(_mean_time(fn, dev, iters, barrier)))
+            timed.setdefault(key, []).append(slowest(_timed(fn, dev, iters, barrier, window=True)))
     times = {k: statistics.median(v) for k, v in timed.items()}
     sync = max(0.0, times["after_work"] - times["work"] - times[small])
     steps, share = 2 * (n - 1), 2 * (n - 1) / n

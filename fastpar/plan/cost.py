@@ -53,6 +53,12 @@ class Features:
     optimizer_bytes: int = 12        # per parameter: fp32 master weight and Adam's two moments
     reduce_bytes: int = 4            # per parameter: the DP buckets' reduction dtype (fp32)
 
+    @property
+    def main_grads(self) -> bool:
+        """Low-precision (bf16 / fp16) weights: fp32 main gradients beside them, into which
+        every micro-batch's gradients are added (DataParallel's ``main_grads``)."""
+        return self.weight_bytes < 4
+
 
 FASTPAR = Features()
 

@@ -290,7 +290,7 @@ def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> li
     return rows
 
 
-def _dp_time(cluster, cfg, feat, params, last_backward, tensors) -> float:
+def _dp_time(cluster, cfg, feat, params, last_backward) -> float:
     """Exposed seconds of the gradient reduction (and ZeRO-1's parameter gather), with the
     copy of each gradient into its bucket and the division by dp before it."""
     hw, dp = cluster.hardware, cfg.dp * cfg.cp      # CP ranks' gradients are averaged too
@@ -307,8 +307,8 @@ def _dp_time(cluster, cfg, feat, params, last_backward, tensors) -> float:
     if hidden and hw.kind != "cpu":
         buckets = max(1, round(nbytes / (feat.bucket_mb * 1e6)))
         reduce = cost.exposed(reduce, last_backward, buckets)
-    main_grads = feat.weight_bytes != feat.grad_bytes     # divided in place before the reduction
-    return reduce + gather + (hw.memory_time(2 * nbytes, 1) if main_grads else 0.0)
+    # fp32 main gradients are divided in place before the reduction (views are on their way in)
+    return reduce + gather + (hw.memory_time(2 * nbytes, 1) if feat.main_grads else 0.0)
 
 
 def _schedule(cfg: ParallelConfig, work: Workload, schedules: dict):
@@ -350,11 +350,11 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
                    waits=[[wrow[i] for wrow in waits] for i in range(3)], shared=shared,
                    post=hw.p2p_post_us * 1e-6)
     params, tensors = mem["params_per_gpu"], _tensors_per_gpu(m, ranges, cfg)
-    dp_exposed = _dp_time(cluster, cfg, feat, params, fbw[-1][1] + fbw[-1][2], tensors)
+    dp_exposed = _dp_time(cluster, cfg, feat, params, fbw[-1][1] + fbw[-1][2])
     # The gradients' way into DataParallel's buckets (any dp): the first micro-batch's copied
     # into its bucket view, each later one's added there by autograd (one add per parameter
     # tensor); fp32 main gradients are zeroed, then every micro-batch's is added into them.
-    passes = (1 + num_mb * ACCUMULATE_PASSES) if feat.weight_bytes != feat.grad_bytes else \
+    passes = (1 + num_mb * ACCUMULATE_PASSES) if feat.main_grads else \
         BUCKET_COPY_PASSES + (num_mb - 1) * ACCUMULATE_PASSES
     accumulate = slow * hw.memory_time(passes * params * feat.grad_bytes, num_mb * tensors)
     # Adam reads weight, gradient and both moments and writes three; clipping reads the grads.
