@@ -77,3 +77,51 @@ def _weight_phase(layer, y, dy):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_split_backward_computes_each_half_once(tp):
     assert run_ranks(_split, tp, timeout=90) == [True] * tp
+
+
+def _reachable(node) -> set:
+    """Every autograd node a backward from ``node`` walks (its ancestors in the graph)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        todo += [f for f, _ in n.next_functions]
+    return seen
+
+
+def test_split_backward_cuts_the_stage_graph_at_its_layers():
+    """A W call walks only its own layer's graph (its cost does not grow with the layers below
+    it), and B over the cut segments gives a plain backward's gradients."""
+    from fastpar.models import GPT, get_config
+    from fastpar.pipeline.backward import Capture, backward_input, backward_weight, deferrable
+    torch.manual_seed(0)
+    model = GPT(get_config("tiny", n_layers=5), layers=range(1, 5), pre_process=False,
+                post_process=False)
+    x = torch.randn(16, 2, model.config.d_model, requires_grad=True)
+    dy = torch.randn(16, 2, model.config.d_model)
+    model(x).backward(dy)
+    plain = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model.zero_grad(set_to_none=True)
+    leaves, eager, cuts = deferrable(model)
+    assert len(cuts) == 4 and not eager
+    with Capture(leaves, cuts) as cap:
+        y = model(x)
+    assert len(cap.inputs) == 4 and [k for _, _, k in cap.outputs] == sorted(
+        k for _, _, k in cap.outputs)
+    sizes = {}
+    for m, out, k in cap.outputs:
+        if out is None:             # (y, bias) for a fused bias add: its gradients come in B
+            continue
+        walked = _reachable(out.grad_fn)
+        assert not any(getattr(n, "variable", None) is x for n in walked), \
+            f"{type(m).__name__} of layer {k}: its W call would walk down to the stage input"
+        sizes.setdefault(type(m).__name__, set()).add(len(walked))
+    # The same module in every layer walks the same graph, however deep the layer.
+    assert all(len(s) <= 2 for s in sizes.values()), sizes
+    dx, pending = backward_input(y, dy, x, cap, eager)
+    assert len(pending) == sum(out is not None for _, out, _ in cap.outputs) > 0
+    backward_weight(pending)
+    for a, b in zip([p.grad for p in model.parameters()] + [dx], plain):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), (a - b).abs().max()

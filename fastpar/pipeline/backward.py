@@ -8,6 +8,13 @@ told through :mod:`fastpar.split_backward`) and keeps the graph. W runs, per rec
 module, a backward from its output, with the gradient B captured, to its own parameters only: the
 weight half of exactly those nodes, and nothing upstream.
 
+The stage's layers (``stage.layers``) cut the autograd graph in segments: each layer's input is
+detached in F (a new leaf, same storage), so B runs one ``autograd.grad`` per segment, from its
+output down to its input, and hands the input's gradient to the segment below. A W call then walks
+only its own layer's graph: autograd's engine visits every node reachable from the root it is given
+before it runs any, so from an uncut stage each W call would cost time in proportion to the graph
+upstream of it, and a stage's W calls together grow as its layers squared.
+
 A module whose output is not a tensor, that runs twice in one forward, that is not called (its
 parameters used directly), or whose parameters are shared with another module cannot be split
 this way; its parameters get their gradients in B.
@@ -26,29 +33,44 @@ def _own(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters(recurse=False) if p.requires_grad]
 
 
-def deferrable(stage: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter]]:
-    """The leaf modules whose weight gradients can wait for W, and the parameters that cannot."""
+def deferrable(stage: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter], list[nn.Module]]:
+    """The leaf modules whose weight gradients can wait for W, the parameters that cannot, and the
+    modules whose inputs cut the graph in segments (the stage's ``layers``, if it has them)."""
     uses = Counter(id(p) for m in stage.modules() for p in m.parameters(recurse=False))
     leaves = [m for m in stage.modules()
               if not any(True for _ in m.children()) and _own(m)
               and all(uses[id(p)] == 1 for p in m.parameters(recurse=False))]
     late = {id(p) for m in leaves for p in _own(m)}
     eager = [p for p in stage.parameters() if p.requires_grad and id(p) not in late]
-    return leaves, eager
+    layers = getattr(stage, "layers", None)
+    cuts = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers) \
+        if isinstance(layers, (nn.ModuleDict, nn.ModuleList)) else []
+    return leaves, eager, cuts
 
 
 class Capture:
-    """Records ``(module, output)`` for the given modules while a forward runs inside it."""
+    """Records, while a forward runs inside it, ``(module, output, segment)`` for the given
+    modules in ``outputs``, and cuts the graph at the input of each of ``cuts``: ``inputs`` holds
+    ``(leaf, source)`` per cut, the detached input the module got and the tensor it replaced."""
 
-    def __init__(self, modules: list[nn.Module]):
-        self.modules, self.outputs, self._handles = modules, [], []
+    def __init__(self, modules: list[nn.Module], cuts: list[nn.Module] = ()):
+        self.modules, self.cuts = modules, list(cuts)
+        self.outputs, self.inputs, self._handles = [], [], []
 
     def _hook(self, module, args, output):
         ok = isinstance(output, torch.Tensor) and output.requires_grad
-        self.outputs.append((module, output if ok else None))
+        self.outputs.append((module, output if ok else None, len(self.inputs)))
+
+    def _cut(self, module, args):
+        if not args or not isinstance(args[0], torch.Tensor) or not args[0].requires_grad:
+            return None
+        leaf = args[0].detach().requires_grad_()
+        self.inputs.append((leaf, args[0]))
+        return (leaf,) + tuple(args[1:])
 
     def __enter__(self) -> "Capture":
-        self._handles = [m.register_forward_hook(self._hook) for m in self.modules]
+        self._handles = [m.register_forward_hook(self._hook) for m in self.modules] + \
+            [m.register_forward_pre_hook(self._cut) for m in self.cuts]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -57,38 +79,49 @@ class Capture:
         self._handles = []
         # A module whose parameters the forward used without calling it (a slice of a learned
         # position table) has no output to defer from: its gradients are computed in B.
-        called = {id(m) for m, _ in self.outputs}
-        self.outputs += [(m, None) for m in self.modules if id(m) not in called]
+        called = {id(m) for m, _, _ in self.outputs}
+        self.outputs += [(m, None, 0) for m in self.modules if id(m) not in called]
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor,
-                   captured: list, eager: list[nn.Parameter]):
+                   captured: Capture, eager: list[nn.Parameter]):
     """B: the gradient of ``x`` (None if it needs none) and what W needs, as
     ``(dx, pending)`` with ``pending`` a list of ``(output, output gradient, parameters)``.
-    Gradients of ``eager`` parameters (and of modules that cannot wait) are accumulated now."""
-    calls = Counter(id(m) for m, _ in captured)
-    late = [(m, y) for m, y in captured if y is not None and calls[id(m)] == 1]
+    Gradients of ``eager`` parameters (and of modules that cannot wait) are accumulated now.
+    One ``autograd.grad`` per segment of ``captured``, the last first."""
+    calls = Counter(id(m) for m, _, _ in captured.outputs)
+    late = [(m, y, k) for m, y, k in captured.outputs if y is not None and calls[id(m)] == 1]
     now = list(eager)
     seen = {id(p) for p in now}
-    for m, y in captured:
+    for m, y, _ in captured.outputs:
         if y is None or calls[id(m)] > 1:
             for p in _own(m):
                 if id(p) not in seen:
                     now.append(p)
                     seen.add(id(p))
-    xs = [x] if x.requires_grad else []
-    inputs = xs + [y for _, y in late] + now
-    if not inputs:
-        return None, []
-    with backward_phase("input", [p for m, _ in late for p in _own(m)]):
-        grads = torch.autograd.grad(out, inputs, grad_outputs=grad, retain_graph=True,
-                                    allow_unused=True)
-    dx = grads[0] if xs else None
-    k = len(xs)
-    pending = [(y, g, _own(m)) for (m, y), g in zip(late, grads[k:k + len(late)])
-               if g is not None]
+    cuts = captured.inputs
+    pending, dx, sums = [], None, [None] * len(now)
+    with backward_phase("input", [p for m, _, _ in late for p in _own(m)]):
+        for k in reversed(range(len(cuts) + 1)):
+            top = out if k == len(cuts) else cuts[k][1]
+            bottom = x if k == 0 else cuts[k - 1][0]
+            xs = [bottom] if bottom.requires_grad else []
+            mine = [(m, y) for m, y, seg in late if seg == k]
+            inputs = xs + [y for _, y in mine] + now
+            if k < len(cuts) and grad is None:      # nothing reached the segment above
+                grad = torch.zeros_like(top)
+            grads = torch.autograd.grad(top, inputs, grad_outputs=grad, retain_graph=True,
+                                        allow_unused=True) if inputs else ()
+            grad = grads[0] if xs else None
+            n = len(xs)
+            pending += [(y, g, _own(m)) for (m, y), g in zip(mine, grads[n:n + len(mine)])
+                        if g is not None]
+            for i, g in enumerate(grads[n + len(mine):]):
+                if g is not None:
+                    sums[i] = g if sums[i] is None else sums[i] + g
+    dx = grad
     with torch.no_grad():
-        for p, g in zip(now, grads[k + len(late):]):
+        for p, g in zip(now, sums):
             if g is not None:
                 if p.grad is None:
                     p.grad = g

@@ -44,7 +44,7 @@ from .simulate import Event
 class _Live:
     x: torch.Tensor | None               # the stage input (requires grad past stage 0)
     out: torch.Tensor | None             # the stage output, or the scaled loss on the last stage
-    captured: list = field(default_factory=list)    # split backward: (module, output) from F
+    captured: object = None     # split backward: the Capture of F (outputs, graph cuts)
     pending: list = field(default_factory=list)     # split backward: what W still has to do
 
 
@@ -241,11 +241,11 @@ class PipelineExecutor:
             x.requires_grad_(x.is_floating_point())
         last = s == self.schedule.num_stages - 1
         args = (x, st.ts[a.microbatch]) if last and self.stage_loss else (x,)
-        captured = []
+        captured = None
         if self._split is not None:
-            with Capture(self._split[a.chunk][0]) as cap:
+            leaves, _, cuts = self._split[a.chunk]
+            with Capture(leaves, cuts) as captured:
                 y = self.stages[a.chunk](*args)
-            captured = cap.outputs
         else:
             y = self.stages[a.chunk](*args)
         if self.activation is not None and s < self.schedule.num_stages - 1 and \
@@ -273,7 +273,7 @@ class PipelineExecutor:
         else:
             dx, live.pending = backward_input(live.out, grad, x, live.captured,
                                               self._split[a.chunk][1])
-            live.x, live.out, live.captured = None, None, []    # W needs only `pending`
+            live.x, live.out, live.captured = None, None, None    # W needs only `pending`
             if self.grads_set is not None:      # what B set by hand: all but W's parameters
                 late = {id(p) for _, _, params in live.pending for p in params}
                 self.grads_set(a.chunk, [p for p in self.stages[a.chunk].parameters()
