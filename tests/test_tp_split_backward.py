@@ -108,12 +108,11 @@ def test_split_backward_cuts_the_stage_graph_at_its_layers():
     assert len(cuts) == 4 and not eager
     with Capture(leaves, cuts) as cap:
         y = model(x)
-    assert len(cap.inputs) == 4 and [k for _, _, k in cap.outputs] == sorted(
-        k for _, _, k in cap.outputs)
+    assert len(cap.inputs) == 4 and [k for _, _, k, _ in cap.outputs] == sorted(
+        k for _, _, k, _ in cap.outputs)
     sizes = {}
-    for m, out, k in cap.outputs:
-        if out is None:             # (y, bias) for a fused bias add: its gradients come in B
-            continue
+    for m, out, k, _ in cap.outputs:
+        assert out is not None, f"{type(m).__name__} of layer {k}: its weight cannot wait for W"
         walked = _reachable(out.grad_fn)
         assert not any(getattr(n, "variable", None) is x for n in walked), \
             f"{type(m).__name__} of layer {k}: its W call would walk down to the stage input"
@@ -121,7 +120,7 @@ def test_split_backward_cuts_the_stage_graph_at_its_layers():
     # The same module in every layer walks the same graph, however deep the layer.
     assert all(len(s) <= 2 for s in sizes.values()), sizes
     dx, pending = backward_input(y, dy, x, cap, eager)
-    assert len(pending) == sum(out is not None for _, out, _ in cap.outputs) > 0
+    assert len(pending) == len(leaves) and all(p.grad is None for p in model.parameters())
     backward_weight(pending)
     for a, b in zip([p.grad for p in model.parameters()] + [dx], plain):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), (a - b).abs().max()

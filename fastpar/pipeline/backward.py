@@ -49,8 +49,10 @@ def deferrable(stage: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter], l
 
 
 class Capture:
-    """Records, while a forward runs inside it, ``(module, output, segment)`` for the given
-    modules in ``outputs``, and cuts the graph at the input of each of ``cuts``: ``inputs`` holds
+    """Records, while a forward runs inside it, ``(module, output, segment, parameters)`` for the
+    given modules in ``outputs`` (the parameters whose gradients can come from that output: a
+    module that returns ``(y, bias)``, for a fused bias add downstream, defers its weight through
+    ``y``; the bias it hands on gets its gradient in B), and cuts the graph at the input of each of ``cuts``: ``inputs`` holds
     ``(leaf, source)`` per cut, the detached input the module got and the tensor it replaced."""
 
     def __init__(self, modules: list[nn.Module], cuts: list[nn.Module] = ()):
@@ -58,8 +60,13 @@ class Capture:
         self.outputs, self.inputs, self._handles = [], [], []
 
     def _hook(self, module, args, output):
+        rest = ()
+        if isinstance(output, (tuple, list)) and output:
+            output, rest = output[0], output[1:]
         ok = isinstance(output, torch.Tensor) and output.requires_grad
-        self.outputs.append((module, output if ok else None, len(self.inputs)))
+        handed = {id(t) for t in rest if isinstance(t, nn.Parameter)}
+        params = [p for p in _own(module) if id(p) not in handed] if ok else []
+        self.outputs.append((module, output if ok and params else None, len(self.inputs), params))
 
     def _cut(self, module, args):
         if not args or not isinstance(args[0], torch.Tensor) or not args[0].requires_grad:
@@ -79,8 +86,8 @@ class Capture:
         self._handles = []
         # A module whose parameters the forward used without calling it (a slice of a learned
         # position table) has no output to defer from: its gradients are computed in B.
-        called = {id(m) for m, _, _ in self.outputs}
-        self.outputs += [(m, None, 0) for m in self.modules if id(m) not in called]
+        called = {id(m) for m, *_ in self.outputs}
+        self.outputs += [(m, None, 0, []) for m in self.modules if id(m) not in called]
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor,
@@ -89,32 +96,31 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     ``(dx, pending)`` with ``pending`` a list of ``(output, output gradient, parameters)``.
     Gradients of ``eager`` parameters (and of modules that cannot wait) are accumulated now.
     One ``autograd.grad`` per segment of ``captured``, the last first."""
-    calls = Counter(id(m) for m, _, _ in captured.outputs)
-    late = [(m, y, k) for m, y, k in captured.outputs if y is not None and calls[id(m)] == 1]
+    calls = Counter(id(m) for m, *_ in captured.outputs)
+    late = [(y, k, ps) for m, y, k, ps in captured.outputs if y is not None and calls[id(m)] == 1]
     now = list(eager)
-    seen = {id(p) for p in now}
-    for m, y, _ in captured.outputs:
-        if y is None or calls[id(m)] > 1:
-            for p in _own(m):
-                if id(p) not in seen:
-                    now.append(p)
-                    seen.add(id(p))
+    seen = {id(p) for p in now} | {id(p) for _, _, ps in late for p in ps}
+    for m, *_ in captured.outputs:
+        for p in _own(m):
+            if id(p) not in seen:
+                now.append(p)
+                seen.add(id(p))
     cuts = captured.inputs
     pending, dx, sums = [], None, [None] * len(now)
-    with backward_phase("input", [p for m, _, _ in late for p in _own(m)]):
+    with backward_phase("input", [p for _, _, ps in late for p in ps]):
         for k in reversed(range(len(cuts) + 1)):
             top = out if k == len(cuts) else cuts[k][1]
             bottom = x if k == 0 else cuts[k - 1][0]
             xs = [bottom] if bottom.requires_grad else []
-            mine = [(m, y) for m, y, seg in late if seg == k]
-            inputs = xs + [y for _, y in mine] + now
+            mine = [(y, ps) for y, seg, ps in late if seg == k]
+            inputs = xs + [y for y, _ in mine] + now
             if k < len(cuts) and grad is None:      # nothing reached the segment above
                 grad = torch.zeros_like(top)
             grads = torch.autograd.grad(top, inputs, grad_outputs=grad, retain_graph=True,
                                         allow_unused=True) if inputs else ()
             grad = grads[0] if xs else None
             n = len(xs)
-            pending += [(y, g, _own(m)) for (m, y), g in zip(mine, grads[n:n + len(mine)])
+            pending += [(y, g, ps) for (y, ps), g in zip(mine, grads[n:n + len(mine)])
                         if g is not None]
             for i, g in enumerate(grads[n + len(mine):]):
                 if g is not None:
