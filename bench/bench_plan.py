@@ -65,7 +65,7 @@ import common  # noqa: E402
 
 from fastpar.models import GPTConfig, get_config  # noqa: E402
 from fastpar.plan import (Cluster, Features, ParallelConfig, Workload, evaluate,  # noqa: E402
-                          get_hardware, search)
+                          get_hardware, search, trainer_features)
 from fastpar.plan.sensitivity import EFFICIENCIES, LINK_SCALES, sensitivity  # noqa: E402
 
 MEGATRON_2021 = Features(tp_overlap=False, dp_overlap=False, flash_attention=False,
@@ -227,8 +227,10 @@ def cpu_once(run: str, layout: dict, steps: int) -> dict:
     measured = statistics.median(max(r[1][i] for r in results) for i in range(2, steps))
     preset, seq, batch, mbs = RUNS[run]
     model = get_config(preset, max_seq_len=max(seq, get_config(preset).max_seq_len))
+    # The CPU trainer's precision ("auto"): fp32 weights, gradients and reductions.
     preds = [evaluate(Workload(model, seq, batch), Cluster(world, world, hw),
-                      ParallelConfig(micro_batch_size=mbs, **layout)).step_time_s
+                      ParallelConfig(micro_batch_size=mbs, **layout),
+                      trainer_features("fp32")).step_time_s
              for hw in results[0][0]]
     predicted = math.sqrt(preds[0] * preds[1])
 

@@ -76,6 +76,8 @@ def test_calibrate_writes_a_profile(tmp_path, capsys, monkeypatch):
     assert len(hw.memory_curve) >= 2 and hw.kernel_overhead_us >= 5.0
     # measured on fastpar's own layer: a forward's and a backward's per-operator overhead
     assert hw.forward_overhead_us >= 5.0 and hw.concurrent_ranks >= 1
+    # a zero-bubble split backward's autograd calls, measured against a plain backward
+    assert hw.split_call_us > 0
     # An existing profile is not replaced unasked; --overwrite replaces it.
     before = (tmp_path / "cpu.json").read_bytes()
     capsys.readouterr()

@@ -23,7 +23,9 @@
   :func:`cost.ring_time`, and of the sizes between, as the ratio of each to the model
   (``link_curve``); how much longer the 64 KB one takes when every rank first computes on its
   own, as in training (``sync_us``, paid once per collective call site); and the host time of
-  posting one pipeline message (``p2p_post_us``).
+  posting one pipeline message (``p2p_post_us``);
+- on a CPU, the host time per autograd call of a zero-bubble split backward (``split_call_us``):
+  the same layers as one pipeline stage, split B and W against a plain backward.
 
 On a CPU every time is the mean of its calls (the step pays the slow ones too); on a GPU the
 median. With several ranks on one machine every rank measures at the same time, as they will
@@ -215,6 +217,38 @@ def measure_layer_overhead(hw: Hardware, device: torch.device, barrier=None,
     return per_f, per_b
 
 
+def measure_split_overhead(device: torch.device, barrier=None, layers: int = 4,
+                           seq_len: int = 4) -> float:
+    """Seconds of host work per autograd call a zero-bubble split backward adds (one per layer
+    in B, one per deferred module in W; the forward's capture hooks with them), measured on
+    fastpar's own layers as one pipeline stage at a shape whose arithmetic is nearly nil: the
+    split step's time less the plain one's, over the calls it makes."""
+    from ..models import GPT, get_config
+    from ..pipeline.backward import Capture, backward_input, backward_weight, deferrable
+
+    config = get_config("tiny", d_model=64, n_heads=2, n_layers=layers)
+    stage = GPT(config, device=device, pre_process=False, post_process=False)
+    leaves, eager, cuts = deferrable(stage)
+    x0 = torch.randn(seq_len, 1, config.d_model, device=device)
+    calls = []
+
+    def plain():
+        x = x0.clone().requires_grad_()
+        y = stage(x)
+        y.backward(torch.ones_like(y))
+
+    def split():
+        x = x0.clone().requires_grad_()
+        with Capture(leaves, cuts) as cap:
+            y = stage(x)
+        _, pending = backward_input(y, torch.ones_like(y), x, cap, eager)
+        backward_weight(pending)
+        calls.append(len(pending) + len(cap.inputs))
+    extra = _timed(split, device, iters=20, barrier=barrier) - \
+        _timed(plain, device, iters=20, barrier=barrier)
+    return max(0.0, extra) / max(1, calls[-1])
+
+
 def measure_attention(device: torch.device, dtype: torch.dtype, overhead: float,
                       shapes=((2, 4, 128, 32), (2, 8, 256, 64), (1, 16, 512, 64)),
                       barrier=None) -> list:
@@ -381,10 +415,12 @@ def measure(name: str = "calibrated", group=None) -> Hardware:
         return hw
     forward, backward = in_turns(lambda b: measure_layer_overhead(
         hw, device, **({"barrier": b} if b is not None else {})))
+    split = in_turns(lambda b: measure_split_overhead(
+        device, **({"barrier": b} if b is not None else {})))
     floor = hw.kernel_overhead_us * 1e-6
     return dataclasses.replace(hw, kernel_overhead_us=1e6 * max(floor, backward),
                                forward_overhead_us=1e6 * max(floor, forward),
-                               concurrent_ranks=concurrent)
+                               split_call_us=1e6 * split, concurrent_ranks=concurrent)
 
 
 def _turns(concurrent: int):

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from ..models import PRESETS, GPTConfig, get_config
+from .cost import trainer_features
 from .hardware import BUILTIN, get_hardware
 from ..mesh.layout import check_sizes, require_positive
 from ..models.parallel_config import ParallelConfig
@@ -79,6 +80,9 @@ def run_plan(args) -> int:
         work = Workload(_model(args), args.seq_len, args.global_batch_size)
         cluster = Cluster(args.gpus, args.gpus_per_node, get_hardware(args.hardware))
         require_positive({"top": args.top}, flags=True)
+        # What the trainer runs on that device with its default precision ("auto"): bf16
+        # weights and fp32 masters on a GPU, fp32 throughout on a CPU.
+        feat = trainer_features("bf16" if cluster.hardware.kind == "gpu" else "fp32")
         if args.tp is not None and args.pp is not None:
             require_positive({"tp": args.tp, "pp": args.pp}, flags=True)
             dp = check_sizes(args.gpus, args.tp, args.pp, None, "--gpus=", cp=args.cp or 1)
@@ -88,12 +92,12 @@ def run_plan(args) -> int:
             cfg = ParallelConfig(args.tp, args.pp, dp,
                                  sequence_parallel=args.sequence_parallel, zero1=args.zero1,
                                  **opts)
-            est = evaluate(work, cluster, cfg)
+            est = evaluate(work, cluster, cfg, feat)
             print(json.dumps(est.to_dict(), indent=2) if args.json else _describe(est))
             return 0 if est.fits else 1
         fixed = {k: getattr(args, k) for k in ("tp", "pp") + _FIXED if getattr(args, k)
                  is not None}
-        best, rejected = search(work, cluster, fixed=fixed, top=args.top)
+        best, rejected = search(work, cluster, feat, fixed=fixed, top=args.top)
     except ValueError as e:
         print(f"fastpar plan: error: {e}", file=sys.stderr)
         return 2

@@ -73,6 +73,10 @@ class Hardware:
     #                                       kernel_overhead_us (measured on a CPU); 0: the same
     p2p_post_us: float = 0.0              # host time to post one send or receive (measured;
     #                                       0 in the built-in profiles: a launch, in the noise)
+    split_call_us: float = 0.0            # host time per autograd call of a zero-bubble split
+    #                                       backward (one per layer in B, one per deferred module
+    #                                       in W, with the forward's capture hooks; measured on a
+    #                                       CPU, 0 in the built-in profiles: hidden by the device)
     link_curve: tuple = ()                # ((bytes of one collective, measured / ring model
     #                                       time), ...): the link's departure from the ring model
     concurrent_ranks: float = 0.0         # on a CPU: ranks of a node that compute at once at
@@ -98,7 +102,7 @@ class Hardware:
             zero_ok = f.name in ("collective_latency_us", "kernel_overhead_us",
                                  "memory_reserve_gb", "attention_efficiency", "activation_gbps",
                                  "sync_us", "concurrent_ranks", "forward_overhead_us",
-                                 "p2p_post_us")
+                                 "p2p_post_us", "split_call_us")
             if value < 0 or (value == 0 and not zero_ok):
                 raise ValueError(f"hardware {self.name!r}: {f.name}={value!r} must be "
                                  f"{'>= 0' if zero_ok else '> 0'}")

@@ -114,6 +114,12 @@ def _stage_costs(work, cluster, cfg, feat, split):
     else:
         exp_f, exp_b = lc.tp_comm_f, lc.tp_comm_b
     layer = (lc.f + exp_f + lc.cp_exposed_f, lc.b + exp_b + lc.cp_exposed_b, lc.w)
+    call = hw.split_call_us * 1e-6 if split else 0.0
+    if call:    # fastpar/pipeline/backward.py: B runs one autograd call per layer, W one per
+        #         deferred module (two norms, the column and the row linears)
+        m = work.model
+        columns = 2 if feat.fused_qkv else 3 + (2 if m.activation == "swiglu" else 1)
+        layer = (layer[0], layer[1] + call, layer[2] + (2 + columns + 2) * call)
     m, E, T = work.model, hw.bytes_per_element, shape.tokens
     act = T * m.d_model * E                        # one (s, b, h) activation
     link = cluster.link_gbps(t)
@@ -153,7 +159,8 @@ def _stage_costs(work, cluster, cfg, feat, split):
         norm = (hf.memory_time(2 * act, norm_f), hw.memory_time(4 * act, norm_b))
     head = (hf.gemm_time(T, logits[1], logits[0]) + ce[0] + norm[0] + ce_ar,
             hw.gemm_time(T, logits[0], logits[1]) + ce[1] + norm[1] + head_ar,
-            hw.gemm_time(logits[0], logits[1], T))
+            hw.gemm_time(logits[0], logits[1], T) + (1 if m.tie_embeddings else 2) * call)
+    embed = (embed[0], embed[1], embed[2] + (0 if m.tie_embeddings else call))
     stages = cfg.pp * cfg.virtual_stages
     if stages == 1:
         ranges = [range(m.n_layers)]
