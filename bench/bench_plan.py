@@ -48,7 +48,8 @@ training step measured on this machine.
    workloads, schedules and layouts than those of 2, fixed before their first run (in sample
    since 2026-12-03). ``--set holdout2``: the ``HOLDOUT2`` cases, fixed on 2026-12-03 after
    that day's changes, with the spread of each case's predictions and, per workload, whether
-   the layout predicted fastest is the one measured fastest.
+   the layout predicted fastest is the one measured fastest (in sample since the split
+   backward's calls were modelled). ``--set holdout3``: the ``HOLDOUT3`` cases, the same way.
 """
 from __future__ import annotations
 
@@ -193,7 +194,27 @@ HOLDOUT2 = [
     ("tiny-s64", dict(tp=1, pp=2, dp=1, schedule="zb-h1")),
     ("tiny-s64", dict(tp=1, pp=2, dp=2, schedule="1f1b")),
 ]
-RUNS = {**CPU_RUNS, **HOLDOUT_RUNS, **HOLDOUT2_RUNS}
+# Third out-of-sample set (--set holdout3). Fixed on 2026-12-03 (morning) before any of these
+# cases was run or predicted, after the model was frozen with the split backward's calls
+# (split_call_us) and the CPU trainer's fp32 precision; every case above is in sample. Two
+# workloads no earlier run used: small at sequence 96 in 4 micro-batches of 4, tiny at sequence
+# 192 in 6 micro-batches of 2. Per workload every 2-rank layout (dp2, tp2, pp2 under 1F1B and
+# ZB-H1) and one 4-rank layout not in the earlier sets (tp2 x dp2; pp4 1F1B). The same targets
+# as HOLDOUT2, all reported, none dropped or rerun alone.
+HOLDOUT3_RUNS = {"small-s96": ("small", 96, 16, 4), "tiny-s192": ("tiny", 192, 12, 2)}
+HOLDOUT3 = [
+    ("small-s96", dict(tp=1, pp=1, dp=2)),
+    ("small-s96", dict(tp=2, pp=1, dp=1)),
+    ("small-s96", dict(tp=1, pp=2, dp=1, schedule="1f1b")),
+    ("small-s96", dict(tp=1, pp=2, dp=1, schedule="zb-h1")),
+    ("small-s96", dict(tp=2, pp=1, dp=2)),
+    ("tiny-s192", dict(tp=1, pp=1, dp=2)),
+    ("tiny-s192", dict(tp=2, pp=1, dp=1)),
+    ("tiny-s192", dict(tp=1, pp=2, dp=1, schedule="1f1b")),
+    ("tiny-s192", dict(tp=1, pp=2, dp=1, schedule="zb-h1")),
+    ("tiny-s192", dict(tp=1, pp=4, dp=1, schedule="1f1b")),
+]
+RUNS = {**CPU_RUNS, **HOLDOUT_RUNS, **HOLDOUT2_RUNS, **HOLDOUT3_RUNS}
 
 
 def _rank(rank, world, layout, steps, out, run):
@@ -291,11 +312,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--repeats", type=int, default=3, help="CPU runs per layout (median)")
     p.add_argument("--models", default="tiny,small", help="CPU runs: " + ",".join(CPU_RUNS))
-    p.add_argument("--set", choices=("dev", "holdout", "holdout2"), default="dev",
+    p.add_argument("--set", choices=("dev", "holdout", "holdout2", "holdout3"), default="dev",
                    help="dev: the published rows and the CPU runs of --models (used while the "
                         "cost model was built); holdout: the CPU cases HOLDOUT (out of sample "
-                        "on 2026-12-01, in sample since); holdout2: the CPU cases HOLDOUT2, "
-                        "fixed on 2026-12-03 before their first run")
+                        "on 2026-12-01, in sample since); holdout2: the CPU cases HOLDOUT2 "
+                        "(in sample since the split backward's calls were modelled); holdout3: "
+                        "the CPU cases HOLDOUT3, fixed before their first run")
     p.add_argument("--sensitivity", action="store_true",
                    help="only print how the published rows' predictions move with "
                         "matmul_efficiency and link bandwidth (arithmetic, no runs)")
@@ -309,11 +331,11 @@ def main() -> None:
         rows = cpu(args.steps, HOLDOUT, args.repeats)
         common.report("plan_holdout", rows, list(rows[0]))
         return
-    if args.set == "holdout2":
-        rows = cpu(args.steps, HOLDOUT2, args.repeats)
-        common.report("plan_holdout2", rows, list(rows[0]))
+    if args.set in ("holdout2", "holdout3"):
+        rows = cpu(args.steps, HOLDOUT2 if args.set == "holdout2" else HOLDOUT3, args.repeats)
+        common.report(f"plan_{args.set}", rows, list(rows[0]))
         picks = fastest(rows)
-        common.report("plan_holdout2_fastest", picks, list(picks[0]))
+        common.report(f"plan_{args.set}_fastest", picks, list(picks[0]))
         return
     if not args.skip_published:
         rows = published(not args.skip_search)
