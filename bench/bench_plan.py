@@ -113,7 +113,7 @@ def published(do_search: bool) -> list[dict]:
             row["best"] = (f"tp{c.tp} pp{c.pp} dp{c.dp} v{c.virtual_stages} "
                            f"mbs{c.micro_batch_size} {c.schedule} {c.recompute}"
                            f"{' sp' if c.sequence_parallel else ''}"
-                           f"{' zero1' if c.zero1 else ''}")
+                           f"{f' zero{c.zero}' if c.zero else ''}")
             row["best_vs_published_cfg"] = round(est.step_time_s / b.step_time_s, 3)
             row["search_s"] = round(time.perf_counter() - t0, 1)
         rows.append(row)

@@ -102,6 +102,9 @@ def _zero_low_precision_and_unused(rank, world):
         every = [torch.empty_like(p) for _ in range(world)]
         torch.distributed.all_gather(every, p.detach())
         assert all(torch.equal(e, p) for e in every), "replicas diverged"
+    # The bf16 parameters are views of the buffers their gathers land in: held once.
+    stores = {t.untyped_storage().data_ptr() for t in zero._full}
+    assert all(p.untyped_storage().data_ptr() in stores for p in model.parameters())
     mine = sum(pc.hi - pc.lo for pc in zero._pieces)   # elements of this rank's shard
     assert zero.state_bytes() >= 3 * 4 * mine           # fp32 master + two fp32 moments
     # A parameter no rank uses is not updated (torch skips a None gradient too).
@@ -174,7 +177,66 @@ def _zero_overlap_step(rank, world):
                              torch.optim.AdamW, overlap_step=True)
 
 
+def _zero2_frees_whole_gradients(rank, world):
+    """ZeRO-2 (stage=2) steps exactly as ZeRO-1, and between a step's reduction and the next
+    backward holds no whole gradient: the buckets' flat buffers have no storage, ``.grad`` is
+    None, and the allocator gets those bytes back (counted by fastpar's CPU allocator)."""
+    from fastpar.extension import CPUMemory
+    if not CPUMemory.installed():
+        CPUMemory.install()
+    bf16 = torch.bfloat16
+    # (parameter dtype, DataParallel options): views, packed, fp32 main grads, + a bf16 wire
+    cases = [(torch.float32, {}), (torch.float32, dict(reduce_dtype=bf16)),
+             (bf16, dict(main_grads=True)), (bf16, dict(main_grads=True, reduce_dtype=bf16))]
+    for dtype, opts in cases:
+        for micro in (1, 2):
+            pair = []
+            for stage in (1, 2):
+                model = DataParallel(_mlp(seed=3, dtype=dtype), bucket_cap_mb=CAP_MB, **opts)
+                pair.append((model, DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2,
+                                                         stage=stage,
+                                                         overlap_param_gather=micro == 2)))
+            what = f"{dtype} {opts} micro={micro}"
+            for step in range(3):
+                for model, opt in pair:
+                    for m in range(micro):
+                        x, y = _batch(10 * step + m, world, rank, dtype)
+                        if m < micro - 1:
+                            with model.no_sync():
+                                F.mse_loss(model(x), y).backward()
+                        else:
+                            F.mse_loss(model(x), y).backward()
+                    opt.clip_grad_norm_(1.0)
+                    opt.step()
+                    opt.zero_grad()
+                (one, o1), (two, o2) = pair
+                o1.finish_param_sync()
+                o2.finish_param_sync()
+                for p, q in zip(one.parameters(), two.parameters()):
+                    assert torch.equal(p, q), f"{what} step {step}: {(p - q).abs().max()}"
+                buckets = two._reducer.buckets
+                assert all(b.released for b in buckets) and \
+                    all(p.grad is None for p in two.parameters()), what
+                flats = [t for b in buckets for t in b._flats()]
+                assert sum(t.untyped_storage().nbytes() for t in flats) == 0, what
+                assert not any(b.released for b in one._reducer.buckets), what
+            # What release frees, the allocator counts: whole gradients, nothing else.
+            whole = sum(t.numel() * t.element_size() for t in flats)
+            before = CPUMemory.allocated()
+            for b in buckets:
+                b.acquire()
+            assert CPUMemory.allocated() - before == whole, what
+            for b in buckets:
+                b.release()
+            assert CPUMemory.allocated() == before, what
+    with pytest.raises(ValueError, match="stage=3 must be 1"):
+        DistributedOptimizer(DataParallel(_mlp()), torch.optim.AdamW, stage=3)
+    with pytest.raises(ValueError, match="stage=2 shards gradients, which needs shard=True"):
+        DistributedOptimizer(DataParallel(_mlp()), torch.optim.AdamW, stage=2, shard=False)
+
+
 def zero_checks(rank, world):
+    _zero2_frees_whole_gradients(rank, world)
     _zero_equals_plain_dp(rank, world)
     _zero_low_precision_and_unused(rank, world)
     _zero_overlap_step(rank, world)

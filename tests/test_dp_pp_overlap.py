@@ -21,7 +21,7 @@ def _one_step(mesh, name, v, zero1, overlap):
     from fastpar.train.trainer import build_model
 
     cfg = TrainConfig(model="tiny", pp=2, schedule=name, virtual_stages=v, seq_len=32,
-                      global_batch_size=16, micro_batch_size=2, zero1=zero1)
+                      global_batch_size=16, micro_batch_size=2, zero=int(zero1))
     M = cfg.num_microbatches(cfg.global_batch_size, mesh.dp_size)
     torch.manual_seed(cfg.seed)
     chunks = build_model(cfg, mesh)
@@ -90,7 +90,7 @@ LAYOUTS = {
     "pp2-dp2-1f1b": dict(pp=2, dp=2, schedule="1f1b"),
     "pp2-dp2-interleaved": dict(pp=2, dp=2, schedule="interleaved", virtual_stages=2),
     "pp2-dp2-zbh1": dict(pp=2, dp=2, schedule="zb-h1"),
-    "pp2-dp2-1f1b-zero1": dict(pp=2, dp=2, schedule="1f1b", zero1=True),
+    "pp2-dp2-1f1b-zero1": dict(pp=2, dp=2, schedule="1f1b", zero=1),
 }
 
 

@@ -10,7 +10,7 @@ from fastpar.train.dry_run import dry_run, format_report
 
 def _cfg(**kw):
     base = dict(model="70b", tp=8, pp=8, seq_len=4096, global_batch_size=256,
-                micro_batch_size=1, zero1=True, sequence_parallel=True, out="unused")
+                micro_batch_size=1, zero=1, sequence_parallel=True, out="unused")
     return TrainConfig(**{**base, **kw})
 
 
@@ -42,7 +42,7 @@ def test_1024_ranks_tp8_pp8_dp16_match_the_memory_model():
 
 
 def test_1024_ranks_with_context_parallelism():
-    rep = dry_run(_cfg(cp=2, pp=4, dp=16, seq_len=8192, zero1=False), 1024, "h100-80gb")
+    rep = dry_run(_cfg(cp=2, pp=4, dp=16, seq_len=8192, zero=0), 1024, "h100-80gb")
     _check_against_the_model(rep, 1024, 4, 80)
     assert rep.layout == "tp8 x cp2 x pp4 x dp16"
     # Without ZeRO-1 every rank keeps the whole optimizer state of its parameters.
@@ -50,13 +50,29 @@ def test_1024_ranks_with_context_parallelism():
 
 
 def test_zero1_divides_the_optimizer_state_by_dp_and_adds_its_buffers():
-    one, sharded = (dry_run(_cfg(model="7b", pp=2, dp=4, zero1=z), 64) for z in (False, True))
+    one, sharded = (dry_run(_cfg(model="7b", pp=2, dp=4, zero=z), 64) for z in (0, 1))
     for a, b in zip(one.roles, sharded.roles):
         assert b.optimizer == pytest.approx(a.optimizer / 4, rel=1e-3)
         # bf16 parameters, fp32 main gradients: the reduce-scatter's 1/4 shard beside each fp32
-        # bucket, and the flat bf16 bucket the updated shards are gathered into
+        # bucket; the parameters are views of the bf16 bucket the shards are gathered into
         assert b.gradients == pytest.approx(a.gradients * 1.25, rel=1e-9)
-        assert b.weights == pytest.approx(2 * a.weights, rel=1e-9)
+        assert b.weights == pytest.approx(a.weights, rel=1e-9)
+
+
+def test_zero2_peaks_whole_gradients_apart_from_activations_with_one_micro_batch():
+    """ZeRO-2 frees whole gradients between a step's reduction and the next backward: with one
+    micro-batch per step (and no pipeline) the peak holds whichever of whole gradients and
+    activations is larger, not both; with accumulation it is ZeRO-1's, to the byte."""
+    kw = dict(model="7b", tp=8, pp=1, dp=8, seq_len=4096, global_batch_size=8)
+    one, two = (dry_run(_cfg(**kw, zero=z), 64) for z in (1, 2))
+    for a, b in zip(one.roles, two.roles):
+        assert b.total == pytest.approx(b.model_total, rel=1e-3)
+        whole = a.params * 4 / 1e9                     # fp32 main gradients
+        assert b.gradients == pytest.approx(a.gradients - min(whole, a.activations), rel=1e-4)
+        assert b.total < a.total and (b.weights, b.optimizer) == (a.weights, a.optimizer)
+    kw["global_batch_size"] = 16                      # two micro-batches: accumulated whole
+    one, two = (dry_run(_cfg(**kw, zero=z), 64) for z in (1, 2))
+    assert [r.total for r in one.roles] == [r.total for r in two.roles]
 
 
 def test_bad_input_is_refused_before_anything_is_built():

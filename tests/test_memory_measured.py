@@ -38,15 +38,18 @@ LAYOUTS = {
         "pp2 gpipe": dict(pp=2, schedule="gpipe"),
         "pp2 interleaved": dict(pp=2, virtual_stages=2, schedule="interleaved"),
         "pp2 zb-h1": dict(pp=2, schedule="zb-h1"),
-        "dp2 zero1": dict(dp=2, zero1=True),
+        "dp2 zero1": dict(dp=2, zero=1),
         "cp2": dict(cp=2),
         "tp2 full recompute": dict(tp=2, recompute="full"),
         "tp2 sp selective recompute": dict(tp=2, sequence_parallel=True, recompute="selective"),
-        "dp2 zero1 bf16": dict(dp=2, zero1=True, precision="bf16"),
+        "dp2 zero1 bf16": dict(dp=2, zero=1, precision="bf16"),
+        # one micro-batch per step: whole gradients and activations peak apart
+        "dp2 zero2 bf16 one micro-batch": dict(dp=2, zero=2, precision="bf16",
+                                               micro_batch_size=4),
     },
     4: {
         "tp2 pp2": dict(tp=2, pp=2),
-        "tp2 sp dp2 zero1": dict(tp=2, sequence_parallel=True, dp=2, zero1=True),
+        "tp2 sp dp2 zero1": dict(tp=2, sequence_parallel=True, dp=2, zero=1),
         "pp2 dp2 zb-h1": dict(pp=2, dp=2, schedule="zb-h1"),
         "cp2 dp2 bf16 reduce": dict(cp=2, dp=2, precision="bf16",
                                     grad_reduce_dtype="bf16"),
@@ -60,7 +63,7 @@ def _measure(rank, world):
     CPUMemory.install()
     out = {}
     for name, dims in LAYOUTS[world].items():
-        cfg = TrainConfig(**BASE, **dims)
+        cfg = TrainConfig(**{**BASE, **dims})
         lay = cfg.check_layout(world)
         mesh = fastpar.init(layout=lay)
         M = cfg.num_microbatches(cfg.global_batch_size, lay.dp)

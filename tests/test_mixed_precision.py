@@ -161,7 +161,8 @@ LAYOUTS = {
     "pp2-zbh1": (2, dict(pp=2, schedule="zb-h1")),
     "dp2": (2, dict(dp=2)),
     "dp2-bf16-reduce": (2, dict(dp=2, grad_reduce_dtype="bf16")),
-    "zero1": (2, dict(dp=2, zero1=True)),
+    "zero1": (2, dict(dp=2, zero=1)),
+    "zero2": (2, dict(dp=2, zero=2)),
     "tp2-pp2": (4, dict(tp=2, pp=2)),
 }
 # bf16 activations and GEMM inputs move the tiny model's loss over 20 steps by at most 0.13%

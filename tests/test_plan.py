@@ -628,7 +628,7 @@ def test_memory_per_gpu_is_evaluates_memory():
     for cfg in (ParallelConfig(tp=2, pp=1, dp=4, micro_batch_size=2),
                 ParallelConfig(tp=1, pp=4, dp=2, micro_batch_size=1, schedule="gpipe"),
                 ParallelConfig(tp=2, pp=2, dp=2, micro_batch_size=2, recompute="full",
-                               sequence_parallel=True, zero1=True)):
+                               sequence_parallel=True, zero=1)):
         est = evaluate(work, cluster, cfg)
         # evaluate() splits the stages by its own time costs; the default split is the
         # trainer's (by FLOPs), the same at pp = 1.

@@ -126,7 +126,7 @@ def test_search_prints_the_train_command_of_its_best_layout(capsys, monkeypatch,
     cfg = seen["cfg"]
     got = dict(tp=cfg.tp, pp=cfg.pp, dp=seen["dp"], micro_batch_size=cfg.micro_batch_size,
                recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
-               zero1=cfg.zero1, virtual_stages=cfg.virtual_stages, cp=cfg.cp)
+               zero=cfg.zero, virtual_stages=cfg.virtual_stages, cp=cfg.cp)
     assert got == {k: best[k] for k in got}
     assert cfg.pp == 1 or cfg.schedule == best["schedule"]
     assert (cfg.global_batch_size, cfg.seq_len, cfg.model) == (64, 2048, "1b")

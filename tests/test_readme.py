@@ -136,7 +136,7 @@ def fast_tier(line, tmp_path, monkeypatch, capsys):
 HANDLERS = {
     "fastpar": help_of,
     "fastpar train": default_run,
-    "fastpar train --zero1": layout_row(2),
+    "fastpar train --zero 1": layout_row(2),
     "fastpar train --tp 2 --pp 2 --schedule 1f1b": layout_row(8),
     "fastpar train --tp 2 --pp 2 --dp 1 --schedule 1f1b": layout_row(4),
     "fastpar train --help": help_of,

@@ -53,6 +53,12 @@ LAYOUTS = {
     "cp2-tp2-sp": (4, dict(cp=2, tp=2, sequence_parallel=True)),
     "cp2-pp2": (4, dict(cp=2, pp=2)),
     "cp2-dp2": (4, dict(cp=2, dp=2)),
+    # ZeRO-2: gradients accumulated whole over 2 micro-batches; one micro-batch per step
+    # (whole gradients freed before every forward); with tp and with pp.
+    "dp2-zero2": (2, dict(dp=2, zero=2)),
+    "dp4-zero2": (4, dict(dp=4, zero=2)),
+    "tp2-dp2-zero2": (4, dict(tp=2, dp=2, zero=2)),
+    "pp2-dp2-zero2": (4, dict(pp=2, dp=2, zero=2)),
 }
 
 
@@ -105,7 +111,7 @@ def test_resume_continues_exactly_and_across_layouts(tmp_path):
     (["--data", "/nonexistent/corpus.txt"], "does not exist"),
     (["--model", "gpt5"], "unknown model 'gpt5'"),
     (["--cp", "2", "--seq-len", "30"], "sequence length 30 is not divisible by 2 x cp = 4"),
-    (["--cp", "2", "--zero1"], "--zero1 with --cp=2 is not supported yet"),
+    (["--cp", "2", "--zero", "1"], "--zero=1 with --cp=2 is not supported yet"),
 ])
 def test_cli_bad_input_is_one_clear_error(tmp_path, capsys, args, needle):
     from fastpar.cli import main
@@ -117,11 +123,11 @@ def test_cli_bad_input_is_one_clear_error(tmp_path, capsys, args, needle):
 
 
 def test_zero1_equals_single_process_and_resumes_exactly(reference, tmp_path):
-    first = _losses(2, tmp_path, dp=2, zero1=True, save_every=10)
+    first = _losses(2, tmp_path, dp=2, zero=1, save_every=10)
     for a, b in zip(first, reference, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
     shutil.rmtree(tmp_path / "checkpoints" / "step_20")
-    resumed = _losses(2, tmp_path, dp=2, zero1=True, resume=True)
+    resumed = _losses(2, tmp_path, dp=2, zero=1, resume=True)
     for a, b in zip(resumed, reference[10:], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
 
@@ -146,7 +152,7 @@ AMP_LAYOUTS = {
     "tp2": (2, dict(tp=2)),
     "tp2-sp": (2, dict(tp=2, sequence_parallel=True)),
     "pp2": (2, dict(pp=2, schedule="1f1b")),
-    "zero1": (2, dict(dp=2, zero1=True)),
+    "zero1": (2, dict(dp=2, zero=1)),
 }
 SHORT = dict(steps=5, warmup_steps=2)
 

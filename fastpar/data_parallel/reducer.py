@@ -22,7 +22,11 @@ from hooks across any number of backward calls, and the schedule calls ``finish`
 When the bucket dtype is the parameters' dtype, each ``.grad`` is a view into the bucket's flat
 buffer: nothing is packed and the average is computed in place. With another ``reduce_dtype``
 the gradients are packed into (and unpacked from) the buffer by the extension's multi-tensor ops.
-Sharded (ZeRO-1) buckets are reduce-scattered into ``shard`` instead of all-reduced.
+Sharded (ZeRO-1) buckets are reduce-scattered into ``shard`` instead of all-reduced. ZeRO-2
+(``enable_sharding(release=True)``) also frees each bucket's whole-model gradient memory (the
+flat buffer, the main gradients, packed ``.grad``) once its shard has landed, and takes it back,
+zeroed where it accumulates, when the next backward's first gradient for the bucket arrives: a
+rank holds whole gradients only from its step's first backward to its reduction.
 
 Main gradients (Megatron's mixed precision, ``main_grads=True``): each bucket also owns an fp32
 flat buffer and each parameter a view of it, ``p.main_grad``. Every backward's hook adds the
@@ -65,6 +69,7 @@ class _Bucket:
         self.shard: torch.Tensor | None = None    # reduce-scatter output when sharded
         self.scratch: torch.Tensor | None = None  # on gloo: the blocks its peers send it
         self.missing: list[tuple[int, bool]] = []  # (position, had no .grad) of unused params
+        self.released = False                     # ZeRO-2: the whole-gradient memory is freed
         self.reset()
         for k, p in enumerate(self.params):       # keep gradients that exist already
             if p.grad is not None and self.in_buffer:
@@ -75,6 +80,33 @@ class _Bucket:
         """Whether gradients live in this bucket's memory (``.grad`` views or ``main_grad``),
         rather than being packed into it at launch."""
         return self.as_views or self.main is not None
+
+    def _flats(self) -> list[torch.Tensor]:
+        return [t for t in {id(t): t for t in (self.main, self.buffer) if t is not None}.values()]
+
+    def release(self) -> None:
+        """ZeRO-2: free the whole gradients (the flat buffers' storage; the views keep it and see
+        it again after :meth:`acquire`); ``.grad`` is None until the next backward."""
+        if self.released:
+            return
+        for p in self.params:
+            p.grad = None
+        for t in self._flats():
+            t.untyped_storage().resize_(0)
+        self.released = True
+
+    def acquire(self) -> None:
+        """Take the memory :meth:`release` freed back: the main gradients zeroed (every backward
+        adds into them), else the padding (the first gradient of each parameter is copied in)."""
+        if not self.released:
+            return
+        for t in self._flats():
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+        if self.main is not None:
+            self.main.zero_()
+        if self.buffer is not self.main:
+            self.buffer[self.spec.numel:].zero_()
+        self.released = False
 
     def reset(self) -> None:
         self.pending = len(self.params)
@@ -146,6 +178,7 @@ class GradReducer:
         self.sync = True              # False inside no_sync(): gradients only accumulate
         self.wait_in_backward = True  # False: a pipeline schedule calls finish() itself
         self.sharded = False
+        self.release_grads = False    # ZeRO-2: free whole gradients once reduced
         self.optimizer = None         # the DistributedOptimizer stepping these buckets, if any
         self.on_reduced = None        # on_reduced(b): bucket b's mean gradient is in place
         self.in_flight = False        # started and not yet finished
@@ -168,13 +201,15 @@ class GradReducer:
 
     def zero_main_grads(self) -> None:
         for bucket in self.buckets:
-            if bucket.main is not None:
+            if bucket.main is not None and not bucket.released:
                 bucket.main.zero_()
 
-    def enable_sharding(self) -> None:
-        """Reduce-scatter every bucket into a 1/world shard instead of all-reducing it."""
+    def enable_sharding(self, release: bool = False) -> None:
+        """Reduce-scatter every bucket into a 1/world shard instead of all-reducing it; with
+        ``release`` (ZeRO-2) free the whole gradients once reduced."""
         if self.in_flight:
             raise RuntimeError("cannot switch to sharded reduction while a reduction is running")
+        self.release_grads = bool(release)
         for bucket in self.buckets:
             bucket.shard = bucket.buffer.new_zeros(bucket.spec.padded_numel // self.world)
             if needs_scratch(self.group):
@@ -191,6 +226,7 @@ class GradReducer:
                 f"bucket's reduction had started, so this step's gradients are not valid; with "
                 f"wait_in_backward=False call finish_gradient_sync() (or run the wrapper's "
                 f"forward) before backwards that are not part of the reduction")
+        bucket.acquire()
         if bucket.in_buffer:
             # A fresh gradient of a reducing backward is divided as it is copied in (one pass
             # over it, not two). Not across several backward calls (wait_in_backward=False): a
@@ -246,6 +282,7 @@ class GradReducer:
         parameters, the used-map)."""
         for b in range(self._next, len(self.buckets)):
             bucket = self.buckets[b]
+            bucket.acquire()
             for k, i in enumerate(bucket.spec.indices):
                 p = bucket.params[k]
                 if not self._touched[i] or (p.grad is None and bucket.main is None):
@@ -311,8 +348,10 @@ class GradReducer:
     def _deliver(self, bucket: _Bucket) -> None:
         """Point .grad at the reduced values; globally unused parameters keep what they had."""
         idx = bucket.spec.indices
-        if self.sharded:
-            return                                   # the optimizer reads bucket.shard
+        if self.sharded:                             # the optimizer reads bucket.shard
+            if self.release_grads:
+                bucket.release()
+            return
         if bucket.main is not None:
             if bucket.buffer is not bucket.main:
                 bucket.main.copy_(bucket.buffer)

@@ -1,4 +1,5 @@
-"""ZeRO-1: each data-parallel rank keeps the optimizer state of its 1/dp shard of the parameters.
+"""ZeRO-1 and ZeRO-2: each data-parallel rank keeps the optimizer state (and, at stage 2, the
+reduced gradients between steps) of its 1/dp shard of the parameters.
 
     model = DataParallel(model, dp_group=mesh.dp_group)
     opt = DistributedOptimizer(model, torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
@@ -25,6 +26,13 @@ reduced, and its gather starts right there; ``step()`` then has nothing left to 
 gradient norm is not known before the first bucket steps, so it rules out ``clip_grad_norm_``
 and ``found_inf`` (as torch's optimizer-in-backward does), and it needs
 ``find_unused_parameters=False``.
+
+``stage=2`` (ZeRO-2) also frees each bucket's whole gradients once its reduce-scatter has landed:
+between a step's reduction and the next backward a rank holds only its gradient shard, and
+whole gradients come back bucket by bucket as the next backward produces them. Gradient
+accumulation keeps whole gradients over the micro-batches (one reduce-scatter per step, as at
+stage 1), so the peak falls only where the step's first backward would have found them
+allocated: one micro-batch per step, where activations and whole gradients now peak apart.
 
 ``shard=False`` keeps the whole optimizer state on every rank (the buckets are all-reduced, each
 rank steps every parameter): with a bf16 model wrapped as ``DataParallel(..., main_grads=True)``
@@ -74,7 +82,7 @@ class DistributedOptimizer:
 
     def __init__(self, model: DataParallel, optimizer_class=torch.optim.AdamW,
                  param_groups: list[dict] | None = None, *, overlap_param_gather: bool = False,
-                 shard: bool = True, overlap_step: bool = False, **defaults):
+                 shard: bool = True, overlap_step: bool = False, stage: int = 1, **defaults):
         if not isinstance(model, DataParallel):
             raise ValueError(f"DistributedOptimizer needs a fastpar DataParallel model, got "
                              f"{type(model).__name__}")
@@ -88,6 +96,12 @@ class DistributedOptimizer:
                 raise ValueError(f"DistributedOptimizer: parameter {name!r} is not contiguous")
         if getattr(reducer, "optimizer", None) is not None:
             raise ValueError("this DataParallel model already has a DistributedOptimizer")
+        if stage not in (1, 2):
+            raise ValueError(f"DistributedOptimizer: stage={stage!r} must be 1 (optimizer "
+                             f"state sharded) or 2 (gradients too)")
+        if stage == 2 and not shard:
+            raise ValueError("DistributedOptimizer: stage=2 shards gradients, which needs "
+                             "shard=True")
         if overlap_param_gather and not shard:
             raise ValueError("overlap_param_gather=True needs shard=True: an unsharded "
                              "optimizer gathers no parameters")
@@ -99,18 +113,21 @@ class DistributedOptimizer:
         self.model, self.overlap_param_gather, self.shard = model, overlap_param_gather, shard
         self._reducer, self._world, self._rank = reducer, model.dp_size, model.dp_rank
         reducer.optimizer = self
+        self.stage = stage if shard else 0
         if shard:
-            reducer.enable_sharding()
+            reducer.enable_sharding(release=stage == 2)
         self._pieces = [pc for b in range(len(reducer.buckets)) for pc in self._cut(b)]
-        # Buckets whose parameters need no separate master (not half/bf16): the parameters
-        # become views of one flat buffer and this rank's shard of it (all of it, unsharded) is
-        # the master, so the optimizer steps the parameters in place and the gather lands in
-        # them (no unpack). Other buckets gather into the buffer and unpack from it.
+        # Every bucket with a gather buffer (all, sharded) makes its parameters views of it
+        # (values copied in): the all-gather of the updated shards lands in the parameters, no
+        # unpack, and a sharded bf16 model holds its weights once. Where the parameters need no
+        # separate master (not half/bf16) this rank's shard of that buffer (all of it,
+        # unsharded) is the master too, so the optimizer steps the parameters in place.
+        # Unsharded bf16 buckets cast their masters into the parameters instead.
         self._in_place = [b.spec.dtype not in _LOW for b in reducer.buckets]
         self._full = [b.buffer.new_empty(b.spec.padded_numel, dtype=b.spec.dtype)
                       if shard or fits else None
                       for b, fits in zip(reducer.buckets, self._in_place)]
-        self._views = [self._adopt_params(b) if self._in_place[b] else None
+        self._views = [self._adopt_params(b) if self._full[b] is not None else None
                        for b in range(len(reducer.buckets))]
         self._master, self._grads = self._shard_buffers()
         self._piece_grads = [self._grads[pc.bucket][pc.lo:pc.hi] for pc in self._pieces]
@@ -283,7 +300,7 @@ class DistributedOptimizer:
 
     def _intact(self, b: int) -> bool:
         """Whether bucket b's parameters are (still) views of its flat buffer."""
-        return self._in_place[b] and \
+        return self._views[b] is not None and \
             [p.data_ptr() for p in self._reducer.buckets[b].params] == self._views[b]
 
     @torch.no_grad()

@@ -30,7 +30,8 @@ class ParallelConfig:
     schedule: str = "1f1b"              # pipeline schedule when pp > 1
     recompute: str = "none"             # activation recomputation: none | selective | full
     sequence_parallel: bool = False     # sequence parallelism inside TP
-    zero1: bool = False                 # shard optimizer state over the DP group
+    zero: int = 0                       # ZeRO stage over the DP group: 1 shards the optimizer
+                                        # state, 2 the gradients as well (0: neither)
     cp: int = 1                         # context-parallel size: each sequence split over cp
                                         # ranks, attention by a key/value ring
 
@@ -43,6 +44,10 @@ class ParallelConfig:
                                                         "micro_batch_size")}, flags=flags)
         if self.dp is not None:
             require_positive({"dp": self.dp}, flags=flags)
+        if self.zero not in (0, 1, 2):
+            shown = "--zero" if flags else "zero"
+            raise ValueError(f"{shown}={self.zero!r} is not one of (0, 1, 2): 1 shards the "
+                             f"optimizer state over the DP group, 2 the gradients as well")
         for name, allowed in (("schedule", tuple(SCHEDULES)), ("recompute", RECOMPUTE)):
             if getattr(self, name) not in allowed:
                 shown = "--" + name if flags else name
@@ -58,8 +63,8 @@ class ParallelConfig:
         dp = lay.dp
         if self.cp > 1:
             check_seq_len(seq_len, self.cp)
-            if self.zero1:
-                raise ValueError(f"--zero1 with --cp={self.cp} is not supported yet (the "
+            if self.zero:
+                raise ValueError(f"--zero={self.zero} with --cp={self.cp} is not supported yet (the "
                                  "optimizer state would be sharded over dp x cp)")
         model.check_tp(self.tp)
         if model.n_layers < self.pp * self.virtual_stages:

@@ -14,9 +14,9 @@ from .planner import Cluster, Workload, evaluate, search
 from ..train.config import TrainConfig
 from ..train.flags import add_flags, flags_of
 
-_FIXED = ("virtual_stages", "micro_batch_size", "schedule", "recompute", "cp")
+_FIXED = ("virtual_stages", "micro_batch_size", "schedule", "recompute", "cp", "zero")
 # The layout fields a plan can pin, as fastpar train names them (dp follows from --gpus).
-LAYOUT_FLAGS = ("tp", "pp") + _FIXED + ("sequence_parallel", "zero1")
+LAYOUT_FLAGS = ("tp", "pp") + _FIXED + ("sequence_parallel",)
 
 
 def add_plan(sub) -> None:
@@ -90,8 +90,7 @@ def run_plan(args) -> int:
             if "schedule" not in opts and opts.get("virtual_stages", 1) > 1:
                 opts["schedule"] = "interleaved"
             cfg = ParallelConfig(args.tp, args.pp, dp,
-                                 sequence_parallel=args.sequence_parallel, zero1=args.zero1,
-                                 **opts)
+                                 sequence_parallel=args.sequence_parallel, **opts)
             est = evaluate(work, cluster, cfg, feat)
             print(json.dumps(est.to_dict(), indent=2) if args.json else _describe(est))
             return 0 if est.fits else 1
@@ -126,12 +125,12 @@ def no_fit(rejected: dict, cluster: Cluster) -> str:
 
 
 def describe_layout(cfg: ParallelConfig) -> str:
-    """``tp=8 pp=4 dp=1 mbs=1 1f1b, full recompute`` (and v, cp, sp, zero1 when used)."""
+    """``tp=8 pp=4 dp=1 mbs=1 1f1b, full recompute`` (and v, cp, sp, zero when used)."""
     words = [f"tp={cfg.tp}", f"pp={cfg.pp}", f"dp={cfg.dp}"]
     words += [f"cp={cfg.cp}"] * (cfg.cp > 1) + [f"v={cfg.virtual_stages}"] * \
         (cfg.virtual_stages > 1) + [f"mbs={cfg.micro_batch_size}"]
     words += [cfg.schedule] * (cfg.pp > 1) + ["sp"] * cfg.sequence_parallel + \
-        ["zero1"] * cfg.zero1
+        [f"zero{cfg.zero}"] * bool(cfg.zero)
     return " ".join(words) + f", {cfg.recompute} recompute"
 
 
@@ -164,7 +163,7 @@ def train_command(cfg: ParallelConfig, work: Workload, cluster: Cluster,
 
 _COLUMNS = (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("v", "virtual_stages"),
             ("mbs", "micro_batch_size"), ("schedule", "schedule"), ("recompute", "recompute"),
-            ("sp", "sequence_parallel"), ("zero1", "zero1"), ("step s", "step_time_s"),
+            ("sp", "sequence_parallel"), ("zero", "zero"), ("step s", "step_time_s"),
             ("TFLOP/s", "tflops_per_gpu"), ("MFU", "mfu"), ("GB/GPU", "memory_gb_per_gpu"),
             ("bubble", "bubble_fraction"))
 

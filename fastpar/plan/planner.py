@@ -228,19 +228,40 @@ def _memory(work, cluster, cfg, feat, ranges, peaks) -> dict:
 
 def bytes_per_param(cfg: ParallelConfig, feat: Features, hw) -> tuple[float, float, float]:
     """Bytes per parameter of ``cfg``'s weights, gradients and optimizer state on ``hw``: the
-    trainer's under its precision (``feat``), with what ZeRO-1 shards and adds. Each bucket's
+    trainer's under its precision (``feat``), with what ZeRO-1 shards and adds (ZeRO-2 the
+    same; it frees the whole gradients between a step's reduction and the next backward, which
+    :func:`gradient_bytes` counts). Each bucket's
     reduce-scatter lands in a 1/dp shard of its own beside the bucket (gloo's pairwise
     reduce-scatter, ``hw.kind == "cpu"``, also keeps (dp-1)/dp of scratch), copied into an fp32
-    shard for the optimizer when reduced in bf16; bf16 parameters are gathered into a flat bucket
-    and unpacked from it (fastpar/data_parallel/reducer.py ``enable_sharding``, zero.py
-    ``_shard_buffers``)."""
+    shard for the optimizer when reduced in bf16; the parameters are views of the flat buffer
+    their bucket's updated shards are gathered into, at any precision (fastpar/data_parallel/
+    reducer.py ``enable_sharding``, zero.py ``_shard_buffers``, ``_adopt_params``)."""
     weight, grad, opt = feat.weight_bytes, feat.grad_bytes, feat.optimizer_bytes
-    if cfg.zero1 and cfg.dp > 1:
+    if cfg.zero and cfg.dp > 1:
         opt /= cfg.dp
         grad += feat.reduce_bytes * (1 if hw.kind == "cpu" else 1 / cfg.dp)
         grad += 4 / cfg.dp if feat.reduce_bytes < 4 else 0
-        weight += weight if feat.weight_bytes < 4 else 0
     return weight, grad, opt
+
+
+def grads_apart(cfg: ParallelConfig, work: Workload) -> bool:
+    """Whether ``cfg``'s whole gradients and its activations peak apart: under ZeRO-2 with one
+    micro-batch per step and no pipeline, the gradients come back only as the backward frees
+    the activations (fastpar/data_parallel/reducer.py ``acquire``). With gradient
+    accumulation (or a pipeline's micro-batches) every forward after the first finds the whole
+    gradients allocated, as under ZeRO-1."""
+    return cfg.zero >= 2 and (cfg.dp or 1) > 1 and cfg.pp == 1 and \
+        cfg.num_microbatches(work.global_batch) == 1
+
+
+def gradient_bytes(cfg, work, feat, hw, grads: float, acts: float) -> float:
+    """Bytes of gradients a rank holds at its peak, for ``grads`` gradient elements (its
+    buckets' padded sizes, or its parameters) and ``acts`` bytes of peak activations: what
+    :func:`bytes_per_param` gives, less, where they peak apart (:func:`grads_apart`), the
+    whole gradients the activations leave room for."""
+    whole = grads * feat.grad_bytes
+    held = grads * bytes_per_param(cfg, feat, hw)[1]
+    return held - min(whole, acts) if grads_apart(cfg, work) else held
 
 
 def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> list[dict]:
@@ -288,8 +309,9 @@ def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> li
                 # the head keeps its gathered input (fastpar.models.gpt: gathered again only
                 # under recompute)
                 acts += E * shape.tokens * m.d_model * (1 - 1 / t)
-        weight, grad, opt = bytes_per_param(cfg, feat, hw)
-        row = {"weights": params * weight, "gradients": params * grad,
+        weight, _, opt = bytes_per_param(cfg, feat, hw)
+        row = {"weights": params * weight,
+               "gradients": gradient_bytes(cfg, work, feat, hw, params, acts),
                "optimizer": params * opt, "activations": acts,
                "reserve": hw.memory_reserve_gb * 1e9, "params_per_gpu": params}
         row["total"] = sum(v for k, v in row.items() if k != "params_per_gpu")
@@ -307,9 +329,9 @@ def _dp_time(cluster, cfg, feat, params, last_backward) -> float:
     # tp) per node.
     per_node = min(dp, max(1, cluster.gpus_per_node // cfg.tp))
     nbytes, link = params * feat.grad_bytes, cluster.link_gbps(cfg.tp * dp, per_node)
-    reduce = cost.collective_time("reduce_scatter" if cfg.zero1 else "all_reduce", nbytes, dp,
+    reduce = cost.collective_time("reduce_scatter" if cfg.zero else "all_reduce", nbytes, dp,
                                   link, hw)
-    gather = cost.collective_time("all_gather", nbytes, dp, link, hw) if cfg.zero1 else 0.0
+    gather = cost.collective_time("all_gather", nbytes, dp, link, hw) if cfg.zero else 0.0
     hidden = feat.dp_overlap if cfg.pp == 1 else feat.dp_overlap_pipeline
     if hidden and hw.kind != "cpu":
         buckets = max(1, round(nbytes / (feat.bucket_mb * 1e6)))
@@ -367,7 +389,7 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
     # Adam reads weight, gradient and both moments and writes three; clipping reads the grads.
     # Multi-tensor kernels on a GPU; off CUDA torch's foreach ops loop over the tensors.
     kernels = GPU_OPTIMIZER_KERNELS if hw.kind != "cpu" else CPU_OPTIMIZER_OPS_PER_TENSOR * tensors
-    optimizer = slow * hw.memory_time(params / (cfg.dp if cfg.zero1 else 1)
+    optimizer = slow * hw.memory_time(params / (cfg.dp if cfg.zero else 1)
                                       * OPTIMIZER_STEP_BYTES, kernels)
     step = sim.step_time + accumulate + dp_exposed + optimizer + _step_collectives(cluster, cfg)
     tokens = work.global_batch * work.seq_len
@@ -411,7 +433,7 @@ def _step_collectives(cluster: Cluster, cfg: ParallelConfig) -> float:
     world = cfg.tp * cfg.cp * cfg.pp * cfg.dp
     total = ar(cfg.pp, world) + ar(cfg.dp * cfg.cp, cfg.tp * cfg.cp * cfg.dp)     # the loss
     total += ar(cfg.tp, cfg.tp) + ar(cfg.pp, world)                  # the gradient norm
-    total += ar(cfg.dp, cfg.tp * cfg.dp) if cfg.zero1 else 0.0
+    total += ar(cfg.dp, cfg.tp * cfg.dp) if cfg.zero else 0.0
     return total + ar(world, world)                                  # the non-finite check
 
 
@@ -462,9 +484,11 @@ def candidates(work: Workload, cluster: Cluster, fixed: dict | None = None):
                 for name, v in scheds:
                     for rec in RECOMPUTE:
                         for sp in ((False, True) if tp > 1 else (False,)):
-                            for zero1 in ((False, True) if dp > 1 else (False,)):
-                                cfg = ParallelConfig(tp, pp, dp, v, mbs, name, rec, sp, zero1,
+                            for zero in ((0, 1, 2) if dp > 1 else (0,)):
+                                cfg = ParallelConfig(tp, pp, dp, v, mbs, name, rec, sp, zero,
                                                      cp)
+                                if zero == 2 and not grads_apart(cfg, work):
+                                    continue        # ZeRO-1's time and memory, to the byte
                                 if any(getattr(cfg, k) != val for k, val in fixed.items()):
                                     continue
                                 try:

@@ -2,7 +2,7 @@
 process, without data, GPUs or FLOPs.
 
     fastpar train --model 70b --tp 8 --pp 8 --dp 16 --seq-len 4096 --micro-batch-size 1 \\
-        --global-batch-size 256 --zero1 --sequence-parallel --dry-run --hardware h100-80gb
+        --global-batch-size 256 --zero 1 --sequence-parallel --dry-run --hardware h100-80gb
 
     report = dry_run(cfg, world_size=1024, hardware="h100-80gb")   # from Python
     print(format_report(report))
@@ -116,10 +116,12 @@ def dry_run(cfg, world_size: int, hardware: str = "h100-80gb") -> DryRunReport:
         specs = bucket_specs([(q.numel(), dtype) for q in params], dp, None, reduce,
                              mode == "bf16")
         buffered = sum(s.padded_numel for s in specs)
-        stepped = buffered // dp if cfg.zero1 and dp > 1 else n
+        stepped = buffered // dp if cfg.zero and dp > 1 else n
         row = rows[p]
-        weight, grad, _ = planner.bytes_per_param(layout, feat, hw)
-        mine = {"weights": n * weight / 1e9, "gradients": buffered * grad / 1e9,
+        weight, _, _ = planner.bytes_per_param(layout, feat, hw)
+        grads = planner.gradient_bytes(layout, work, feat, hw, buffered,
+                                       row["activations"] * 1e9)
+        mine = {"weights": n * weight / 1e9, "gradients": grads / 1e9,
                 "optimizer": stepped * feat.optimizer_bytes / 1e9,
                 "activations": row["activations"], "reserve": row["reserve"]}
         layers = sorted(int(i) for c in chunks for i in c.layers.keys())

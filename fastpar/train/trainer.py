@@ -78,7 +78,8 @@ def _wrap(cfg: TrainConfig, chunks, mesh):
 
     ``--precision bf16`` (Megatron's mixed precision): the parameters become bf16 (buffers such
     as rotary tables stay fp32), DataParallel keeps fp32 main gradients and the optimizer steps
-    fp32 master weights. ``--zero1`` (dp > 1) shards the optimizer state over the DP group. At
+    fp32 master weights. ``--zero 1`` (dp > 1) shards the optimizer state over the DP group, ``--zero 2`` the
+    gradients as well (ZeRO-2: whole gradients freed once reduced). At
     dp = 1 nothing is reduced: the wrapper only gives every layout the same optimizer, which
     clips over the layout's groups and saves its own state."""
     mixed = cfg.bf16_params(mesh.device.type)
@@ -94,8 +95,9 @@ def _wrap(cfg: TrainConfig, chunks, mesh):
                        reduce_dtype=reduce_dtype)
     # Fused AdamW: one kernel per parameter group, and it skips a non-finite step on the device.
     kernel = dict(fused=True) if mesh.device.type in _fused_devices() else dict(foreach=True)
+    sharded = cfg.zero >= 1 and mesh.dp_size > 1
     return ddp, DistributedOptimizer(ddp, torch.optim.AdamW, _param_groups(chunks, cfg.weight_decay),
-                                     shard=cfg.zero1 and mesh.dp_size > 1, lr=cfg.lr,
+                                     shard=sharded, stage=cfg.zero if sharded else 1, lr=cfg.lr,
                                      betas=(0.9, 0.95), eps=1e-8, **kernel)
 
 
