@@ -112,7 +112,9 @@ def test_split_backward_cuts_the_stage_graph_at_its_layers():
         k for _, _, k, _ in cap.outputs)
     sizes = {}
     for m, out, k, _ in cap.outputs:
-        assert out is not None, f"{type(m).__name__} of layer {k}: its weight cannot wait for W"
+        if out is None:             # (y, bias) for a fused bias add: its gradients come in B
+            assert type(m).__name__ == "RowParallelLinear"
+            continue
         walked = _reachable(out.grad_fn)
         assert not any(getattr(n, "variable", None) is x for n in walked), \
             f"{type(m).__name__} of layer {k}: its W call would walk down to the stage input"
@@ -120,7 +122,9 @@ def test_split_backward_cuts_the_stage_graph_at_its_layers():
     # The same module in every layer walks the same graph, however deep the layer.
     assert all(len(s) <= 2 for s in sizes.values()), sizes
     dx, pending = backward_input(y, dy, x, cap, eager)
-    assert len(pending) == len(leaves) and all(p.grad is None for p in model.parameters())
+    late = {id(p) for _, _, ps in pending for p in ps}
+    assert len(pending) == sum(out is not None for _, out, _, _ in cap.outputs) > 0
+    assert all((p.grad is None) == (id(p) in late) for p in model.parameters())
     backward_weight(pending)
     for a, b in zip([p.grad for p in model.parameters()] + [dx], plain):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), (a - b).abs().max()

@@ -25,6 +25,7 @@ from collections import Counter
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
 
 from ..split_backward import backward_phase
 
@@ -50,9 +51,10 @@ def deferrable(stage: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter], l
 
 class Capture:
     """Records, while a forward runs inside it, ``(module, output, segment, parameters)`` for the
-    given modules in ``outputs`` (the parameters whose gradients can come from that output: a
-    module that returns ``(y, bias)``, for a fused bias add downstream, defers its weight through
-    ``y``; the bias it hands on gets its gradient in B), and cuts the graph at the input of each of ``cuts``: ``inputs`` holds
+    given modules in ``outputs`` (the parameters W computes from that output; none for a module
+    whose output is not one tensor, such as a row linear's ``(y, bias)`` for a fused bias add:
+    deferring its weight through ``y`` would keep everything upstream of ``y`` until W, the
+    attention core's and the MLP activation's saved tensors included), and cuts the graph at the input of each of ``cuts``: ``inputs`` holds
     ``(leaf, source)`` per cut, the detached input the module got and the tensor it replaced."""
 
     def __init__(self, modules: list[nn.Module], cuts: list[nn.Module] = ()):
@@ -60,13 +62,9 @@ class Capture:
         self.outputs, self.inputs, self._handles = [], [], []
 
     def _hook(self, module, args, output):
-        rest = ()
-        if isinstance(output, (tuple, list)) and output:
-            output, rest = output[0], output[1:]
         ok = isinstance(output, torch.Tensor) and output.requires_grad
-        handed = {id(t) for t in rest if isinstance(t, nn.Parameter)}
-        params = [p for p in _own(module) if id(p) not in handed] if ok else []
-        self.outputs.append((module, output if ok and params else None, len(self.inputs), params))
+        self.outputs.append((module, output if ok else None, len(self.inputs),
+                             _own(module) if ok else []))
 
     def _cut(self, module, args):
         if not args or not isinstance(args[0], torch.Tensor) or not args[0].requires_grad:
@@ -93,7 +91,8 @@ class Capture:
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor,
                    captured: Capture, eager: list[nn.Parameter]):
     """B: the gradient of ``x`` (None if it needs none) and what W needs, as
-    ``(dx, pending)`` with ``pending`` a list of ``(output, output gradient, parameters)``.
+    ``(dx, pending)`` with ``pending`` a list of ``(output's gradient edge, output gradient,
+    parameters)``.
     Gradients of ``eager`` parameters (and of modules that cannot wait) are accumulated now.
     One ``autograd.grad`` per segment of ``captured``, the last first."""
     calls = Counter(id(m) for m, *_ in captured.outputs)
@@ -120,8 +119,10 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
                                         allow_unused=True) if inputs else ()
             grad = grads[0] if xs else None
             n = len(xs)
-            pending += [(y, g, ps) for (y, ps), g in zip(mine, grads[n:n + len(mine)])
-                        if g is not None]
+            # W starts from each output's place in the graph, not the tensor: an output no
+            # later operator saved (a row linear's, added into the residual) is freed now.
+            pending += [(get_gradient_edge(y), g, ps)
+                        for (y, ps), g in zip(mine, grads[n:n + len(mine)]) if g is not None]
             for i, g in enumerate(grads[n + len(mine):]):
                 if g is not None:
                     sums[i] = g if sums[i] is None else sums[i] + g

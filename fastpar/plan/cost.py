@@ -468,10 +468,11 @@ def activation_bytes(shape: Shape, recompute: str, feat: Features = FASTPAR,
 def waiting_grad_bytes(shape: Shape, bytes_per_element: int = 2) -> float:
     """Bytes one layer holds per micro-batch between a zero-bubble schedule's B and its W, on top
     of its activations (which B keeps for W: ``retain_graph``): the output gradient of every
-    module whose weight gradient waits for W (fastpar/pipeline/backward.py, ``backward_input``),
-    the two norms, q/k/v, o, the first MLP linear (gate and up) and the second."""
+    module whose weight gradient waits for W (fastpar/pipeline/backward.py, ``backward_input``):
+    the two norms, q/k/v and the first MLP linear (gate and up). The row linears (o and the
+    second MLP linear) hand their bias to a fused add and get their weight gradients in B."""
     m, t, E, T = shape.model, shape.tp, bytes_per_element, shape.tokens
     rep = T * m.d_model / (t if shape.sp else 1)
     q, kv = T * m.n_heads * m.head_dim / t, T * m.kv_heads * m.head_dim / t
     f = T * m.ffn_dim / t * (2 if m.activation == "swiglu" else 1)
-    return E * (2 * rep + q + 2 * kv + rep + f + rep)
+    return E * (2 * rep + q + 2 * kv + f)

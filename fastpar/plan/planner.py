@@ -114,12 +114,16 @@ def _stage_costs(work, cluster, cfg, feat, split):
     else:
         exp_f, exp_b = lc.tp_comm_f, lc.tp_comm_b
     layer = (lc.f + exp_f + lc.cp_exposed_f, lc.b + exp_b + lc.cp_exposed_b, lc.w)
+    if split:   # fastpar/pipeline/backward.py: the row linears' (o, down) weight GEMMs run in B
+        mats = cost._linears(shape)
+        rows = hw.gemm_time(*mats[3]) + hw.gemm_time(*mats[-1])
+        layer = (layer[0], layer[1] + rows, layer[2] - rows)
     call = hw.split_call_us * 1e-6 if split else 0.0
-    if call:    # fastpar/pipeline/backward.py: B runs one autograd call per layer, W one per
-        #         deferred module (two norms, the column and the row linears)
+    if call:    # B runs one autograd call per layer, W one per deferred module (the two norms
+        #         and the column linears)
         m = work.model
         columns = 2 if feat.fused_qkv else 3 + (2 if m.activation == "swiglu" else 1)
-        layer = (layer[0], layer[1] + call, layer[2] + (2 + columns + 2) * call)
+        layer = (layer[0], layer[1] + call, layer[2] + (2 + columns) * call)
     m, E, T = work.model, hw.bytes_per_element, shape.tokens
     act = T * m.d_model * E                        # one (s, b, h) activation
     link = cluster.link_gbps(t)
