@@ -132,6 +132,30 @@ def test_zero1_equals_single_process_and_resumes_exactly(reference, tmp_path):
         assert abs(a - b) <= 1e-5 * abs(b)
 
 
+def test_zero_checkpoints_resume_in_any_layout_and_zero_stage(reference, tmp_path):
+    """A sharded optimizer saves its masters and moments per parameter (gathered over dp): a
+    ZeRO-2 run at dp=2 resumes on the same curve at ZeRO-1 dp=4 and without ZeRO at dp=1, and
+    a run without ZeRO resumes under ZeRO-2 (the moments sliced into the new shards)."""
+    ckpt = tmp_path / "checkpoints"
+    first = _losses(2, tmp_path, dp=2, zero=2, save_every=10)
+    for a, b in zip(first, reference, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    manifest = json.loads((ckpt / "step_10" / "manifest.json").read_text())
+    assert not manifest["zero1"] and not list((ckpt / "step_10").glob("rank*.safetensors"))
+    for kwargs in (dict(dp=4, zero=1), dict(dp=1), dict(tp=2, dp=2, zero=2)):
+        shutil.rmtree(ckpt / "step_20")
+        world = kwargs.get("dp", 1) * kwargs.get("tp", 1)
+        resumed = _losses(world, tmp_path, resume=True, **kwargs)
+        for a, b in zip(resumed, reference[10:], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), kwargs
+    plain = tmp_path / "plain"                 # written without ZeRO, resumed under ZeRO-2
+    _losses(1, plain, save_every=10)
+    shutil.rmtree(plain / "checkpoints" / "step_20")
+    resumed = _losses(2, plain, resume=True, dp=2, zero=2)
+    for a, b in zip(resumed, reference[10:], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b)
+
+
 def test_cp_checkpoint_resumes_without_cp(reference, tmp_path):
     """CP ranks hold the same weights: a cp=2 checkpoint (written by cp rank 0) resumes at
     cp=1 on the same curve."""

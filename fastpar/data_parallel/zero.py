@@ -55,9 +55,10 @@ from ..mesh import collectives
 from ..mesh.profiling import span
 from .comm import all_gather_async
 from .data_parallel import DataParallel
-from .zero_state import StateByParam, group_index, group_options
+from .zero_state import StateByParam, WholeState, group_index, group_options
 
 _LOW = (torch.float16, torch.bfloat16)
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -446,6 +447,73 @@ class DistributedOptimizer:
         sd["optimizer"]["state"] = state
         self.load_state_dict({**sd, "master": [flat[f"master.{b}"]
                                                for b in range(len(sd["master"]))]})
+
+    @torch.no_grad()
+    def whole_state(self) -> WholeState:
+        """Every parameter's fp32 master and optimizer state, whole and shaped like it (what a
+        checkpoint saves per parameter, loadable into any layout and ZeRO stage). Sharded, each
+        bucket's master and moment shards are all-gathered over the dp group: every rank of
+        the group calls it, and it holds 12 bytes per parameter until dropped."""
+        self.finish_param_sync()
+        out = WholeState()
+        steps: dict[int, float] = {}
+        for pc, sp in zip(self._pieces, self._shard_params):
+            st = self.optimizer.state.get(sp, {})
+            if "step" in st:
+                steps[pc.param] = float(torch.as_tensor(st["step"]))
+        if self.shard and self._world > 1:
+            every: list = [None] * self._world
+            dist.all_gather_object(every, steps, group=self.model.dp_group)
+            steps = {i: max(d[i] for d in every if i in d) for d in every for i in d}
+        for b, bucket in enumerate(self._reducer.buckets):
+            spec, master = bucket.spec, self._master[b]
+            mine = [(pc, sp) for pc, sp in zip(self._pieces, self._shard_params)
+                    if pc.bucket == b]
+            flats = {"master": master.float()}
+            for key in _MOMENTS:
+                flat = torch.zeros(master.numel(), dtype=torch.float32, device=master.device)
+                for pc, sp in mine:
+                    st = self.optimizer.state.get(sp, {})
+                    if key in st:
+                        flat[pc.lo:pc.hi] = st[key].reshape(-1)
+                flats[key] = flat
+            if self.shard and self._world > 1:
+                for key, flat in flats.items():
+                    whole = flat.new_empty(spec.padded_numel)
+                    all_gather_async(whole, flat.contiguous(), self.model.dp_group).wait()
+                    flats[key] = whole
+            for k, (i, off, n) in enumerate(zip(spec.indices, spec.offsets, spec.numels)):
+                p = self._reducer.params[i]
+                out.masters[p] = flats["master"][off:off + n].view(p.shape)
+                if i in steps:
+                    out.state[p] = {key: flats[key][off:off + n].view(p.shape)
+                                    for key in _MOMENTS}
+                    out.state[p]["step"] = torch.tensor(steps[i])
+        self._reducer.stream.join()
+        return out
+
+    @torch.no_grad()
+    def load_whole_state(self, whole: WholeState) -> None:
+        """Load :meth:`whole_state`'s kind of state (from a checkpoint of any layout and ZeRO
+        stage): this rank's slice of each master and moment, then the parameters gathered."""
+        by_index = {id(p): i for i, p in enumerate(self._reducer.params)}
+        masters = {by_index[id(p)]: m for p, m in whole.masters.items() if id(p) in by_index}
+        states = {by_index[id(p)]: st for p, st in whole.state.items() if id(p) in by_index}
+        placed = StateByParam(self)
+        for pc, sp in zip(self._pieces, self._shard_params):
+            lo, n = pc.start, pc.hi - pc.lo
+            m = masters.get(pc.param)
+            if m is not None:
+                self._master[pc.bucket][pc.lo:pc.hi].copy_(m.reshape(-1)[lo:lo + n])
+            st = states.get(pc.param)
+            if st and all(k in st for k in _MOMENTS):
+                target = placed._wrap(sp)
+                for key in _MOMENTS:
+                    target[key] = st[key].reshape(-1)[lo:lo + n].to(sp.device, sp.dtype) \
+                        .reshape(sp.shape).clone()
+                target["step"] = torch.as_tensor(st["step"]).reshape(()).clone()
+        self._launch_gathers()
+        self.finish_param_sync()
 
     @property
     def param_groups(self):

@@ -22,7 +22,10 @@ class StateByParam:
         return default if sp is None else self._opt.optimizer.state.get(sp, default)
 
     def __getitem__(self, p):
-        sp = self._opt._by_param[id(p)]
+        return self._wrap(self._opt._by_param[id(p)])
+
+    def _wrap(self, sp):
+        """The placed state of master (or shard piece) ``sp``."""
         return _PlacedState(self._opt.optimizer.state[sp], sp, self._opt.optimizer.param_groups)
 
 
@@ -52,6 +55,34 @@ class _PlacedState(MutableMapping):
 
     def __len__(self):
         return len(self._state)
+
+
+class WholeState:
+    """Every parameter's fp32 master and optimizer state, shaped like the parameter: what a
+    checkpoint stores per parameter whatever the layout and ZeRO stage that wrote it. Built by
+    :meth:`DistributedOptimizer.whole_state` (gathered over the dp group), or empty as a place
+    to load into (``master_of`` makes a zeroed master on first use), then handed to
+    :meth:`DistributedOptimizer.load_whole_state`. ``state[p]`` is a dict of ``exp_avg``,
+    ``exp_avg_sq`` and ``step``, as torch's ``optimizer.state[p]``."""
+
+    shard = False                   # per parameter, as an unsharded optimizer's
+
+    def __init__(self):
+        self.state: dict = _StateDict()
+        self.masters: dict = {}
+
+    def master_of(self, p: torch.Tensor) -> torch.Tensor:
+        if p not in self.masters:
+            self.masters[p] = torch.zeros_like(p, dtype=torch.float32)
+        return self.masters[p]
+
+
+class _StateDict(dict):
+    """``state[p]`` creates an empty dict on first use, as torch's ``optimizer.state`` does."""
+
+    def __missing__(self, key):
+        self[key] = {}
+        return self[key]
 
 
 def group_options(param_groups) -> list[dict]:

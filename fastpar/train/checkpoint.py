@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..data_parallel.zero_state import WholeState
 from ..models.config import GPTConfig
 from ..tensor_parallel.sharding import shard_specs
 
@@ -30,8 +31,9 @@ _OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def per_param(optimizer):
-    """The optimizer whose state is saved per parameter (loadable into any layout), or None:
-    a sharded (ZeRO-1) optimizer saves its shard per rank instead."""
+    """The optimizer whose state is saved and loaded per parameter as it is, or None: a sharded
+    (ZeRO) optimizer's goes through its :meth:`~fastpar.data_parallel.DistributedOptimizer.
+    whole_state` (gathered over the dp group), so that it too loads into any layout."""
     return None if optimizer is None or getattr(optimizer, "shard", False) else optimizer
 
 
@@ -59,8 +61,7 @@ def snapshot(modules, optimizer, mesh, rank_tensors: dict | None = None,
     rank = mesh.rank if mesh is not None else 0
     tp, pp = (mesh.tp_rank, mesh.pp_rank) if mesh else (0, 0)
     if optimizer is not None and per_param(optimizer) is None:
-        rank_tensors = {**(rank_tensors or {}), **optimizer.shard_tensors()}
-    optimizer = per_param(optimizer)
+        optimizer = optimizer.whole_state()       # every dp rank takes part in the gather
     files: dict[str, dict | str] = {}
     if mesh is None or mesh.replica_rank == 0:      # one copy of each (tp, pp) shard writes it
         tensors, index = {}, {}
@@ -273,6 +274,9 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
     index = _read_indexes(path, verify)
     specs = shard_specs(modules, mesh.tp_size if mesh else 1, mesh.tp_rank if mesh else 0)
     sharded, optimizer = optimizer, per_param(optimizer)
+    old_shards = sharded is not None and optimizer is None and manifest.get("zero1")
+    if sharded is not None and optimizer is None and not old_shards:
+        optimizer = WholeState()        # loaded per parameter, then sliced into the shards
     with torch.no_grad():
         for name, (t, shape, dim, start, stop, base, rows) in specs.items():
             weight = _read_slice(path, index, name, shape, dim, start, stop, verify)
@@ -294,8 +298,10 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
             step = _read_slice(path, index, f"optim.step.{name}", [1], None, 0, 0, verify)
             state["step"] = step.reshape(()).clone()
     rank = mesh.rank if mesh is not None else 0
-    if sharded is not None and optimizer is None:
+    if old_shards:
         _load_shard(path, manifest, sharded, mesh)
+    elif isinstance(optimizer, WholeState):
+        sharded.load_whole_state(optimizer)
     rng = f"rng_rank{rank}.safetensors"
     if (path / rng).exists():
         with _open(path, rng, verify) as st:
@@ -304,9 +310,8 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
 
 
 def _load_shard(path, manifest: dict, opt, mesh) -> None:
-    """A ZeRO-1 optimizer's shard, from the file its rank saved (same layout only)."""
-    if not manifest.get("zero1"):
-        return          # saved without ZeRO: the moments start afresh, the weights are loaded
+    """A ZeRO-1 optimizer's shard from the file its rank saved, in checkpoints written before
+    sharded state was saved per parameter (same layout only)."""
     layout = mesh.layout.sizes()
     if {"cp": 1, **manifest["layout"]} != layout:          # written before cp: cp = 1
         raise ValueError(f"checkpoint {path} holds ZeRO-1 optimizer shards of layout "

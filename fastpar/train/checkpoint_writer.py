@@ -24,7 +24,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from ..mesh.watchdog import CollectiveTimeoutError, default_store, run_prefix
-from .checkpoint import per_param, complete_checkpoints, file_digest, snapshot
+from .checkpoint import complete_checkpoints, file_digest, snapshot
 
 
 class CheckpointWriter:
@@ -55,9 +55,9 @@ class CheckpointWriter:
         self.wait()
         files = snapshot(modules, optimizer, self.mesh, rank_tensors, copy=self.async_save)
         key = self._key()
-        # zero1: the optimizer state is in per-rank files (loadable into this layout only).
-        manifest = dict(manifest, step=step,
-                        zero1=optimizer is not None and per_param(optimizer) is None)
+        # Every optimizer's state is saved per parameter (a sharded one's gathered by
+        # snapshot); "zero1" marks the older per-rank shard files, which load on their layout.
+        manifest = dict(manifest, step=step, zero1=False)
         if self.async_save:
             self._thread = threading.Thread(target=self._run, args=(step, files, manifest, key),
                                             name=f"fastpar-save-{step}", daemon=True)
