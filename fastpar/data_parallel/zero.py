@@ -449,12 +449,14 @@ class DistributedOptimizer:
                                                for b in range(len(sd["master"]))]})
 
     @torch.no_grad()
-    def whole_state(self) -> WholeState:
-        """Every parameter's fp32 master and optimizer state, whole and shaped like it (what a
-        checkpoint saves per parameter, loadable into any layout and ZeRO stage). Sharded, each
-        bucket's master and moment shards are all-gathered over the dp group: every rank of
-        the group calls it, and it holds 12 bytes per parameter until dropped."""
+    def whole_state(self) -> WholeState | None:
+        """Every parameter's fp32 master and optimizer state, whole and shaped like it, on the
+        CPU (what a checkpoint saves per parameter, loadable into any layout and ZeRO stage).
+        Sharded, each bucket's master and moment shards are gathered to dp rank 0, bucket by
+        bucket (the device holds one bucket's at a time): every rank of the dp group calls it,
+        and the others get None."""
         self.finish_param_sync()
+        root = not self.shard or self._rank == 0
         out = WholeState()
         steps: dict[int, float] = {}
         for pc, sp in zip(self._pieces, self._shard_params):
@@ -478,10 +480,15 @@ class DistributedOptimizer:
                         flat[pc.lo:pc.hi] = st[key].reshape(-1)
                 flats[key] = flat
             if self.shard and self._world > 1:
+                group = self.model.dp_group
                 for key, flat in flats.items():
-                    whole = flat.new_empty(spec.padded_numel)
-                    all_gather_async(whole, flat.contiguous(), self.model.dp_group).wait()
+                    whole = flat.new_empty(spec.padded_numel) if root else None
+                    dist.gather(flat.contiguous(), list(whole.chunk(self._world)) if root
+                                else None, dst=dist.get_global_rank(group, 0), group=group)
                     flats[key] = whole
+            if not root:
+                continue
+            flats = {key: flat.cpu() for key, flat in flats.items()}
             for k, (i, off, n) in enumerate(zip(spec.indices, spec.offsets, spec.numels)):
                 p = self._reducer.params[i]
                 out.masters[p] = flats["master"][off:off + n].view(p.shape)
@@ -489,8 +496,7 @@ class DistributedOptimizer:
                     out.state[p] = {key: flats[key][off:off + n].view(p.shape)
                                     for key in _MOMENTS}
                     out.state[p]["step"] = torch.tensor(steps[i])
-        self._reducer.stream.join()
-        return out
+        return out if root else None
 
     @torch.no_grad()
     def load_whole_state(self, whole: WholeState) -> None:

@@ -61,7 +61,7 @@ class WholeState:
     """Every parameter's fp32 master and optimizer state, shaped like the parameter: what a
     checkpoint stores per parameter whatever the layout and ZeRO stage that wrote it. Built by
     :meth:`DistributedOptimizer.whole_state` (gathered over the dp group), or empty as a place
-    to load into (``master_of`` makes a zeroed master on first use), then handed to
+    to load into (``master_of`` makes a zeroed CPU master on first use), then handed to
     :meth:`DistributedOptimizer.load_whole_state`. ``state[p]`` is a dict of ``exp_avg``,
     ``exp_avg_sq`` and ``step``, as torch's ``optimizer.state[p]``."""
 
@@ -73,7 +73,7 @@ class WholeState:
 
     def master_of(self, p: torch.Tensor) -> torch.Tensor:
         if p not in self.masters:
-            self.masters[p] = torch.zeros_like(p, dtype=torch.float32)
+            self.masters[p] = torch.zeros_like(p, dtype=torch.float32, device="cpu")
         return self.masters[p]
 
 

@@ -62,6 +62,9 @@ def snapshot(modules, optimizer, mesh, rank_tensors: dict | None = None,
     tp, pp = (mesh.tp_rank, mesh.pp_rank) if mesh else (0, 0)
     if optimizer is not None and per_param(optimizer) is None:
         optimizer = optimizer.whole_state()       # every dp rank takes part in the gather
+        if (optimizer is not None) != (mesh is None or mesh.replica_rank == 0):
+            raise RuntimeError("the ZeRO optimizer's state gathers to dp rank 0, which is not "
+                               "the replica that saves this model shard")
     files: dict[str, dict | str] = {}
     if mesh is None or mesh.replica_rank == 0:      # one copy of each (tp, pp) shard writes it
         tensors, index = {}, {}
@@ -276,7 +279,8 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
     sharded, optimizer = optimizer, per_param(optimizer)
     old_shards = sharded is not None and optimizer is None and manifest.get("zero1")
     if sharded is not None and optimizer is None and not old_shards:
-        optimizer = WholeState()        # loaded per parameter, then sliced into the shards
+        optimizer = WholeState()        # loaded per parameter (on the CPU), then sliced into
+    whole = isinstance(optimizer, WholeState)      # the shards
     with torch.no_grad():
         for name, (t, shape, dim, start, stop, base, rows) in specs.items():
             weight = _read_slice(path, index, name, shape, dim, start, stop, verify)
@@ -289,11 +293,13 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
             state = optimizer.state[base]
             for key in _OPTIM_KEYS:
                 got = _read_slice(path, index, f"optim.{key}.{name}", shape, dim, start, stop,
-                                  verify).to(t.device, t.dtype if master is None else master.dtype)
+                                  verify).to(master.device if whole else t.device,
+                                             t.dtype if master is None else master.dtype)
                 if rows is None:
                     state[key] = got
                 else:                      # one part of a fused parameter's state
-                    full = state.setdefault(key, torch.zeros_like(base, dtype=got.dtype))
+                    full = state.setdefault(key, torch.zeros_like(base, dtype=got.dtype,
+                                                                   device=got.device))
                     full.narrow(0, *rows).copy_(got)
             step = _read_slice(path, index, f"optim.step.{name}", [1], None, 0, 0, verify)
             state["step"] = step.reshape(()).clone()
