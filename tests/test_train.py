@@ -148,6 +148,12 @@ def test_zero_checkpoints_resume_in_any_layout_and_zero_stage(reference, tmp_pat
         resumed = _losses(world, tmp_path, resume=True, **kwargs)
         for a, b in zip(resumed, reference[10:], strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), kwargs
+    # The older per-rank shard format is refused with one message, not loaded half-way.
+    manifest_file = ckpt / "step_10" / "manifest.json"
+    manifest_file.write_text(json.dumps({**manifest, "zero1": True}))
+    shutil.rmtree(ckpt / "step_20", ignore_errors=True)
+    with pytest.raises(Exception, match="per-rank shard files, a format no longer read"):
+        _losses(2, tmp_path, resume=True, dp=2, zero=1)
     plain = tmp_path / "plain"                 # written without ZeRO, resumed under ZeRO-2
     _losses(1, plain, save_every=10)
     shutil.rmtree(plain / "checkpoints" / "step_20")

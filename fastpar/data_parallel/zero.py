@@ -428,26 +428,6 @@ class DistributedOptimizer:
         self._launch_gathers()
         self.finish_param_sync()
 
-    def shard_tensors(self) -> dict[str, torch.Tensor]:
-        """:meth:`state_dict` as flat named tensors (a checkpoint's per-rank file, no pickle)."""
-        sd = self.state_dict()
-        out = {f"master.{b}": m for b, m in enumerate(sd["master"])}
-        for idx, state in sd["optimizer"]["state"].items():
-            for key, t in state.items():
-                out[f"state.{idx}.{key}"] = torch.as_tensor(t).reshape(-1)
-        return out
-
-    def load_shard_tensors(self, flat: dict[str, torch.Tensor]) -> None:
-        """Load what :meth:`shard_tensors` returned on this rank of the same layout."""
-        sd, state = self.state_dict(), {}
-        for name, t in flat.items():
-            if name.startswith("state."):
-                _, idx, key = name.split(".", 2)
-                state.setdefault(int(idx), {})[key] = t.reshape(()) if key == "step" else t
-        sd["optimizer"]["state"] = state
-        self.load_state_dict({**sd, "master": [flat[f"master.{b}"]
-                                               for b in range(len(sd["master"]))]})
-
     @torch.no_grad()
     def whole_state(self) -> WholeState | None:
         """Every parameter's fp32 master and optimizer state, whole and shaped like it, on the

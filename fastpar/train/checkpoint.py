@@ -277,8 +277,11 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
     index = _read_indexes(path, verify)
     specs = shard_specs(modules, mesh.tp_size if mesh else 1, mesh.tp_rank if mesh else 0)
     sharded, optimizer = optimizer, per_param(optimizer)
-    old_shards = sharded is not None and optimizer is None and manifest.get("zero1")
-    if sharded is not None and optimizer is None and not old_shards:
+    if sharded is not None and optimizer is None and manifest.get("zero1"):
+        raise CheckpointError(f"checkpoint {path} holds its ZeRO optimizer state in per-rank "
+                              f"shard files, a format no longer read: load its weights with "
+                              f"--init-from (the moments start afresh)")
+    if sharded is not None and optimizer is None:
         optimizer = WholeState()        # loaded per parameter (on the CPU), then sliced into
     whole = isinstance(optimizer, WholeState)      # the shards
     with torch.no_grad():
@@ -304,25 +307,13 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
             step = _read_slice(path, index, f"optim.step.{name}", [1], None, 0, 0, verify)
             state["step"] = step.reshape(()).clone()
     rank = mesh.rank if mesh is not None else 0
-    if old_shards:
-        _load_shard(path, manifest, sharded, mesh)
-    elif isinstance(optimizer, WholeState):
+    if isinstance(optimizer, WholeState):
         sharded.load_whole_state(optimizer)
     rng = f"rng_rank{rank}.safetensors"
     if (path / rng).exists():
         with _open(path, rng, verify) as st:
             torch.set_rng_state(st.get_tensor("cpu"))
     return manifest
-
-
-def _load_shard(path, manifest: dict, opt, mesh) -> None:
-    """A ZeRO-1 optimizer's shard from the file its rank saved, in checkpoints written before
-    sharded state was saved per parameter (same layout only)."""
-    layout = mesh.layout.sizes()
-    if {"cp": 1, **manifest["layout"]} != layout:          # written before cp: cp = 1
-        raise ValueError(f"checkpoint {path} holds ZeRO-1 optimizer shards of layout "
-                         f"{manifest['layout']}; resume it with that layout")
-    opt.load_shard_tensors(read_rank_tensors(path, mesh.rank))
 
 
 # Checking a checkpoint before loading it (``fastpar train --init-from``): everything loading
