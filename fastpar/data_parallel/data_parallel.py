@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from .buckets import BucketSpec, assign_buckets
+from .buckets import BucketSpec, assign_buckets, unit_buckets
 from .checks import broadcast_state, check_options, check_params, check_same_params, resolve_group
 from ..extension import EventLog
 from ..mesh.groups import group_rank, group_size
@@ -32,10 +32,14 @@ _FIRST_BUCKET_BYTES = 2**20
 
 def bucket_specs(params: list[tuple[int, torch.dtype]], dp_size: int,
                  bucket_cap_mb: float | None = None, reduce_dtype: torch.dtype | None = None,
-                 main_grads: bool = False) -> list[BucketSpec]:
+                 main_grads: bool = False,
+                 unit_of: list[int | None] | None = None) -> list[BucketSpec]:
     """The buckets :class:`DataParallel` makes for parameters given as ``(numel, dtype)`` in
     registration order (each flat buffer padded to ``dp_size`` equal ZeRO shards): what a dry
-    run counts without building the wrapper."""
+    run counts without building the wrapper. ``unit_of`` (each parameter's unit, or None):
+    one bucket per unit and dtype instead of size-capped ones."""
+    if unit_of is not None:
+        return unit_buckets(params, unit_of, pad_to=dp_size)
     # torch DDP's rule: the 1 MiB first bucket only with the default cap (25 MiB).
     first_mb = None if bucket_cap_mb is not None else _FIRST_BUCKET_BYTES / 2**20
     bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
@@ -43,6 +47,27 @@ def bucket_specs(params: list[tuple[int, torch.dtype]], dp_size: int,
     wire = reduce_dtype or (torch.float32 if main_grads else None)
     return assign_buckets(params, int(bucket_cap_mb * 2**20), pad_to=dp_size, reduce_dtype=wire,
                           first_cap_bytes=int((first_mb or bucket_cap_mb) * 2**20))
+
+
+def unit_index(module: nn.Module, units, params) -> list[int | None] | None:
+    """Each parameter's unit (the innermost of ``units`` that holds it; None: the root)."""
+    if units is None:
+        return None
+    units = list(units)
+    inside = {id(m) for m in module.modules()}
+    for k, u in enumerate(units):
+        if not isinstance(u, nn.Module) or id(u) not in inside:
+            raise ValueError(f"DataParallel: units[{k}] ({type(u).__name__}) is not a "
+                             f"submodule of the wrapped module")
+        if sum(1 for v in units if v is u) > 1:
+            raise ValueError(f"DataParallel: units[{k}] ({type(u).__name__}) is listed twice")
+    best: dict[int, tuple[int, int]] = {}         # id(param) -> (unit size, unit index)
+    for k, u in enumerate(units):
+        size = sum(p.numel() for p in u.parameters())
+        for p in u.parameters():
+            if id(p) not in best or size < best[id(p)][0]:
+                best[id(p)] = (size, k)
+    return [best[id(p)][1] if id(p) in best else None for p in params]
 
 
 class DataParallel(nn.Module):
@@ -74,6 +99,10 @@ class DataParallel(nn.Module):
             all-reduce and a host sync per step, as in torch DDP. ``False``: no host sync, and
             such a parameter is an error raised after the step's reduction on the ranks where
             it got no gradient (the others cannot know without a sync).
+        units: submodules whose parameters form one bucket each (per dtype), what ZeRO-3
+            gathers and frees as one (FSDP's units, e.g. the Transformer blocks); the
+            parameters outside every unit form the root bucket. A parameter in nested units
+            belongs to the innermost. ``bucket_cap_mb`` is then not used.
 
     The constructor checks its arguments locally (``ValueError``), then compares the parameter
     shapes across the group with one small collective and broadcasts dp rank 0's parameters and
@@ -82,11 +111,13 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, *, dp_group=None, bucket_cap_mb: float | None = None,
                  overlap: bool = True, reduce_dtype: torch.dtype | None = None,
-                 main_grads: bool = False, find_unused_parameters: bool = False):
+                 main_grads: bool = False, find_unused_parameters: bool = False,
+                 units: list[nn.Module] | None = None):
         super().__init__()
         check_options(module, bucket_cap_mb, reduce_dtype)
         group = resolve_group(dp_group)
         named = check_params(module, reduce_dtype)
+        unit_of = unit_index(module, units, [p for _, p in named])
         device = named[0][1].device
         if group_size(group) > 1:
             check_same_params(module, group, device)
@@ -99,7 +130,11 @@ class DataParallel(nn.Module):
         params = [p for _, p in named]
         self.bucket_specs: list[BucketSpec] = bucket_specs(
             [(p.numel(), p.dtype) for p in params], self.dp_size, bucket_cap_mb, reduce_dtype,
-            self.main_grads)
+            self.main_grads, unit_of)
+        self.units = list(units) if units is not None else None
+        # Each bucket's unit (an index into ``units``; None: the root).
+        self.bucket_units = [unit_of[s.indices[0]] if unit_of is not None else None
+                             for s in self.bucket_specs]
         self.events = EventLog()    # "launch", "done" (index: bucket), "backward_end"
         self._reducer = GradReducer(params, [n for n, _ in named], self.bucket_specs, group,
                                     self.dp_size, reduce_dtype=reduce_dtype, overlap=overlap,

@@ -179,6 +179,9 @@ class GradReducer:
         self.wait_in_backward = True  # False: a pipeline schedule calls finish() itself
         self.sharded = False
         self.release_grads = False    # ZeRO-2: free whole gradients once reduced
+        # ZeRO-3: at most this many buckets' reduce-scatters in flight; launching another waits
+        # for the oldest and frees its whole gradients there, during backward (None: at the end)
+        self.max_in_flight: int | None = None
         self.optimizer = None         # the DistributedOptimizer stepping these buckets, if any
         self.on_reduced = None        # on_reduced(b): bucket b's mean gradient is in place
         self.in_flight = False        # started and not yet finished
@@ -270,6 +273,14 @@ class GradReducer:
             else:
                 bucket.work = all_reduce_async(bucket.buffer, self.group)
         self._next = b + 1
+        if self.max_in_flight is not None and self.release_grads:
+            for old in self.buckets[:max(0, b + 1 - self.max_in_flight)]:
+                if old.work is not None:
+                    with span("dp wait for bucket", self.buckets.index(old)):
+                        old.work.wait()
+                    old.work = None
+                    self.stream.join()
+                    old.release()
 
     # -- 3: the autograd engine has finished ---------------------------------------------------
     def _on_backward_end(self) -> None:

@@ -1,5 +1,6 @@
-"""ZeRO-1 and ZeRO-2: each data-parallel rank keeps the optimizer state (and, at stage 2, the
-reduced gradients between steps) of its 1/dp shard of the parameters.
+"""ZeRO-1, 2 and 3: each data-parallel rank keeps the optimizer state (and, at stage 2, the
+reduced gradients between steps; at stage 3 the parameters too) of its 1/dp shard of the
+parameters.
 
     model = DataParallel(model, dp_group=mesh.dp_group)
     opt = DistributedOptimizer(model, torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
@@ -34,6 +35,10 @@ accumulation keeps whole gradients over the micro-batches (one reduce-scatter pe
 stage 1), so the peak falls only where the step's first backward would have found them
 allocated: one micro-batch per step, where activations and whole gradients now peak apart.
 
+``stage=3`` (ZeRO-3, FSDP) also shards the parameters: a rank holds each unit's parameters whole
+only around that unit's forward and backward (units: ``DataParallel(..., units=...)``); the
+gathering, freeing and prefetching live in :mod:`fastpar.data_parallel.zero3`.
+
 ``shard=False`` keeps the whole optimizer state on every rank (the buckets are all-reduced, each
 rank steps every parameter): with a bf16 model wrapped as ``DataParallel(..., main_grads=True)``
 this is Megatron's mixed precision without ZeRO: bf16 parameters (2 bytes each), fp32 main
@@ -44,6 +49,7 @@ checkpoints store the fp32 masters and their moments per parameter, loadable int
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +59,7 @@ import torch.nn as nn
 from .. import extension
 from ..mesh import collectives
 from ..mesh.profiling import span
-from .comm import all_gather_async
+from .comm import CommStream, all_gather_async
 from .data_parallel import DataParallel
 from .zero_state import StateByParam, WholeState, group_index, group_options
 
@@ -83,7 +89,8 @@ class DistributedOptimizer:
 
     def __init__(self, model: DataParallel, optimizer_class=torch.optim.AdamW,
                  param_groups: list[dict] | None = None, *, overlap_param_gather: bool = False,
-                 shard: bool = True, overlap_step: bool = False, stage: int = 1, **defaults):
+                 shard: bool = True, overlap_step: bool = False, stage: int = 1,
+                 prefetch: int = 1, reshard_after_forward: bool = True, **defaults):
         if not isinstance(model, DataParallel):
             raise ValueError(f"DistributedOptimizer needs a fastpar DataParallel model, got "
                              f"{type(model).__name__}")
@@ -97,12 +104,18 @@ class DistributedOptimizer:
                 raise ValueError(f"DistributedOptimizer: parameter {name!r} is not contiguous")
         if getattr(reducer, "optimizer", None) is not None:
             raise ValueError("this DataParallel model already has a DistributedOptimizer")
-        if stage not in (1, 2):
+        if stage not in (1, 2, 3):
             raise ValueError(f"DistributedOptimizer: stage={stage!r} must be 1 (optimizer "
-                             f"state sharded) or 2 (gradients too)")
-        if stage == 2 and not shard:
-            raise ValueError("DistributedOptimizer: stage=2 shards gradients, which needs "
-                             "shard=True")
+                             f"state sharded), 2 (gradients too) or 3 (parameters too)")
+        if stage >= 2 and not shard:
+            raise ValueError(f"DistributedOptimizer: stage={stage} shards gradients, which "
+                             f"needs shard=True")
+        if stage == 3 and (overlap_step or overlap_param_gather):
+            raise ValueError("DistributedOptimizer: stage=3 gathers each unit's parameters when "
+                             "it is used; overlap_step and overlap_param_gather do not apply")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"DistributedOptimizer: prefetch={prefetch!r} must be an int >= 0 "
+                             f"(units gathered ahead of the one computing)")
         if overlap_param_gather and not shard:
             raise ValueError("overlap_param_gather=True needs shard=True: an unsharded "
                              "optimizer gathers no parameters")
@@ -124,7 +137,8 @@ class DistributedOptimizer:
         # separate master (not half/bf16) this rank's shard of that buffer (all of it,
         # unsharded) is the master too, so the optimizer steps the parameters in place.
         # Unsharded bf16 buckets cast their masters into the parameters instead.
-        self._in_place = [b.spec.dtype not in _LOW for b in reducer.buckets]
+        # At stage 3 the gather buffers come and go: the masters are kept apart.
+        self._in_place = [b.spec.dtype not in _LOW and stage != 3 for b in reducer.buckets]
         self._full = [b.buffer.new_empty(b.spec.padded_numel, dtype=b.spec.dtype)
                       if shard or fits else None
                       for b, fits in zip(reducer.buckets, self._in_place)]
@@ -154,7 +168,15 @@ class DistributedOptimizer:
             reducer.on_reduced = self._on_reduced
         self._gathers: dict[int, object] = {}
         self._prepared = False          # shard pieces hold this reduction's gradients
-        model.module.register_state_dict_pre_hook(lambda *_a, **_kw: self.finish_param_sync())
+        self._gather_stream = reducer.stream
+        self._units = None
+        if self.stage == 3:
+            from .zero3 import UnitGather
+            self._gather_stream = CommStream(self._master[0].device)
+            reducer.max_in_flight = 2
+            self._units = UnitGather(self, prefetch=prefetch,
+                                     reshard_after_forward=reshard_after_forward)
+        model.module.register_state_dict_pre_hook(lambda *_a, **_kw: self.unshard_all())
         if overlap_param_gather:
             self._register_gather_hooks()
 
@@ -179,7 +201,7 @@ class DistributedOptimizer:
             view = full[o:o + n].view(p.shape)
             view.copy_(p.detach())
             p.data = view
-        return [p.data_ptr() for p in self._reducer.buckets[b].params]
+        return [p.data_ptr() - full.data_ptr() for p in self._reducer.buckets[b].params]
 
     @torch.no_grad()
     def _shard_buffers(self):
@@ -301,8 +323,10 @@ class DistributedOptimizer:
 
     def _intact(self, b: int) -> bool:
         """Whether bucket b's parameters are (still) views of its flat buffer."""
+        full = self._full[b]
         return self._views[b] is not None and \
-            [p.data_ptr() for p in self._reducer.buckets[b].params] == self._views[b]
+            [p.data_ptr() - full.data_ptr() for p in self._reducer.buckets[b].params] == \
+            self._views[b]
 
     @torch.no_grad()
     def _launch_gather(self, b: int) -> None:
@@ -311,13 +335,16 @@ class DistributedOptimizer:
             if not self._intact(b):
                 extension.multi_tensor_unpack(self._master[b], [p.detach() for p in bucket.params])
             return
-        with self._reducer.stream.issue(), span("zero-1 start all-gather of bucket", b):
+        with self._gather_stream.issue(), span("zero start all-gather of bucket", b):
             shard = self._master[b].to(self._full[b].dtype)
             work = all_gather_async(self._full[b], shard, self.model.dp_group)
         self._gathers[b] = (work, shard)         # the shard must live until the gather ends
 
     @torch.no_grad()
     def _launch_gathers(self) -> None:
+        if self._units is not None:      # stage 3: every unit is gathered again when next used
+            self._units.reshard_all()
+            return
         # Last bucket first: it holds the first layers, which the next forward needs first.
         for b in reversed(range(len(self._master))):
             self._launch_gather(b)
@@ -330,13 +357,40 @@ class DistributedOptimizer:
             if item is None:
                 continue
             if item[0] is not None:
-                with span("zero-1 wait for the all-gather of bucket", b):
+                with span("zero wait for the all-gather of bucket", b):
                     item[0].wait()
-            self._reducer.stream.join()
+            self._gather_stream.join()
             if self._intact(b):
                 continue                     # the gather landed in the parameters themselves
             extension.multi_tensor_unpack(self._full[b],
                                     [p.detach() for p in self._reducer.buckets[b].params])
+
+    @contextmanager
+    def gathered(self):
+        """Every parameter whole inside the block (ZeRO-3: gathered, held while forwards run
+        on some ranks only, e.g. a sample, then freed at its end); a collective over the dp
+        group: every rank enters it."""
+        self.unshard_all()
+        units, held = self._units, self._units is not None and self._units.hold
+        if units is not None:
+            units.hold = True
+        try:
+            yield
+        finally:
+            if units is not None:
+                units.hold = held
+                if not held:
+                    units.reshard_all()
+
+    @torch.no_grad()
+    def unshard_all(self) -> None:
+        """Make every parameter whole now (e.g. to read or load the model's weights): at stage
+        3 every unit is gathered and stays so until the step after its next use; else this
+        waits for the parameter gathers in flight."""
+        if self._units is not None:
+            self._units.unshard_all()
+        else:
+            self.finish_param_sync()
 
     def _register_gather_hooks(self) -> None:
         where = {id(p): b for b, bucket in enumerate(self._reducer.buckets) for p in bucket.params}

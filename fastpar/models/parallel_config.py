@@ -31,7 +31,8 @@ class ParallelConfig:
     recompute: str = "none"             # activation recomputation: none | selective | full
     sequence_parallel: bool = False     # sequence parallelism inside TP
     zero: int = 0                       # ZeRO stage over the DP group: 1 shards the optimizer
-                                        # state, 2 the gradients as well (0: neither)
+                                        # state, 2 the gradients as well, 3 the parameters too
+                                        # (0: none)
     cp: int = 1                         # context-parallel size: each sequence split over cp
                                         # ranks, attention by a key/value ring
 
@@ -44,10 +45,11 @@ class ParallelConfig:
                                                         "micro_batch_size")}, flags=flags)
         if self.dp is not None:
             require_positive({"dp": self.dp}, flags=flags)
-        if self.zero not in (0, 1, 2):
+        if self.zero not in (0, 1, 2, 3):
             shown = "--zero" if flags else "zero"
-            raise ValueError(f"{shown}={self.zero!r} is not one of (0, 1, 2): 1 shards the "
-                             f"optimizer state over the DP group, 2 the gradients as well")
+            raise ValueError(f"{shown}={self.zero!r} is not one of (0, 1, 2, 3): 1 shards the "
+                             f"optimizer state over the DP group, 2 the gradients as well, 3 "
+                             f"the parameters too")
         for name, allowed in (("schedule", tuple(SCHEDULES)), ("recompute", RECOMPUTE)):
             if getattr(self, name) not in allowed:
                 shown = "--" + name if flags else name

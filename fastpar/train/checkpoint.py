@@ -13,6 +13,7 @@ read back (safetensors, JSON), never pickled objects.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -58,6 +59,11 @@ def snapshot(modules, optimizer, mesh, rank_tensors: dict | None = None,
         # A view (one part of a fused parameter) is copied: safetensors stores no shared memory.
         return t.detach().to("cpu", copy=copy or t._base is not None).contiguous()
 
+    with getattr(optimizer, "gathered", contextlib.nullcontext)():   # ZeRO-3: whole params
+        return _snapshot(modules, optimizer, mesh, rank_tensors, cpu)
+
+
+def _snapshot(modules, optimizer, mesh, rank_tensors, cpu) -> dict[str, dict | str]:
     rank = mesh.rank if mesh is not None else 0
     tp, pp = (mesh.tp_rank, mesh.pp_rank) if mesh else (0, 0)
     if optimizer is not None and per_param(optimizer) is None:
@@ -284,6 +290,8 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
     if sharded is not None and optimizer is None:
         optimizer = WholeState()        # loaded per parameter (on the CPU), then sliced into
     whole = isinstance(optimizer, WholeState)      # the shards
+    if sharded is not None and hasattr(sharded, "unshard_all"):
+        sharded.unshard_all()          # ZeRO-3: the parameters whole, to be written into
     with torch.no_grad():
         for name, (t, shape, dim, start, stop, base, rows) in specs.items():
             weight = _read_slice(path, index, name, shape, dim, start, stop, verify)

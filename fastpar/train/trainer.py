@@ -78,8 +78,9 @@ def _wrap(cfg: TrainConfig, chunks, mesh):
 
     ``--precision bf16`` (Megatron's mixed precision): the parameters become bf16 (buffers such
     as rotary tables stay fp32), DataParallel keeps fp32 main gradients and the optimizer steps
-    fp32 master weights. ``--zero 1`` (dp > 1) shards the optimizer state over the DP group, ``--zero 2`` the
-    gradients as well (ZeRO-2: whole gradients freed once reduced). At
+    fp32 master weights. ``--zero 1`` (dp > 1) shards the optimizer state over the DP group,
+    ``--zero 2`` the gradients as well (ZeRO-2: whole gradients freed once reduced), ``--zero 3``
+    the parameters too (each Transformer block a unit, gathered around its use). At
     dp = 1 nothing is reduced: the wrapper only gives every layout the same optimizer, which
     clips over the layout's groups and saves its own state."""
     mixed = cfg.bf16_params(mesh.device.type)
@@ -91,11 +92,13 @@ def _wrap(cfg: TrainConfig, chunks, mesh):
         (torch.float32 if mixed else None)
     # Context-parallel ranks see other tokens of the same sequences: their gradients are
     # averaged together with the data-parallel ones (each rank's loss is its tokens' mean).
+    sharded = cfg.zero >= 1 and mesh.dp_size > 1
+    units = [layer for m in chunks for layer in m.layers.values()] \
+        if sharded and cfg.zero == 3 else None
     ddp = DataParallel(nn.ModuleList(chunks), dp_group=mesh.dp_cp_group, main_grads=mixed,
-                       reduce_dtype=reduce_dtype)
+                       reduce_dtype=reduce_dtype, units=units)
     # Fused AdamW: one kernel per parameter group, and it skips a non-finite step on the device.
     kernel = dict(fused=True) if mesh.device.type in _fused_devices() else dict(foreach=True)
-    sharded = cfg.zero >= 1 and mesh.dp_size > 1
     return ddp, DistributedOptimizer(ddp, torch.optim.AdamW, _param_groups(chunks, cfg.weight_decay),
                                      shard=sharded, stage=cfg.zero if sharded else 1, lr=cfg.lr,
                                      betas=(0.9, 0.95), eps=1e-8, **kernel)
@@ -402,7 +405,8 @@ def train(cfg: TrainConfig, layout: Layout | None = None) -> list[dict]:
         run.writer.wait()
     run.metrics.close()
     if cfg.sample_tokens and run.start < cfg.steps:
-        with run.watchdog.region(cfg.steps, "the sample after training", ("tp",)):
+        with run.watchdog.region(cfg.steps, "the sample after training", ("tp",)), \
+                run.opt.gathered():                 # ZeRO-3: whole on every dp rank
             print_sample(cfg, run.chunks, mesh, load_tokens(cfg.data, split="val")
                          if run.val is None else run.val, run.say)
     return rows

@@ -1,0 +1,173 @@
+"""ZeRO-3: each parameter is whole on a rank only around the forward and backward of its unit.
+
+``DataParallel(model, units=blocks)`` makes one bucket per unit (and one for the root: the
+parameters outside every unit, such as embeddings and the head); ``DistributedOptimizer(model,
+..., stage=3)`` then keeps, between uses, only this rank's 1/dp shard of each unit: the fp32
+master and its optimizer state (as ZeRO-1), the reduced gradient shard (as ZeRO-2), and nothing
+of the whole parameters. Each unit's parameters are views of one flat gather buffer whose
+storage exists only while the unit is gathered:
+
+- forward: a unit's pre-hook starts its all-gather (if a prefetch has not), starts the next
+  ``prefetch`` units' all-gathers, and waits for its own; its post-hook frees the buffer again
+  (``reshard_after_forward``) and hooks the unit's outputs, whose gradients mark the start of its
+  backward;
+- backward: that output hook gathers the unit again and prefetches the ``prefetch`` units before
+  it; once every parameter of the unit has its gradient the buffer is freed, and the unit's
+  bucket is reduce-scattered by the reducer while the earlier units compute (at most two
+  reduce-scatters in flight: launching one waits for the one before last and frees its whole
+  gradients, during backward).
+- the root is gathered at its first use and kept until its gradients are in (the last unit's
+  outputs need the head right away, as FSDP keeps its root).
+
+With ``reshard_after_forward=False`` a unit stays gathered from its forward to the backward of
+the step's last micro-batch (FSDP2's setting of that name: one gather per step instead of two
+per micro-batch, at the memory of the whole unit). Gradient accumulation (``no_sync``) keeps the
+whole gradients over the micro-batches and reduce-scatters once, at the last.
+
+The gathers are issued on their own stream (on a GPU; gloo's worker threads on a CPU), separate
+from the reduce-scatters', into the buffer the parameters already view, so the parameters keep
+their identity (optimizer, autograd's saved tensors and hooks see the same tensors) and memory
+is taken from the allocator once per unit and gather. After a step every unit is stale and is
+gathered again at its next use.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..mesh.profiling import span
+
+
+def _tensors(out):
+    if torch.is_tensor(out):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o)
+
+
+class UnitGather:
+    """The gather, free and prefetch logic of ZeRO-3 for one DistributedOptimizer."""
+
+    def __init__(self, opt, *, prefetch: int, reshard_after_forward: bool):
+        model, reducer = opt.model, opt._reducer
+        self.opt, self.reducer, self.events = opt, reducer, model.events
+        self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
+        units, owner = model.units or [], model.bucket_units
+        keys = ([None] if None in owner else []) + sorted({u for u in owner if u is not None})
+        # Groups of buckets in forward order: the root first, then the units as listed.
+        self.groups = [[b for b, u in enumerate(owner) if u == key] for key in keys]
+        self.root = 0 if keys and keys[0] is None else None
+        self.group_of = {id(p): g for g, bs in enumerate(self.groups) for b in bs
+                         for p in reducer.buckets[b].params}
+        self.sizes = [sum(len(reducer.buckets[b].params) for b in bs) for bs in self.groups]
+        self.live = [False] * len(reducer.buckets)   # storage held (gathered or in flight)
+        self.in_backward = [False] * len(self.groups)
+        self.arrived = [0] * len(self.groups)
+        self.gathers = 0                             # all-gathers started (for tests, stats)
+        self.hold = False            # everything gathered and kept: the hooks do nothing
+        self._hooks = []
+        for g, key in enumerate(keys):
+            if key is None:           # the root: the modules that hold its parameters directly
+                mine = {id(p) for b in self.groups[g] for p in reducer.buckets[b].params}
+                for m in model.module.modules():
+                    if any(id(p) in mine for p in m.parameters(recurse=False)):
+                        self._hooks.append(m.register_forward_pre_hook(
+                            lambda _m, _a, g=g: self.before_forward(g)))
+                continue
+            unit = units[key]
+            self._hooks.append(unit.register_forward_pre_hook(
+                lambda _m, _a, g=g: self.before_forward(g)))
+            self._hooks.append(unit.register_forward_hook(
+                lambda _m, _a, out, g=g: self.after_forward(g, out)))
+        for p in reducer.params:
+            if id(p) in self.group_of:
+                # After the reducer's own hook (registered first): the gradient is in its bucket.
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self.reshard_all()
+
+    # -- the buffers ---------------------------------------------------------------------------
+    def unshard(self, g: int) -> None:
+        """Start group g's all-gathers (a no-op for buckets gathered or in flight)."""
+        for b in self.groups[g]:
+            if self.live[b]:
+                continue
+            full = self.opt._full[b]
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            self.opt._launch_gather(b)
+            self.live[b] = True
+            self.gathers += 1
+            self.events.record("gather", g)
+
+    def wait(self, g: int) -> None:
+        self.opt.finish_param_sync(self.groups[g])
+
+    def reshard(self, g: int) -> None:
+        """Free group g's whole parameters (a gather in flight lands first)."""
+        for b in self.groups[g]:
+            if not self.live[b]:
+                continue
+            self.opt.finish_param_sync([b])
+            self.opt._full[b].untyped_storage().resize_(0)
+            self.live[b] = False
+            self.events.record("free", g)
+
+    def reshard_all(self) -> None:
+        for g in range(len(self.groups)):
+            self.reshard(g)
+            self.in_backward[g], self.arrived[g] = False, 0
+
+    def unshard_all(self) -> None:
+        for g in range(len(self.groups)):
+            self.unshard(g)
+        self.opt.finish_param_sync()
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def before_forward(self, g: int) -> None:
+        if self.hold:
+            return
+        if self.in_backward[g]:          # a recomputed forward inside backward: gathered already
+            return
+        with span("zero-3 gather for forward of unit", g):
+            self.unshard(g)
+            for nxt in range(g + 1, min(g + 1 + self.prefetch, len(self.groups))):
+                self.unshard(nxt)
+            self.wait(g)
+
+    def after_forward(self, g: int, out) -> None:
+        if self.hold:
+            return
+        if self.in_backward[g]:
+            return
+        if torch.is_grad_enabled():
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(lambda _grad, g=g: self.before_backward(g))
+        if self.reshard_after_forward and g != self.root:
+            self.reshard(g)
+
+    def before_backward(self, g: int) -> None:
+        if self.hold:
+            return
+        if self.in_backward[g]:
+            return
+        self.in_backward[g] = True
+        with span("zero-3 gather for backward of unit", g):
+            self.unshard(g)
+            for prev in range(g - 1, max(g - 1 - self.prefetch, -1), -1):
+                if prev != self.root:
+                    self.unshard(prev)
+            self.wait(g)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        g = self.group_of[id(p)]
+        self.arrived[g] += 1
+        if self.arrived[g] < self.sizes[g]:
+            return
+        # Every parameter of the unit has its gradient: its backward is over.
+        self.arrived[g], self.in_backward[g] = 0, False
+        if self.reshard_after_forward or self.reducer.sync:
+            self.reshard(g)
