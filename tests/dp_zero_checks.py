@@ -233,8 +233,8 @@ def _zero2_frees_whole_gradients(rank, world):
                 b.release()
                 freed = before + grown - CPUMemory.allocated()
                 assert grown == whole == freed > 0, (what, grown, whole, freed)
-    with pytest.raises(ValueError, match="stage=3 must be 1"):
-        DistributedOptimizer(DataParallel(_mlp()), torch.optim.AdamW, stage=3)
+    with pytest.raises(ValueError, match="stage=4 must be 1"):
+        DistributedOptimizer(DataParallel(_mlp()), torch.optim.AdamW, stage=4)
     with pytest.raises(ValueError, match="stage=2 shards gradients, which needs shard=True"):
         DistributedOptimizer(DataParallel(_mlp()), torch.optim.AdamW, stage=2, shard=False)
 

@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from dp_error_checks import error_checks
 from dp_tp_checks import tp_by_dp_checks
 from dp_zero_checks import zero_checks
+from dp_zero3_checks import zero3_checks
 from fastpar.data_parallel import DataParallel, DistributedOptimizer
 from fastpar.testing import run_ranks
 
@@ -256,6 +257,7 @@ def _all_checks(rank, world):
     _unused_and_frozen(rank, world)
     _deferred_wait_for_pipelines(rank, world)
     zero_checks(rank, world)
+    zero3_checks(rank, world)
     errors = error_checks(rank, world)
     if world == 4:
         tp_by_dp_checks(rank, world)

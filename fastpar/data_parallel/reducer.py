@@ -82,7 +82,9 @@ class _Bucket:
         return self.as_views or self.main is not None
 
     def _flats(self) -> list[torch.Tensor]:
-        return [t for t in {id(t): t for t in (self.main, self.buffer) if t is not None}.values()]
+        """The whole-model-sized memory ZeRO-2 frees: the flat buffers and gloo's scratch."""
+        return [t for t in {id(t): t for t in (self.main, self.buffer, self.scratch)
+                            if t is not None}.values()]
 
     def release(self) -> None:
         """ZeRO-2: free the whole gradients (the flat buffers' storage; the views keep it and see

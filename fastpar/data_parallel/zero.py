@@ -129,7 +129,7 @@ class DistributedOptimizer:
         reducer.optimizer = self
         self.stage = stage if shard else 0
         if shard:
-            reducer.enable_sharding(release=stage == 2)
+            reducer.enable_sharding(release=stage >= 2)
         self._pieces = [pc for b in range(len(reducer.buckets)) for pc in self._cut(b)]
         # Every bucket with a gather buffer (all, sharded) makes its parameters views of it
         # (values copied in): the all-gather of the updated shards lands in the parameters, no
@@ -174,6 +174,8 @@ class DistributedOptimizer:
             from .zero3 import UnitGather
             self._gather_stream = CommStream(self._master[0].device)
             reducer.max_in_flight = 2
+            for bucket in reducer.buckets:      # whole gradients exist only during backward
+                bucket.release()
             self._units = UnitGather(self, prefetch=prefetch,
                                      reshard_after_forward=reshard_after_forward)
         model.module.register_state_dict_pre_hook(lambda *_a, **_kw: self.unshard_all())

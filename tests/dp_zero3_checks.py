@@ -1,0 +1,211 @@
+"""Rank checks for ZeRO-3 (``DistributedOptimizer(stage=3)`` over ``DataParallel(units=...)``):
+the same training as ZeRO-1, the memory it holds, and its prefetch and reduce-scatter seen in
+progress while a unit computes.
+
+Run inside the ranks of tests/test_dp_data_parallel.py (one spawn per world size).
+"""
+import gc
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from fastpar.data_parallel import DataParallel, DistributedOptimizer
+from fastpar.extension import CPUMemory
+from pollable import Pollable
+
+GRACE_S = 30.0
+
+
+class Block(nn.Module):
+    def __init__(self, d, dtype):
+        super().__init__()
+        self.norm = nn.LayerNorm(d, dtype=dtype)
+        self.a, self.b = nn.Linear(d, 2 * d, dtype=dtype), nn.Linear(2 * d, d, dtype=dtype)
+
+    def forward(self, x):
+        return x + self.b(F.gelu(self.a(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, d=16, layers=4, dtype=torch.float32, recompute=False):
+        super().__init__()
+        self.inp = nn.Linear(6, d, dtype=dtype)
+        self.blocks = nn.ModuleList(Block(d, dtype) for _ in range(layers))
+        self.out = nn.Linear(d, 3, dtype=dtype)
+        self.recompute = recompute
+
+    def forward(self, x):
+        x = self.inp(x)
+        for blk in self.blocks:
+            x = checkpoint(blk, x, use_reentrant=False) if self.recompute else blk(x)
+        return self.out(x)
+
+
+def _batch(step, world, rank, dtype, rows=4):
+    g = torch.Generator().manual_seed(900 + step)
+    x, y = torch.randn(rows * world, 6, generator=g), torch.randn(rows * world, 3, generator=g)
+    return x.chunk(world)[rank].to(dtype), y.chunk(world)[rank].to(dtype)
+
+
+def _build(stage, dtype, opts, seed=4, **kw):
+    torch.manual_seed(seed)
+    net = Net(dtype=dtype, recompute=kw.pop("recompute", False), layers=kw.pop("layers", 4),
+              d=kw.pop("d", 16))
+    model = DataParallel(net, units=list(net.blocks), **opts)
+    return model, DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                                       stage=stage, **kw)
+
+
+def _steps(model, opt, world, rank, dtype, steps, micro, first=0):
+    for step in range(first, first + steps):
+        for m in range(micro):
+            x, y = _batch(10 * step + m, world, rank, dtype)
+            if m < micro - 1:
+                with model.no_sync():
+                    F.mse_loss(model(x), y).backward()
+            else:
+                F.mse_loss(model(x), y).backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+
+
+def _zero3_equals_zero1(rank, world):
+    """Every ZeRO-3 setting steps exactly as ZeRO-1 on the same buckets (ZeRO-1 equals plain
+    data parallelism: dp_zero_checks); between steps no whole parameter or gradient exists, and
+    each micro-batch gathers every unit twice (once: reshard_after_forward=False over a step)."""
+    bf16 = torch.bfloat16
+    cases = [(torch.float32, {}, dict(micro=1)),
+             (torch.float32, dict(reduce_dtype=bf16), dict(micro=2)),
+             (bf16, dict(main_grads=True), dict(micro=2, reshard_after_forward=False)),
+             (torch.float32, {}, dict(micro=2, recompute=True, prefetch=2)),
+             (torch.float32, {}, dict(micro=1, prefetch=0))]
+    for dtype, opts, kw in cases:
+        micro = kw.pop("micro")
+        one, o1 = _build(1, dtype, opts, recompute=kw.get("recompute", False))
+        three, o3 = _build(3, dtype, opts, **kw)
+        what = f"{dtype} {opts} micro={micro} {kw}"
+        units = o3._units
+        assert units.groups == [[4], [3], [2], [1], [0]], units.groups  # root, then blocks
+        for step in range(3):
+            before = units.gathers
+            for model, opt in ((one, o1), (three, o3)):
+                _steps(model, opt, world, rank, dtype, 1, micro, first=step)
+            per_micro = 1 + 2 * 4 if kw.get("reshard_after_forward", True) else None
+            want = micro * per_micro if per_micro else 5
+            assert units.gathers - before == want, (what, units.gathers - before, want)
+            assert all(t.untyped_storage().nbytes() == 0 for t in o3._full), what
+            assert all(b.released for b in three._reducer.buckets), (what, [b.released for b in three._reducer.buckets], [b.work for b in three._reducer.buckets])
+        o1.finish_param_sync()
+        with o3.gathered():
+            for (n, p), q in zip(one.named_parameters(), three.parameters()):
+                assert torch.equal(p, q), f"{what} {n}: {(p - q).abs().max()}"
+        assert all(t.untyped_storage().nbytes() == 0 for t in o3._full), what
+    with pytest.raises(ValueError, match="stage=3 gathers each unit"):
+        _build(3, torch.float32, {}, overlap_step=True)
+    with pytest.raises(ValueError, match="prefetch=-1 must be an int >= 0"):
+        _build(3, torch.float32, {}, prefetch=-1)
+    net = Net()
+    with pytest.raises(ValueError, match=r"units\[0\] \(Linear\) is not a submodule"):
+        DataParallel(net, units=[nn.Linear(2, 2)])
+
+
+def _zero3_memory(rank, world):
+    """Between steps a rank holds 16 bytes per parameter / dp (fp32 master, two moments, the
+    reduced gradient shard) and nothing whole; during a step at most the units in flight are
+    whole: the peak above that is far below ZeRO-2's, which holds every parameter whole."""
+    if not CPUMemory.installed():
+        CPUMemory.install()
+    held = {}
+    for stage in (2, 3):
+        gc.collect()
+        base = CPUMemory.allocated()
+        model, opt = _build(stage, torch.float32, {}, layers=8, d=128)
+        numel = sum(b.spec.padded_numel for b in model._reducer.buckets)
+        _steps(model, opt, world, rank, torch.float32, 2, 1)
+        steady = CPUMemory.allocated() - base
+        CPUMemory.reset_peak()
+        _steps(model, opt, world, rank, torch.float32, 1, 1, first=2)
+        held[stage] = (steady, CPUMemory.peak() - base, numel)
+        del model, opt
+    steady, peak, numel = held[3]
+    formula = 16 * numel // world
+    assert formula <= steady <= formula + 4096, (steady, formula)
+    whole = 4 * numel                          # the model's fp32 parameters
+    steady2, peak2, _ = held[2]
+    # ZeRO-2 keeps the parameters whole, its fp32 master being this rank's block of them.
+    assert abs(steady2 - steady - (whole - whole // world)) <= 4096, (steady2, steady, whole)
+    # Peaks: ZeRO-2 holds every parameter whole and each bucket's gradient; ZeRO-3 about three
+    # units (of 9) of each, plus the same activations.
+    assert peak < peak2 - whole, (peak, peak2, whole)
+
+
+def _busy_until(done):
+    a, give_up = torch.randn(256, 256), time.monotonic() + GRACE_S
+    while not done() and time.monotonic() < give_up:
+        a = torch.tanh(a @ a)
+
+
+def _zero3_progress(rank, world):
+    """The prefetched all-gather of unit 2 completes while unit 1's forward computes; in unit
+    1's backward, unit 2's reduce-scatter and unit 0's prefetched all-gather complete while it
+    computes. Without prefetch and overlap none of them has even started at those points."""
+    seen = {}
+    for on in (True, False):
+        torch.manual_seed(5)
+        net = Net(d=256, layers=4)
+        model = DataParallel(net, units=list(net.blocks), overlap=on)
+        opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=3,
+                                   prefetch=1 if on else 0)
+        units, reducer = opt._units, model._reducer
+        bucket = {k: units.groups[1 + k][0] for k in range(4)}      # block k's bucket
+        log = []
+
+        def gather_done(k):
+            item = opt._gathers.get(bucket[k])
+            if item is None:
+                return None                      # not started (or landed and waited)
+            if not isinstance(item[0], Pollable):
+                opt._gathers[bucket[k]] = item = (Pollable(item[0]), item[1])
+            return item[0]
+
+        def forward_probe(_m, _a, _out):
+            work = gather_done(2)
+            if work is not None:
+                _busy_until(work.is_completed)
+            log.append(("forward", work is not None and work.is_completed()))
+
+        def backward_probe(_grad):
+            b = reducer.buckets[bucket[2]]
+            if b.work is not None and not isinstance(b.work, Pollable):
+                b.work = Pollable(b.work)
+            gather = gather_done(0)
+            works = [w for w in (b.work, gather) if w is not None]
+            _busy_until(lambda: all(w.is_completed() for w in works))
+            log.append(("backward", b.work is not None and b.work.is_completed(),
+                        gather is not None and gather.is_completed(),
+                        units.arrived[2]))               # block 1's gradients so far
+        net.blocks[1].a.register_forward_hook(forward_probe)
+        def hook_output(_m, _a, out):
+            if out.requires_grad:
+                out.register_hook(backward_probe)
+        net.blocks[1].b.register_forward_hook(hook_output)
+        for step in range(2):
+            log.clear()
+            x, y = _batch(step, world, rank, torch.float32, rows=64)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        seen[on] = list(log)
+    assert seen[True] == [("forward", True), ("backward", True, True, 0)], seen[True]
+    assert seen[False] == [("forward", False), ("backward", False, False, 0)], seen[False]
+
+
+def zero3_checks(rank, world):
+    _zero3_equals_zero1(rank, world)
+    _zero3_memory(rank, world)
+    _zero3_progress(rank, world)
