@@ -163,6 +163,7 @@ LAYOUTS = {
     "dp2-bf16-reduce": (2, dict(dp=2, grad_reduce_dtype="bf16")),
     "zero1": (2, dict(dp=2, zero=1)),
     "zero2": (2, dict(dp=2, zero=2)),
+    "zero3": (2, dict(dp=2, zero=3)),
     "tp2-pp2": (4, dict(tp=2, pp=2)),
 }
 # bf16 activations and GEMM inputs move the tiny model's loss over 20 steps by at most 0.13%

@@ -147,3 +147,23 @@ def test_pipeline_schedules_run_under_nccl_rules(pp):
     # pipeline group's communicator: no rank created a communicator for a pair of ranks.
     assert [kinds for kinds, _ in results] == [{True}] * pp, results
     assert [pairs for _, pairs in results] == [[]] * pp, results
+
+
+def _zero3(rank, world):
+    """ZeRO-3 training (prefetched all-gathers on their own stream, reduce-scatters from backward
+    hooks, two in flight) on the rules group: the same weights as over plain gloo."""
+    from dp_zero3_checks import _build, _steps
+    patch_batch_isend_irecv()
+    group = nccl_rules_group(timeout=20)
+    out = []
+    for g in (group, None):
+        model, opt = _build(3, torch.float32, dict(dp_group=g), prefetch=2)
+        _steps(model, opt, world, rank, torch.float32, 2, 2)
+        with opt.gathered():
+            out.append([p.detach().clone() for p in model.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*out))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero3_runs_under_nccl_rules(world):
+    assert run_ranks(_zero3, world, timeout=90) == [True] * world

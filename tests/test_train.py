@@ -58,6 +58,10 @@ LAYOUTS = {
     "dp4-zero2": (4, dict(dp=4, zero=2)),
     "tp2-dp2-zero2": (4, dict(tp=2, dp=2, zero=2)),
     "pp2-dp2-zero2": (4, dict(pp=2, dp=2, zero=2)),
+    # ZeRO-3: every block a unit gathered around its use; with tp and sequence parallelism,
+    # and with pp (each stage's blocks; zero-bubble's split backward) and full recompute.
+    "tp2-dp2-sp-zero3": (4, dict(tp=2, dp=2, sequence_parallel=True, zero=3)),
+    "pp2-dp2-zbh1-zero3": (4, dict(pp=2, dp=2, schedule="zb-h1", zero=3, recompute="full")),
 }
 
 
@@ -133,11 +137,11 @@ def test_zero1_equals_single_process_and_resumes_exactly(reference, tmp_path):
 
 def test_zero_checkpoints_resume_in_any_layout_and_zero_stage(reference, tmp_path):
     """A sharded optimizer saves its masters and moments per parameter (gathered over dp): a
-    ZeRO-2 run at dp=2 (its curve the single-process one) resumes on the same curve at ZeRO-1
-    dp=4 and without ZeRO at dp=1, and a run without ZeRO resumes under ZeRO-2 (the moments
-    sliced into the new shards)."""
+    ZeRO-3 run at dp=2 (its curve the single-process one) resumes on the same curve at ZeRO-1
+    dp=4 and without ZeRO at dp=1, and a run without ZeRO resumes under ZeRO-2 and ZeRO-3 (the
+    moments sliced into the new shards)."""
     ckpt = tmp_path / "checkpoints"
-    first = _losses(2, tmp_path, dp=2, zero=2, save_every=10)
+    first = _losses(2, tmp_path, dp=2, zero=3, save_every=10)
     for a, b in zip(first, reference, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
     manifest = json.loads((ckpt / "step_10" / "manifest.json").read_text())
@@ -154,12 +158,13 @@ def test_zero_checkpoints_resume_in_any_layout_and_zero_stage(reference, tmp_pat
     shutil.rmtree(ckpt / "step_20", ignore_errors=True)
     with pytest.raises(Exception, match="per-rank shard files, a format no longer read"):
         _losses(2, tmp_path, resume=True, dp=2, zero=1)
-    plain = tmp_path / "plain"                 # written without ZeRO, resumed under ZeRO-2
+    plain = tmp_path / "plain"             # written without ZeRO, resumed under ZeRO-2 and 3
     _losses(1, plain, save_every=10)
-    shutil.rmtree(plain / "checkpoints" / "step_20")
-    resumed = _losses(2, plain, resume=True, dp=2, zero=2)
-    for a, b in zip(resumed, reference[10:], strict=True):
-        assert abs(a - b) <= 1e-5 * abs(b)
+    for zero in (2, 3):
+        shutil.rmtree(plain / "checkpoints" / "step_20")
+        resumed = _losses(2, plain, resume=True, dp=2, zero=zero)
+        for a, b in zip(resumed, reference[10:], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), zero
 
 
 def test_cp_checkpoint_resumes_without_cp(reference, tmp_path):
