@@ -75,6 +75,26 @@ def test_zero2_peaks_whole_gradients_apart_from_activations_with_one_micro_batch
     assert [r.total for r in one.roles] == [r.total for r in two.roles]
 
 
+def test_zero3_at_1024_ranks_holds_shards_and_the_units_in_flight():
+    """ZeRO-3 on 1,024 ranks (70b, tp8 x pp8 x dp16): the dry run's unit buckets give the memory
+    model's per pipeline rank; a rank holds two blocks' weights whole (the one computing and
+    the prefetched one) and the embedding or head, not its stage's ten blocks; its optimizer
+    state and gradient shards are ZeRO-1's; with one micro-batch per step and no pipeline only
+    three blocks' whole gradients exist at once."""
+    one, three = (dry_run(_cfg(dp=16, zero=z), 1024, "h100-80gb") for z in (1, 3))
+    _check_against_the_model(three, 1024, 8, 80)
+    block = 8192 * 8192 * 2 + 8192 * 1024 * 2 + 3 * 8192 * 28672 + 2 * 8192   # 70b's block
+    for a, b in zip(one.roles, three.roles):
+        assert b.optimizer == pytest.approx(a.optimizer, rel=1e-3)
+        root = b.params - len(b.layers) * block / 8
+        assert b.weights == pytest.approx((2 * block / 8 + root) * 2 / 1e9, rel=1e-3)
+        assert b.weights < a.weights / 3 and b.total < a.total
+    kw = dict(model="7b", tp=8, pp=1, dp=128, seq_len=4096, global_batch_size=128)
+    one, three = (dry_run(_cfg(**kw, zero=z), 1024) for z in (1, 3))
+    _check_against_the_model(three, 1024, 1, 32)
+    assert three.roles[0].gradients < one.roles[0].gradients / 5
+
+
 def test_bad_input_is_refused_before_anything_is_built():
     with pytest.raises(ValueError, match="1000"):
         dry_run(_cfg(), 1000)                  # not divisible by tp x pp = 64

@@ -174,8 +174,8 @@ SEARCH_CASES = {   # (workload, cluster, features, some candidates rejected for 
     # step of three ZB-H1 candidates here.
     "8 layers, 8 A100, no overlap": (Workload(GPT, 2048, 8), Cluster(8, 8, BUILTIN["a100-80gb"]),
                                      NO_OVERLAP, False),
-    "8 layers, 2 nodes of 8 A100, 3 GB": (Workload(GPT, 2048, 16), Cluster(16, 8, Hardware(
-        **{**BUILTIN["a100-80gb"].to_dict(), "hbm_gb": 3.0})), cost.FASTPAR, True),
+    "8 layers, 2 nodes of 8 A100, 2.5 GB": (Workload(GPT, 2048, 16), Cluster(16, 8, Hardware(
+        **{**BUILTIN["a100-80gb"].to_dict(), "hbm_gb": 2.5})), cost.FASTPAR, True),
 }
 
 

@@ -241,6 +241,11 @@ def bytes_per_param(cfg: ParallelConfig, feat: Features, hw) -> tuple[float, flo
     their bucket's updated shards are gathered into, at any precision (fastpar/data_parallel/
     reducer.py ``enable_sharding``, zero.py ``_shard_buffers``, ``_adopt_params``)."""
     weight, grad, opt = feat.weight_bytes, feat.grad_bytes, feat.optimizer_bytes
+    if cfg.zero == 3 and cfg.dp > 1:
+        # Only shards between steps (whole units come and go: zero3_bytes): the fp32 master
+        # apart from the gathered weights at any precision, the reduced gradient shard.
+        opt = (opt + (4 if not feat.main_grads else 0)) / cfg.dp
+        return 0.0, feat.reduce_bytes / cfg.dp + (4 / cfg.dp if feat.reduce_bytes < 4 else 0), opt
     if cfg.zero and cfg.dp > 1:
         opt /= cfg.dp
         grad += feat.reduce_bytes * (1 if hw.kind == "cpu" else 1 / cfg.dp)
@@ -256,6 +261,27 @@ def grads_apart(cfg: ParallelConfig, work: Workload) -> bool:
     gradients allocated, as under ZeRO-1."""
     return cfg.zero >= 2 and (cfg.dp or 1) > 1 and cfg.pp == 1 and \
         cfg.num_microbatches(work.global_batch) == 1
+
+
+# ZeRO-3: units whole at once in forward and backward (the one computing and the prefetched
+# one), and whose whole gradients exist at once (two reduce-scatters in flight and the one
+# accumulating): fastpar/data_parallel/zero3.py with its default prefetch=1.
+ZERO3_GATHERED, ZERO3_GRADS = 2, 3
+
+
+def zero3_bytes(cfg, work, feat, hw, params: float, unit: float, root: float,
+                units: int) -> tuple[float, float]:
+    """ZeRO-3's whole parameters and whole gradients at a rank's peak, in bytes, for ``params``
+    elements in ``units`` units of at most ``unit`` elements plus ``root`` outside them: the
+    units in flight, and the root (embedding, head) from its first use to its gradients. With
+    several micro-batches per step (accumulation, a pipeline) every whole gradient is kept
+    until the step's last backward, as under ZeRO-1."""
+    whole_grad = feat.grad_bytes + (feat.reduce_bytes * (cfg.dp - 1) / cfg.dp
+                                    if hw.kind == "cpu" else 0.0)    # gloo's scratch
+    weights = (min(ZERO3_GATHERED, units) * unit + root) * feat.weight_bytes
+    held = params if cfg.pp > 1 or cfg.num_microbatches(work.global_batch) > 1 else \
+        min(ZERO3_GRADS, units) * unit + root
+    return weights, held * whole_grad
 
 
 def gradient_bytes(cfg, work, feat, hw, grads: float, acts: float) -> float:
@@ -313,9 +339,14 @@ def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> li
                 # the head keeps its gathered input (fastpar.models.gpt: gathered again only
                 # under recompute)
                 acts += E * shape.tokens * m.d_model * (1 - 1 / t)
-        weight, _, opt = bytes_per_param(cfg, feat, hw)
-        row = {"weights": params * weight,
-               "gradients": gradient_bytes(cfg, work, feat, hw, params, acts),
+        weight, grad, opt = bytes_per_param(cfg, feat, hw)
+        weights, grads = params * weight, gradient_bytes(cfg, work, feat, hw, params, acts)
+        if cfg.zero == 3 and cfg.dp > 1:
+            n = sum(len(ranges[s]) for s in mine)
+            whole_w, whole_g = zero3_bytes(cfg, work, feat, hw, params, m.layer_params() / t,
+                                           params - n * m.layer_params() / t, n)
+            weights, grads = whole_w, params * grad + whole_g
+        row = {"weights": weights, "gradients": grads,
                "optimizer": params * opt, "activations": acts,
                "reserve": hw.memory_reserve_gb * 1e9, "params_per_gpu": params}
         row["total"] = sum(v for k, v in row.items() if k != "params_per_gpu")
@@ -323,9 +354,11 @@ def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> li
     return rows
 
 
-def _dp_time(cluster, cfg, feat, params, last_backward) -> float:
+def _dp_time(cluster, cfg, feat, params, last_backward, compute=0.0, num_mb=1, layers=1) -> float:
     """Exposed seconds of the gradient reduction (and ZeRO-1's parameter gather), with the
-    copy of each gradient into its bucket and the division by dp before it."""
+    copy of each gradient into its bucket and the division by dp before it. ZeRO-3 gathers
+    the parameters twice per micro-batch instead (forward, backward), prefetched behind the
+    ``compute`` seconds of a micro-batch's forward and backward in ``layers`` units."""
     hw, dp = cluster.hardware, cfg.dp * cfg.cp      # CP ranks' gradients are averaged too
     if dp == 1:
         return 0.0
@@ -337,6 +370,14 @@ def _dp_time(cluster, cfg, feat, params, last_backward) -> float:
                                   link, hw)
     gather = cost.collective_time("all_gather", nbytes, dp, link, hw) if cfg.zero else 0.0
     hidden = feat.dp_overlap if cfg.pp == 1 else feat.dp_overlap_pipeline
+    if cfg.zero == 3:
+        # Two gathers per micro-batch and the reduce-scatter share one link behind the step's
+        # compute, a unit's transfer at a time.
+        total = num_mb * 2 * cost.collective_time("all_gather", params * feat.weight_bytes, dp,
+                                                  link, hw) + reduce
+        if hidden and hw.kind != "cpu":
+            total = cost.exposed(total, num_mb * compute, 2 * layers * num_mb)
+        return total + (hw.memory_time(2 * nbytes, 1) if feat.main_grads else 0.0)
     if hidden and hw.kind != "cpu":
         buckets = max(1, round(nbytes / (feat.bucket_mb * 1e6)))
         reduce = cost.exposed(reduce, last_backward, buckets)
@@ -383,7 +424,9 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
                    waits=[[wrow[i] for wrow in waits] for i in range(3)], shared=shared,
                    post=hw.p2p_post_us * 1e-6)
     params, tensors = mem["params_per_gpu"], _tensors_per_gpu(m, ranges, cfg)
-    dp_exposed = _dp_time(cluster, cfg, feat, params, fbw[-1][1] + fbw[-1][2])
+    dp_exposed = _dp_time(cluster, cfg, feat, params, fbw[-1][1] + fbw[-1][2],
+                          max(sum(row) for row in fbw), num_mb,
+                          max(len(r) for r in ranges) * cfg.virtual_stages)
     # The gradients' way into DataParallel's buckets (any dp): the first micro-batch's copied
     # into its bucket view, each later one's added there by autograd (one add per parameter
     # tensor); fp32 main gradients are zeroed, then every micro-batch's is added into them.
@@ -488,7 +531,7 @@ def candidates(work: Workload, cluster: Cluster, fixed: dict | None = None):
                 for name, v in scheds:
                     for rec in RECOMPUTE:
                         for sp in ((False, True) if tp > 1 else (False,)):
-                            for zero in ((0, 1, 2) if dp > 1 else (0,)):
+                            for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
                                 cfg = ParallelConfig(tp, pp, dp, v, mbs, name, rec, sp, zero,
                                                      cp)
                                 if zero == 2 and not grads_apart(cfg, work):

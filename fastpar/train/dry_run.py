@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
-from ..data_parallel.data_parallel import bucket_specs
+from ..data_parallel.data_parallel import bucket_specs, unit_index
 from ..plan import planner
 from ..plan.cost import trainer_features
 from ..plan.hardware import get_hardware
@@ -113,16 +114,28 @@ def dry_run(cfg, world_size: int, hardware: str = "h100-80gb") -> DryRunReport:
                 chunks = build_model(cfg, dataclasses.replace(mesh, device=torch.device("meta")))
         params = [q for c in chunks for q in c.parameters()]
         n = sum(q.numel() for q in params)
+        zero3 = cfg.zero == 3 and dp > 1
+        blocks = [layer for c in chunks for layer in c.layers.values()]
+        unit_of = unit_index(nn.ModuleList(chunks), blocks, params) if zero3 else None
         specs = bucket_specs([(q.numel(), dtype) for q in params], dp, None, reduce,
-                             mode == "bf16")
+                             mode == "bf16", unit_of)
         buffered = sum(s.padded_numel for s in specs)
         stepped = buffered // dp if cfg.zero and dp > 1 else n
         row = rows[p]
-        weight, _, _ = planner.bytes_per_param(layout, feat, hw)
+        weight, grad, opt = planner.bytes_per_param(layout, feat, hw)
+        weights = n * weight
         grads = planner.gradient_bytes(layout, work, feat, hw, buffered,
                                        row["activations"] * 1e9)
-        mine = {"weights": n * weight / 1e9, "gradients": grads / 1e9,
-                "optimizer": stepped * feat.optimizer_bytes / 1e9,
+        if zero3:          # the gathered units and whole gradients in flight at the peak
+            owner = [unit_of[s.indices[0]] for s in specs]
+            unit = max(s.padded_numel for s, u in zip(specs, owner) if u is not None)
+            root = sum(s.padded_numel for s, u in zip(specs, owner) if u is None)
+            weights, whole_g = planner.zero3_bytes(layout, work, feat, hw, buffered, unit,
+                                                   root, len(blocks))
+            grads = buffered * grad + whole_g
+        mine = {"weights": weights / 1e9, "gradients": grads / 1e9,
+                "optimizer": stepped * (feat.optimizer_bytes + (
+                    4 if zero3 and not feat.main_grads else 0)) / 1e9,
                 "activations": row["activations"], "reserve": row["reserve"]}
         layers = sorted(int(i) for c in chunks for i in c.layers.keys())
         roles.append(Role(p, first, world_size // lay.pp, layers, n, row["params_per_gpu"],
