@@ -1,4 +1,4 @@
-"""Sharded data parallelism on an MLP: fastpar's ZeRO-1 and ZeRO-2 against torch's FSDP2.
+"""Sharded data parallelism on an MLP: fastpar's ZeRO-1, 2 and 3 against torch's FSDP2.
 
     python bench/bench_zero.py [--ranks 2] [--hidden 1024] [--layers 12] [--batch 128]
     ../shared/tools/shaped-link 1gbit python bench/bench_zero.py --label 1gbit
@@ -10,9 +10,12 @@ the root one, ``reshard_after_forward=False`` (ZeRO-2's memory: the parameters g
 forward stay for the backward; the gradients are reduce-scattered unit by unit during the
 backward; FSDP2 prefetches the next unit's gather itself), the same AdamW. A second instance of
 it is the A/A control. ``fsdp2-reshard`` (``reshard_after_forward=True``, ZeRO-3) is shown for
-reference. fastpar's variants are ``DataParallel`` + ``DistributedOptimizer`` at ``stage`` 1 and
-2, the updated shards' all-gathers left to the next forward (``overlap_param_gather``) and waited
-for inside the timed window. ``compute-only`` is the floor: the same model, no communication.
+reference, and as the peer of ``zero3``. fastpar's variants are ``DataParallel`` +
+``DistributedOptimizer`` at ``stage`` 1 and 2, the updated shards' all-gathers left to the next
+forward (``overlap_param_gather``) and waited for inside the timed window; and at stage 3 with
+every Linear a unit (as FSDP2's): ``zero3`` frees each unit after its forward and gathers it
+again for its backward (FSDP2's ``reshard_after_forward=True``), ``zero3-keep`` keeps it from
+the forward to its backward (``False``); both prefetch one unit ahead. ``compute-only`` is the floor: the same model, no communication.
 Every variant runs the same step (fp32, same batch per rank) in the same run, rotated round by
 round (bench/common.py ``compare``).
 
@@ -23,6 +26,7 @@ three steps): ``peak_MB``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import sys
@@ -40,7 +44,8 @@ from fastpar.data_parallel import DataParallel, DistributedOptimizer  # noqa: E4
 from fastpar.extension import CPUMemory  # noqa: E402
 from fastpar.testing import run_ranks  # noqa: E402
 
-NAMES = ("fsdp2", "fsdp2-again", "fsdp2-reshard", "zero1", "zero2", "compute-only")
+NAMES = ("fsdp2", "fsdp2-again", "fsdp2-reshard", "zero1", "zero2", "zero3", "zero3-keep",
+         "compute-only")
 
 
 def _mlp(hidden, layers):
@@ -66,6 +71,13 @@ def _build(name, mesh, hidden, layers, bucket_mb):
                 fully_shard(layer, mesh=dm, reshard_after_forward=reshard)
         fully_shard(m, mesh=dm, reshard_after_forward=reshard)
         return m, adamw(m.parameters()), None
+    if name.startswith("zero3"):
+        net = _mlp(hidden, layers)
+        m = DataParallel(net, dp_group=mesh.dp_group,
+                         units=[u for u in net if isinstance(u, nn.Linear)])
+        opt = DistributedOptimizer(m, torch.optim.AdamW, stage=3, lr=1e-4,
+                                   reshard_after_forward=name == "zero3")
+        return m, opt, None
     if name.startswith("zero"):
         m = DataParallel(_mlp(hidden, layers), dp_group=mesh.dp_group, bucket_cap_mb=bucket_mb)
         opt = DistributedOptimizer(m, torch.optim.AdamW, overlap_param_gather=True,
@@ -93,10 +105,12 @@ def _measure(rank, world_size, hidden, layers, batch, bucket_mb, rounds, iters):
             finish()
     # The same step everywhere: after one step every sharded variant equals FSDP2's weights.
     ref = [p.full_tensor() for p in variants["fsdp2"][0].parameters()]
-    for name in ("zero1", "zero2", "fsdp2-reshard"):
-        for p, q in zip(variants[name][0].parameters(), ref):
-            p = p.full_tensor() if hasattr(p, "full_tensor") else p
-            assert torch.allclose(p, q, atol=1e-6), f"{name} differs from fsdp2 after a step"
+    for name in ("zero1", "zero2", "zero3", "zero3-keep", "fsdp2-reshard"):
+        opt = variants[name][1]
+        with opt.gathered() if name.startswith("zero3") else contextlib.nullcontext():
+            for p, q in zip(variants[name][0].parameters(), ref):
+                p = p.full_tensor() if hasattr(p, "full_tensor") else p
+                assert torch.allclose(p, q, atol=1e-6), f"{name} differs from fsdp2 after a step"
     return common.compare({n: (lambda m=m, o=o: _step(m, o, x, y))
                            for n, (m, o, _) in variants.items()},
                           "fsdp2", mesh.device, rounds, iters, control="fsdp2-again",

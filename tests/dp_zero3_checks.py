@@ -115,9 +115,9 @@ def _zero3_equals_zero1(rank, world):
 
 
 def _zero3_memory(rank, world):
-    """Between steps a rank holds 16 bytes per parameter / dp (fp32 master, two moments, the
-    reduced gradient shard) and nothing whole; during a step at most the units in flight are
-    whole: the peak above that is far below ZeRO-2's, which holds every parameter whole."""
+    """After zero_grad a rank holds 12 bytes per parameter / dp (the fp32 master and its two
+    moments) and nothing whole, nor the gradient shards; during a step at most the units in
+    flight are whole: the peak is below ZeRO-2's by about the whole model."""
     if not CPUMemory.installed():
         CPUMemory.install()
     held = {}
@@ -133,12 +133,13 @@ def _zero3_memory(rank, world):
         held[stage] = (steady, CPUMemory.peak() - base, numel)
         del model, opt
     steady, peak, numel = held[3]
-    formula = 16 * numel // world
+    formula = 12 * numel // world
     assert formula <= steady <= formula + 4096, (steady, formula)
     whole = 4 * numel                          # the model's fp32 parameters
     steady2, peak2, _ = held[2]
-    # ZeRO-2 keeps the parameters whole, its fp32 master being this rank's block of them.
-    assert abs(steady2 - steady - (whole - whole // world)) <= 4096, (steady2, steady, whole)
+    # ZeRO-2 keeps the parameters whole (its fp32 master being this rank's block of them) and
+    # the gradient shards.
+    assert abs(steady2 - steady - whole) <= 4096, (steady2, steady, whole)
     # Peaks: ZeRO-2 holds every parameter whole and each bucket's gradient; ZeRO-3 about three
     # units (of 9) of each, plus the same activations.
     assert peak < peak2 - whole, (peak, peak2, whole)

@@ -102,7 +102,8 @@ class DataParallel(nn.Module):
         units: submodules whose parameters form one bucket each (per dtype), what ZeRO-3
             gathers and frees as one (FSDP's units, e.g. the Transformer blocks); the
             parameters outside every unit form the root bucket. A parameter in nested units
-            belongs to the innermost. ``bucket_cap_mb`` is then not used.
+            belongs to the innermost. ``bucket_cap_mb`` is then not used, and each bucket's
+            memory is taken at its first gradient (not all at once here).
 
     The constructor checks its arguments locally (``ValueError``), then compares the parameter
     shapes across the group with one small collective and broadcasts dp rank 0's parameters and
@@ -139,7 +140,8 @@ class DataParallel(nn.Module):
         self._reducer = GradReducer(params, [n for n, _ in named], self.bucket_specs, group,
                                     self.dp_size, reduce_dtype=reduce_dtype, overlap=overlap,
                                     find_unused=find_unused_parameters, events=self.events,
-                                    device=device, main_grads=self.main_grads)
+                                    device=device, main_grads=self.main_grads,
+                                    lazy=units is not None)
 
     def forward(self, *args, **kwargs):
         self._reducer.finish()        # a deferred reduction must land before the next step
@@ -192,6 +194,8 @@ class DataParallel(nn.Module):
         """Clear every ``.grad`` (as ``nn.Module.zero_grad``) and zero the main gradients."""
         super().zero_grad(set_to_none=set_to_none)
         self._reducer.zero_main_grads()
+        if set_to_none:
+            self._reducer.drop_shards()
 
     def mean_grad_views(self, params) -> list[torch.Tensor]:
         """Where the mean gradients of ``params`` live once synced, as views an in-place

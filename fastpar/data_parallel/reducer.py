@@ -52,7 +52,7 @@ class _Bucket:
     """One bucket's parameters, flat buffer and in-flight work."""
 
     def __init__(self, spec: BucketSpec, params: list[nn.Parameter], reduce_dtype, device,
-                 main_grads: bool = False):
+                 main_grads: bool = False, lazy: bool = False):
         self.spec = spec
         self.params = [params[i] for i in spec.indices]
         self.main: torch.Tensor | None = None     # fp32 main gradients (main_grads=True)
@@ -74,6 +74,8 @@ class _Bucket:
         for k, p in enumerate(self.params):       # keep gradients that exist already
             if p.grad is not None and self.in_buffer:
                 self.adopt(k)
+        if lazy and all(p.grad is None for p in self.params):
+            self.release()          # taken by the first gradient: one bucket's memory at a time
 
     @property
     def in_buffer(self) -> bool:
@@ -169,12 +171,13 @@ class GradReducer:
 
     def __init__(self, params: list[nn.Parameter], names: list[str], specs: list[BucketSpec],
                  group, world: int, *, reduce_dtype, overlap: bool, find_unused: bool,
-                 events: extension.EventLog, device: torch.device, main_grads: bool = False):
+                 events: extension.EventLog, device: torch.device, main_grads: bool = False,
+                 lazy: bool = False):
         self.params, self.names, self.group, self.world = params, names, group, world
         self.overlap, self.find_unused, self.events = overlap, find_unused, events
         self.stream = CommStream(device)
         self.main_grads = main_grads
-        self.buckets = [_Bucket(s, params, reduce_dtype, device, main_grads) for s in specs]
+        self.buckets = [_Bucket(s, params, reduce_dtype, device, main_grads, lazy) for s in specs]
         self.where = {i: (b, k) for b, s in enumerate(specs) for k, i in enumerate(s.indices)}
         self.index = {id(p): i for i, p in enumerate(params)}
         self.sync = True              # False inside no_sync(): gradients only accumulate
@@ -184,6 +187,8 @@ class GradReducer:
         # ZeRO-3: at most this many buckets' reduce-scatters in flight; launching another waits
         # for the oldest and frees its whole gradients there, during backward (None: at the end)
         self.max_in_flight: int | None = None
+        # ZeRO-3: the reduced gradient shards too exist only from a reduction to zero_grad()
+        self.free_shards = False
         self.optimizer = None         # the DistributedOptimizer stepping these buckets, if any
         self.on_reduced = None        # on_reduced(b): bucket b's mean gradient is in place
         self.in_flight = False        # started and not yet finished
@@ -204,6 +209,13 @@ class GradReducer:
             return bucket.shard
         return bucket.main if bucket.main is not None else bucket.buffer
 
+    def drop_shards(self) -> None:
+        """Free the reduced gradient shards (``free_shards``: zero_grad(set_to_none=True));
+        each comes back when its bucket's next reduction starts."""
+        if self.free_shards and not self.in_flight:
+            for bucket in self.buckets:
+                bucket.shard.untyped_storage().resize_(0)
+
     def zero_main_grads(self) -> None:
         for bucket in self.buckets:
             if bucket.main is not None and not bucket.released:
@@ -216,9 +228,13 @@ class GradReducer:
             raise RuntimeError("cannot switch to sharded reduction while a reduction is running")
         self.release_grads = bool(release)
         for bucket in self.buckets:
+            if release:             # until the first backward, whole gradients are not needed
+                bucket.release()
             bucket.shard = bucket.buffer.new_zeros(bucket.spec.padded_numel // self.world)
             if needs_scratch(self.group):
                 bucket.scratch = bucket.buffer.new_empty(bucket.shard.numel() * (self.world - 1))
+                if bucket.released:             # comes and goes with the whole gradients
+                    bucket.scratch.untyped_storage().resize_(0)
         self.sharded = True
 
     # -- 1, 2: hooks --------------------------------------------------------------------------
@@ -270,6 +286,9 @@ class GradReducer:
                                       1.0 / self.world)
             self.events.record("launch", b)
             if self.sharded:
+                shard = bucket.shard.untyped_storage()
+                if shard.nbytes() == 0:
+                    shard.resize_(bucket.shard.numel() * bucket.shard.element_size())
                 bucket.work = reduce_scatter_async(bucket.shard, bucket.buffer, self.group,
                                                    bucket.scratch)
             else:

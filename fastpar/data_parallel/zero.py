@@ -139,11 +139,13 @@ class DistributedOptimizer:
         # Unsharded bf16 buckets cast their masters into the parameters instead.
         # At stage 3 the gather buffers come and go: the masters are kept apart.
         self._in_place = [b.spec.dtype not in _LOW and stage != 3 for b in reducer.buckets]
-        self._full = [b.buffer.new_empty(b.spec.padded_numel, dtype=b.spec.dtype)
-                      if shard or fits else None
-                      for b, fits in zip(reducer.buckets, self._in_place)]
-        self._views = [self._adopt_params(b) if self._full[b] is not None else None
-                       for b in range(len(reducer.buckets))]
+        self._full, self._views = [], []
+        for b, (bucket, fits) in enumerate(zip(reducer.buckets, self._in_place)):
+            # One bucket at a time: its parameters' old memory goes as the buffer comes.
+            self._full.append(bucket.buffer.new_empty(bucket.spec.padded_numel,
+                                                      dtype=bucket.spec.dtype)
+                              if shard or fits else None)
+            self._views.append(self._adopt_params(b) if self._full[b] is not None else None)
         self._master, self._grads = self._shard_buffers()
         self._piece_grads = [self._grads[pc.bucket][pc.lo:pc.hi] for pc in self._pieces]
         # Unsharded, each piece is a whole parameter: its master (and so its optimizer state)
@@ -173,9 +175,8 @@ class DistributedOptimizer:
         if self.stage == 3:
             from .zero3 import UnitGather
             self._gather_stream = CommStream(self._master[0].device)
-            reducer.max_in_flight = 2
-            for bucket in reducer.buckets:      # whole gradients exist only during backward
-                bucket.release()
+            reducer.max_in_flight = 1
+            reducer.free_shards = True
             self._units = UnitGather(self, prefetch=prefetch,
                                      reshard_after_forward=reshard_after_forward)
         model.module.register_state_dict_pre_hook(lambda *_a, **_kw: self.unshard_all())

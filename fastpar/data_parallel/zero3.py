@@ -13,9 +13,9 @@ storage exists only while the unit is gathered:
   backward;
 - backward: that output hook gathers the unit again and prefetches the ``prefetch`` units before
   it; once every parameter of the unit has its gradient the buffer is freed, and the unit's
-  bucket is reduce-scattered by the reducer while the earlier units compute (at most two
-  reduce-scatters in flight: launching one waits for the one before last and frees its whole
-  gradients, during backward).
+  bucket is reduce-scattered by the reducer while the unit before it computes (one
+  reduce-scatter in flight: launching the next waits for it and frees its whole gradients,
+  during backward; so at most two units' whole gradients exist at once).
 - the root is gathered at its first use and kept until its gradients are in (the last unit's
   outputs need the head right away, as FSDP keeps its root).
 
@@ -28,7 +28,9 @@ The gathers are issued on their own stream (on a GPU; gloo's worker threads on a
 from the reduce-scatters', into the buffer the parameters already view, so the parameters keep
 their identity (optimizer, autograd's saved tensors and hooks see the same tensors) and memory
 is taken from the allocator once per unit and gather. After a step every unit is stale and is
-gathered again at its next use.
+gathered again at its next use. The reduced gradient shards live from their reduce-scatter to
+``zero_grad()`` (as FSDP2's sharded gradients): between steps a rank holds the fp32 master shard
+and its optimizer state only.
 """
 from __future__ import annotations
 
@@ -87,6 +89,7 @@ class UnitGather:
             if id(p) in self.group_of:
                 # After the reducer's own hook (registered first): the gradient is in its bucket.
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self.live = [True] * len(reducer.buckets)    # built whole: freed right here
         self.reshard_all()
 
     # -- the buffers ---------------------------------------------------------------------------

@@ -264,9 +264,9 @@ def grads_apart(cfg: ParallelConfig, work: Workload) -> bool:
 
 
 # ZeRO-3: units whole at once in forward and backward (the one computing and the prefetched
-# one), and whose whole gradients exist at once (two reduce-scatters in flight and the one
+# one), and whose whole gradients exist at once (the one reduce-scatter in flight and the one
 # accumulating): fastpar/data_parallel/zero3.py with its default prefetch=1.
-ZERO3_GATHERED, ZERO3_GRADS = 2, 3
+ZERO3_GATHERED, ZERO3_GRADS = 2, 2
 
 
 def zero3_bytes(cfg, work, feat, hw, params: float, unit: float, root: float,
