@@ -281,6 +281,8 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
     manifest = read_manifest(path)
     verify = Verifier(path, manifest)
     index = _read_indexes(path, verify)
+    if optimizer is not None and hasattr(optimizer, "unshard_all"):
+        optimizer.unshard_all()        # ZeRO-3: the parameters whole, to be written into
     specs = shard_specs(modules, mesh.tp_size if mesh else 1, mesh.tp_rank if mesh else 0)
     sharded, optimizer = optimizer, per_param(optimizer)
     if sharded is not None and optimizer is None and manifest.get("zero1"):
@@ -290,8 +292,6 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
     if sharded is not None and optimizer is None:
         optimizer = WholeState()        # loaded per parameter (on the CPU), then sliced into
     whole = isinstance(optimizer, WholeState)      # the shards
-    if sharded is not None and hasattr(sharded, "unshard_all"):
-        sharded.unshard_all()          # ZeRO-3: the parameters whole, to be written into
     with torch.no_grad():
         for name, (t, shape, dim, start, stop, base, rows) in specs.items():
             weight = _read_slice(path, index, name, shape, dim, start, stop, verify)
