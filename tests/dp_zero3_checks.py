@@ -206,7 +206,35 @@ def _zero3_progress(rank, world):
     assert seen[False] == [("forward", False), ("backward", False, False, 0)], seen[False]
 
 
+def _hsdp_equals_zero(rank, world):
+    """HSDP at dp 4 (ZeRO shards over pairs, all-reduced across the two pairs): ZeRO-1's and
+    ZeRO-3's weights equal plain ZeRO's over all four ranks (to rounding: the sums are ordered
+    otherwise); each rank's optimizer state is half of the pair's, not a quarter."""
+    import torch.distributed as dist
+    from fastpar.mesh.groups import group_rank
+    ranks = list(range(world))
+    pairs = [dist.new_group(ranks[i:i + 2]) for i in range(0, world, 2)]
+    across = [dist.new_group(ranks[j::2]) for j in range(2)]
+    shard, replicate = pairs[rank // 2], across[rank % 2]
+    for stage in (1, 3):
+        ref, o_ref = _build(stage, torch.float32, {})
+        hsdp, o_hsdp = _build(stage, torch.float32, dict(dp_group=shard,
+                                                         replicate_group=replicate))
+        assert (hsdp.dp_size, hsdp.dp_rank) == (2, group_rank(shard))
+        for model, opt in ((ref, o_ref), (hsdp, o_hsdp)):
+            _steps(model, opt, world, rank, torch.float32, 3, 2)
+        with o_ref.gathered(), o_hsdp.gathered():
+            for p, q in zip(ref.parameters(), hsdp.parameters()):
+                torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+        assert o_hsdp.state_bytes() == pytest.approx(2 * o_ref.state_bytes(), rel=0.05)
+    with pytest.raises(ValueError, match="find_unused_parameters=True is not supported"):
+        DataParallel(Net(), dp_group=shard, replicate_group=replicate,
+                     find_unused_parameters=True)
+
+
 def zero3_checks(rank, world):
     _zero3_equals_zero1(rank, world)
     _zero3_memory(rank, world)
     _zero3_progress(rank, world)
+    if world == 4:
+        _hsdp_equals_zero(rank, world)

@@ -95,6 +95,18 @@ def test_zero3_at_1024_ranks_holds_shards_and_the_units_in_flight():
     assert three.roles[0].gradients < one.roles[0].gradients / 5
 
 
+def test_hsdp_shards_over_its_groups_at_1024_ranks():
+    """HSDP (7b, tp2 x dp512, ZeRO-3 over groups of 4 dp ranks, a node of 8 GPUs): each rank
+    keeps 1/4 of its optimizer state, not 1/512, as the memory model says; the planner prices
+    its all-reduce across nodes on 1/4 of the bytes."""
+    kw = dict(model="7b", tp=2, pp=1, dp=512, seq_len=4096, global_batch_size=512, zero=3)
+    full, hsdp = (dry_run(_cfg(**kw, dp_shard=s), 1024) for s in (0, 4))
+    _check_against_the_model(hsdp, 1024, 1, 32)
+    assert hsdp.roles[0].optimizer == pytest.approx(full.roles[0].optimizer * 128, rel=1e-3)
+    assert hsdp.roles[0].weights == pytest.approx(full.roles[0].weights, rel=1e-3)
+    assert hsdp.step_time_s and full.step_time_s
+
+
 def test_bad_input_is_refused_before_anything_is_built():
     with pytest.raises(ValueError, match="1000"):
         dry_run(_cfg(), 1000)                  # not divisible by tp x pp = 64

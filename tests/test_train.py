@@ -62,6 +62,8 @@ LAYOUTS = {
     # and with pp (each stage's blocks; zero-bubble's split backward) and full recompute.
     "tp2-dp2-sp-zero3": (4, dict(tp=2, dp=2, sequence_parallel=True, zero=3)),
     "pp2-dp2-zbh1-zero3": (4, dict(pp=2, dp=2, schedule="zb-h1", zero=3, recompute="full")),
+    # HSDP: ZeRO-3 sharded over pairs of dp ranks, replicated across the two pairs.
+    "dp4-zero3-hsdp2": (4, dict(dp=4, zero=3, dp_shard=2)),
 }
 
 
@@ -115,6 +117,9 @@ def test_resume_continues_exactly_and_across_layouts(tmp_path):
     (["--model", "gpt5"], "unknown model 'gpt5'"),
     (["--cp", "2", "--seq-len", "30"], "sequence length 30 is not divisible by 2 x cp = 4"),
     (["--cp", "2", "--zero", "1"], "--zero=1 with --cp=2 is not supported yet"),
+    (["--dp-shard", "2"], "--dp-shard=2 shards ZeRO state: it needs --zero 1, 2 or 3"),
+    (["--dp", "4", "--zero", "3", "--dp-shard", "3"], "--dp-shard=3 must divide dp=4"),
+    (["--zero", "4"], "--zero=4 is not one of (0, 1, 2, 3)"),
 ])
 def test_cli_bad_input_is_one_clear_error(tmp_path, capsys, args, needle):
     from fastpar.cli import main
@@ -139,7 +144,7 @@ def test_zero_checkpoints_resume_in_any_layout_and_zero_stage(reference, tmp_pat
     """A sharded optimizer saves its masters and moments per parameter (gathered over dp): a
     ZeRO-3 run at dp=2 (its curve the single-process one) resumes on the same curve at ZeRO-1
     dp=4 and without ZeRO at dp=1, and a run without ZeRO resumes under ZeRO-2 and ZeRO-3 (the
-    moments sliced into the new shards)."""
+    moments sliced into the new shards), and under HSDP (ZeRO-3 over pairs of dp ranks)."""
     ckpt = tmp_path / "checkpoints"
     first = _losses(2, tmp_path, dp=2, zero=3, save_every=10)
     for a, b in zip(first, reference, strict=True):
@@ -160,11 +165,11 @@ def test_zero_checkpoints_resume_in_any_layout_and_zero_stage(reference, tmp_pat
         _losses(2, tmp_path, resume=True, dp=2, zero=1)
     plain = tmp_path / "plain"             # written without ZeRO, resumed under ZeRO-2 and 3
     _losses(1, plain, save_every=10)
-    for zero in (2, 3):
+    for kwargs in (dict(dp=2, zero=2), dict(dp=2, zero=3), dict(dp=4, zero=3, dp_shard=2)):
         shutil.rmtree(plain / "checkpoints" / "step_20")
-        resumed = _losses(2, plain, resume=True, dp=2, zero=zero)
+        resumed = _losses(kwargs["dp"], plain, resume=True, **kwargs)
         for a, b in zip(resumed, reference[10:], strict=True):
-            assert abs(a - b) <= 1e-5 * abs(b), zero
+            assert abs(a - b) <= 1e-5 * abs(b), kwargs
 
 
 def test_cp_checkpoint_resumes_without_cp(reference, tmp_path):

@@ -110,6 +110,33 @@ def all_gather_async(out: torch.Tensor, shard: torch.Tensor, group: Group):
     return _all_gather_tensor(out, shard, group=group, async_op=True)
 
 
+class _Then:
+    """A work followed by an all-reduce started only once it is waited for (on gloo, whose
+    pairwise reduce-scatter sums its blocks on the host in ``wait``)."""
+
+    def __init__(self, first, tensor: torch.Tensor, group: Group):
+        self.first, self.tensor, self.group = first, tensor, group
+
+    def wait(self) -> None:
+        if self.first is not None:
+            self.first.wait()
+        work = all_reduce_async(self.tensor, self.group)
+        if work is not None:
+            work.wait()
+
+
+def then_all_reduce(first, tensor: torch.Tensor, group: Group, host_waits: bool):
+    """HSDP's second stage: sum ``tensor`` over ``group`` (the replicas) after ``first`` (the
+    reduction inside the shard group) has produced it. ``host_waits`` (gloo): chained at wait
+    time; else (NCCL) the device stream waits for ``first`` and the all-reduce is issued now,
+    the host never blocking."""
+    if host_waits:
+        return _Then(first, tensor, group)
+    if first is not None:
+        first.wait()
+    return all_reduce_async(tensor, group)
+
+
 class CommStream:
     """Where bucket collectives are issued: a side CUDA stream on GPU, nothing special on CPU."""
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .buckets import BucketSpec, assign_buckets, unit_buckets
@@ -104,6 +105,11 @@ class DataParallel(nn.Module):
             parameters outside every unit form the root bucket. A parameter in nested units
             belongs to the innermost. ``bucket_cap_mb`` is then not used, and each bucket's
             memory is taken at its first gradient (not all at once here).
+        replicate_group: HSDP: ``dp_group`` is this rank's shard group (its ZeRO shards are cut
+            over it) and ``replicate_group`` the ranks holding the same shard in the other
+            groups (:func:`fastpar.mesh.hsdp_groups`); each reduction over ``dp_group`` is
+            followed by an all-reduce of its result over the replicas, and the mean is over
+            both. ``None``: plain data parallelism over ``dp_group``.
 
     The constructor checks its arguments locally (``ValueError``), then compares the parameter
     shapes across the group with one small collective and broadcasts dp rank 0's parameters and
@@ -113,16 +119,26 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, *, dp_group=None, bucket_cap_mb: float | None = None,
                  overlap: bool = True, reduce_dtype: torch.dtype | None = None,
                  main_grads: bool = False, find_unused_parameters: bool = False,
-                 units: list[nn.Module] | None = None):
+                 units: list[nn.Module] | None = None, replicate_group=None):
         super().__init__()
         check_options(module, bucket_cap_mb, reduce_dtype)
         group = resolve_group(dp_group)
+        if replicate_group is not None:
+            if not isinstance(replicate_group, dist.ProcessGroup):
+                raise ValueError(f"replicate_group must be a ProcessGroup or None, got "
+                                 f"{type(replicate_group).__name__}")
+            if find_unused_parameters:
+                raise ValueError("find_unused_parameters=True is not supported with a "
+                                 "replicate_group (HSDP)")
         named = check_params(module, reduce_dtype)
         unit_of = unit_index(module, units, [p for _, p in named])
         device = named[0][1].device
-        if group_size(group) > 1:
-            check_same_params(module, group, device)
-            broadcast_state(module, group)
+        # HSDP: over the replicas first, then inside the shard group: every rank gets the
+        # state of dp rank 0 (shard rank 0 of replica 0).
+        for g in (replicate_group, group):
+            if group_size(g) > 1:
+                check_same_params(module, g, device)
+                broadcast_state(module, g)
         self.module = module
         self.dp_group, self.dp_size, self.dp_rank = group, group_size(group), group_rank(group)
         self.bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
@@ -141,7 +157,9 @@ class DataParallel(nn.Module):
                                     self.dp_size, reduce_dtype=reduce_dtype, overlap=overlap,
                                     find_unused=find_unused_parameters, events=self.events,
                                     device=device, main_grads=self.main_grads,
-                                    lazy=units is not None)
+                                    lazy=units is not None,
+                                    replicate_group=replicate_group)
+        self.replicate_group = replicate_group
 
     def forward(self, *args, **kwargs):
         self._reducer.finish()        # a deferred reduction must land before the next step

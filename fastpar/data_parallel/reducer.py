@@ -43,9 +43,11 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from .. import extension
+from ..mesh.groups import group_size
 from ..mesh.profiling import span
 from .buckets import BucketSpec
-from .comm import CommStream, all_reduce_async, needs_scratch, reduce_scatter_async
+from .comm import (CommStream, all_reduce_async, needs_scratch, reduce_scatter_async,
+                   then_all_reduce)
 
 
 class _Bucket:
@@ -172,8 +174,12 @@ class GradReducer:
     def __init__(self, params: list[nn.Parameter], names: list[str], specs: list[BucketSpec],
                  group, world: int, *, reduce_dtype, overlap: bool, find_unused: bool,
                  events: extension.EventLog, device: torch.device, main_grads: bool = False,
-                 lazy: bool = False):
+                 lazy: bool = False, replicate_group=None):
         self.params, self.names, self.group, self.world = params, names, group, world
+        # HSDP: the reduction over ``group`` is followed by an all-reduce of its result over the
+        # replicas (the same shard on other groups); the mean is over both.
+        self.replicate_group = replicate_group
+        self.mean_world = world * group_size(replicate_group)
         self.overlap, self.find_unused, self.events = overlap, find_unused, events
         self.stream = CommStream(device)
         self.main_grads = main_grads
@@ -253,7 +259,7 @@ class GradReducer:
             # over it, not two). Not across several backward calls (wait_in_backward=False): a
             # later call would add undivided gradients into the divided view.
             divide = self.sync and self.wait_in_backward and not bucket.arrived[k]
-            bucket.adopt(k, self.world if divide else 1)
+            bucket.adopt(k, self.mean_world if divide else 1)
         self._touched[i] = True
         if not self.sync:
             return
@@ -277,13 +283,13 @@ class GradReducer:
         with self.stream.issue(), span("dp start", "reduce-scatter" if self.sharded else
                                        "all-reduce", "of bucket", b):
             if bucket.main is not None and bucket.buffer is not bucket.main:
-                torch.mul(bucket.main, 1.0 / self.world, out=bucket.buffer)   # bf16 on the wire
+                torch.mul(bucket.main, 1.0 / self.mean_world, out=bucket.buffer)   # bf16 wire
             elif bucket.in_buffer:
-                if self.world > 1:
-                    bucket.divide(self.world)        # the sum is then the mean, as in DDP
+                if self.mean_world > 1:
+                    bucket.divide(self.mean_world)   # the sum is then the mean, as in DDP
             else:
                 extension.multi_tensor_pack([p.grad for p in bucket.params], bucket.buffer,
-                                      1.0 / self.world)
+                                      1.0 / self.mean_world)
             self.events.record("launch", b)
             if self.sharded:
                 shard = bucket.shard.untyped_storage()
@@ -293,6 +299,10 @@ class GradReducer:
                                                    bucket.scratch)
             else:
                 bucket.work = all_reduce_async(bucket.buffer, self.group)
+            if group_size(self.replicate_group) > 1:
+                bucket.work = then_all_reduce(bucket.work, bucket.shard if self.sharded else
+                                              bucket.buffer, self.replicate_group,
+                                              host_waits=needs_scratch(self.group))
         self._next = b + 1
         if self.max_in_flight is not None and self.release_grads:
             for old in self.buckets[:max(0, b + 1 - self.max_in_flight)]:

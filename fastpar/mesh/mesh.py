@@ -239,3 +239,28 @@ def init(tp: int = 1, pp: int = 1, dp: int | None = None, order: str = "tp-cp-dp
     return Mesh(layout=lay, rank=rank, device=device, tp_group=mine["tp"],
                 pp_group=mine["pp"], dp_group=mine["dp"], cp_group=mine.get("cp"),
                 dp_cp_group=mine.get("dp-cp"))
+
+
+def hsdp_groups(mesh: Mesh, shard: int, timeout: float | timedelta = 600.0):
+    """HSDP's two groups inside this rank's dp group: ``(shard_group, replicate_group)``.
+
+    The dp group's ranks, in dp order, are cut into blocks of ``shard`` consecutive ones (the
+    shard groups: with the tp-cp-dp-pp order the nearest ranks, a node when tp x cp x shard is
+    the node's size), and the ranks at the same place of every block form a replicate group.
+    ``shard`` must divide dp (checked before any collective). Collective: every rank creates
+    every group, in the same order."""
+    dp = mesh.dp_size
+    if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1 or dp % shard:
+        raise ValueError(f"--dp-shard={shard!r} must be a divisor of dp={dp}")
+    timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    options = group_options(dist.get_backend())
+    mine = {}
+    for ranks in mesh.layout.groups("dp"):
+        blocks = [ranks[i:i + shard] for i in range(0, dp, shard)]
+        for kind, groups in (("shard", blocks), ("replicate",
+                                                [ranks[j::shard] for j in range(shard)])):
+            for g in groups:
+                group = dist.new_group(g, timeout=timeout, pg_options=options)
+                if mesh.rank in g:
+                    mine[kind] = group
+    return mine["shard"], mine["replicate"]

@@ -35,6 +35,9 @@ class ParallelConfig:
                                         # (0: none)
     cp: int = 1                         # context-parallel size: each sequence split over cp
                                         # ranks, attention by a key/value ring
+    dp_shard: int = 0                   # HSDP: shard the ZeRO state over groups of this many
+                                        # dp ranks (a node), replicate across the groups
+                                        # (0: over the whole dp group)
 
     def num_microbatches(self, global_batch: int, dp: int | None = None) -> int:
         return global_batch // (self.micro_batch_size * (dp or self.dp))
@@ -45,6 +48,11 @@ class ParallelConfig:
                                                         "micro_batch_size")}, flags=flags)
         if self.dp is not None:
             require_positive({"dp": self.dp}, flags=flags)
+        if isinstance(self.dp_shard, bool) or not isinstance(self.dp_shard, int) or \
+                self.dp_shard < 0:
+            shown = "--dp-shard" if flags else "dp_shard"
+            raise ValueError(f"{shown}={self.dp_shard!r} must be an int >= 0 (0: shard over "
+                             f"the whole dp group)")
         if self.zero not in (0, 1, 2, 3):
             shown = "--zero" if flags else "zero"
             raise ValueError(f"{shown}={self.zero!r} is not one of (0, 1, 2, 3): 1 shards the "
@@ -63,6 +71,12 @@ class ParallelConfig:
         self.check_fields()
         lay = Layout(world, self.tp, self.pp, self.dp, cp=self.cp, world_name=world_name)
         dp = lay.dp
+        if self.dp_shard:
+            if not self.zero:
+                raise ValueError(f"--dp-shard={self.dp_shard} shards ZeRO state: it needs "
+                                 f"--zero 1, 2 or 3")
+            if dp % self.dp_shard:
+                raise ValueError(f"--dp-shard={self.dp_shard} must divide dp={dp}")
         if self.cp > 1:
             check_seq_len(seq_len, self.cp)
             if self.zero:

@@ -8,6 +8,7 @@ default ``tp-dp-pp``: TP groups are consecutive ranks (inside a node), DP next, 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 from ..kernels.cross_entropy import REFERENCE_CHUNK
@@ -241,16 +242,22 @@ def bytes_per_param(cfg: ParallelConfig, feat: Features, hw) -> tuple[float, flo
     their bucket's updated shards are gathered into, at any precision (fastpar/data_parallel/
     reducer.py ``enable_sharding``, zero.py ``_shard_buffers``, ``_adopt_params``)."""
     weight, grad, opt = feat.weight_bytes, feat.grad_bytes, feat.optimizer_bytes
-    if cfg.zero == 3 and cfg.dp > 1:
+    n = shard_size(cfg)
+    if cfg.zero == 3 and n > 1:
         # Only shards between steps (whole units come and go: zero3_bytes): the fp32 master
         # apart from the gathered weights at any precision, the reduced gradient shard.
-        opt = (opt + (4 if not feat.main_grads else 0)) / cfg.dp
-        return 0.0, feat.reduce_bytes / cfg.dp + (4 / cfg.dp if feat.reduce_bytes < 4 else 0), opt
-    if cfg.zero and cfg.dp > 1:
-        opt /= cfg.dp
-        grad += feat.reduce_bytes * (1 if hw.kind == "cpu" else 1 / cfg.dp)
-        grad += 4 / cfg.dp if feat.reduce_bytes < 4 else 0
+        opt = (opt + (4 if not feat.main_grads else 0)) / n
+        return 0.0, feat.reduce_bytes / n + (4 / n if feat.reduce_bytes < 4 else 0), opt
+    if cfg.zero and n > 1:
+        opt /= n
+        grad += feat.reduce_bytes * (1 if hw.kind == "cpu" else 1 / n)
+        grad += 4 / n if feat.reduce_bytes < 4 else 0
     return weight, grad, opt
+
+
+def shard_size(cfg: ParallelConfig) -> int:
+    """Ranks the ZeRO state is sharded over: dp, or HSDP's shard groups (``dp_shard``)."""
+    return cfg.dp_shard if 0 < cfg.dp_shard < (cfg.dp or 1) else (cfg.dp or 1)
 
 
 def grads_apart(cfg: ParallelConfig, work: Workload) -> bool:
@@ -276,7 +283,8 @@ def zero3_bytes(cfg, work, feat, hw, params: float, unit: float, root: float,
     units in flight, and the root (embedding, head) from its first use to its gradients. With
     several micro-batches per step (accumulation, a pipeline) every whole gradient is kept
     until the step's last backward, as under ZeRO-1."""
-    whole_grad = feat.grad_bytes + (feat.reduce_bytes * (cfg.dp - 1) / cfg.dp
+    n = shard_size(cfg)
+    whole_grad = feat.grad_bytes + (feat.reduce_bytes * (n - 1) / n
                                     if hw.kind == "cpu" else 0.0)    # gloo's scratch
     weights = (min(ZERO3_GATHERED, units) * unit + root) * feat.weight_bytes
     held = params if cfg.pp > 1 or cfg.num_microbatches(work.global_batch) > 1 else \
@@ -366,15 +374,24 @@ def _dp_time(cluster, cfg, feat, params, last_backward, compute=0.0, num_mb=1, l
     # tp) per node.
     per_node = min(dp, max(1, cluster.gpus_per_node // cfg.tp))
     nbytes, link = params * feat.grad_bytes, cluster.link_gbps(cfg.tp * dp, per_node)
-    reduce = cost.collective_time("reduce_scatter" if cfg.zero else "all_reduce", nbytes, dp,
-                                  link, hw)
-    gather = cost.collective_time("all_gather", nbytes, dp, link, hw) if cfg.zero else 0.0
+    shard, replicas = shard_size(cfg), 1
+    if cfg.zero and shard < dp:
+        # HSDP: reduce-scatters and gathers inside the shard groups (consecutive dp ranks), then
+        # an all-reduce of each shard over the replicas, ranks tp x shard apart.
+        replicas = dp // shard
+        link = cluster.link_gbps(cfg.tp * shard, min(shard, per_node))
+        across = cluster.link_gbps(cfg.tp * dp, max(1, per_node // shard))
+    reduce = cost.collective_time("reduce_scatter" if cfg.zero else "all_reduce", nbytes,
+                                  shard if cfg.zero else dp, link, hw)
+    if replicas > 1:
+        reduce += cost.collective_time("all_reduce", nbytes / shard, replicas, across, hw)
+    gather = cost.collective_time("all_gather", nbytes, shard, link, hw) if cfg.zero else 0.0
     hidden = feat.dp_overlap if cfg.pp == 1 else feat.dp_overlap_pipeline
     if cfg.zero == 3:
         # Two gathers per micro-batch and the reduce-scatter share one link behind the step's
         # compute, a unit's transfer at a time.
-        total = num_mb * 2 * cost.collective_time("all_gather", params * feat.weight_bytes, dp,
-                                                  link, hw) + reduce
+        total = num_mb * 2 * cost.collective_time("all_gather", params * feat.weight_bytes,
+                                                  shard, link, hw) + reduce
         if hidden and hw.kind != "cpu":
             total = cost.exposed(total, num_mb * compute, 2 * layers * num_mb)
         return total + (hw.memory_time(2 * nbytes, 1) if feat.main_grads else 0.0)
@@ -436,7 +453,7 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
     # Adam reads weight, gradient and both moments and writes three; clipping reads the grads.
     # Multi-tensor kernels on a GPU; off CUDA torch's foreach ops loop over the tensors.
     kernels = GPU_OPTIMIZER_KERNELS if hw.kind != "cpu" else CPU_OPTIMIZER_OPS_PER_TENSOR * tensors
-    optimizer = slow * hw.memory_time(params / (cfg.dp if cfg.zero else 1)
+    optimizer = slow * hw.memory_time(params / (shard_size(cfg) if cfg.zero else 1)
                                       * OPTIMIZER_STEP_BYTES, kernels)
     step = sim.step_time + accumulate + dp_exposed + optimizer + _step_collectives(cluster, cfg)
     tokens = work.global_batch * work.seq_len
@@ -536,6 +553,15 @@ def candidates(work: Workload, cluster: Cluster, fixed: dict | None = None):
                                                      cp)
                                 if zero == 2 and not grads_apart(cfg, work):
                                     continue        # ZeRO-1's time and memory, to the byte
+                                node = cluster.gpus_per_node // tp
+                                if zero == 3 and 1 < node < dp and dp % node == 0:
+                                    hsdp = dataclasses.replace(cfg, dp_shard=node)
+                                    if all(getattr(hsdp, k) == val for k, val in fixed.items()):
+                                        try:
+                                            check(hsdp, work, cluster)
+                                            yield hsdp
+                                        except ValueError:
+                                            pass
                                 if any(getattr(cfg, k) != val for k, val in fixed.items()):
                                     continue
                                 try:

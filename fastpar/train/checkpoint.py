@@ -68,7 +68,8 @@ def _snapshot(modules, optimizer, mesh, rank_tensors, cpu) -> dict[str, dict | s
     tp, pp = (mesh.tp_rank, mesh.pp_rank) if mesh else (0, 0)
     if optimizer is not None and per_param(optimizer) is None:
         optimizer = optimizer.whole_state()       # every dp rank takes part in the gather
-        if (optimizer is not None) != (mesh is None or mesh.replica_rank == 0):
+        # (under HSDP the first rank of every shard group gets it; replica 0 saves)
+        if optimizer is None and (mesh is None or mesh.replica_rank == 0):
             raise RuntimeError("the ZeRO optimizer's state gathers to dp rank 0, which is not "
                                "the replica that saves this model shard")
     files: dict[str, dict | str] = {}

@@ -114,13 +114,14 @@ def dry_run(cfg, world_size: int, hardware: str = "h100-80gb") -> DryRunReport:
                 chunks = build_model(cfg, dataclasses.replace(mesh, device=torch.device("meta")))
         params = [q for c in chunks for q in c.parameters()]
         n = sum(q.numel() for q in params)
-        zero3 = cfg.zero == 3 and dp > 1
+        zero3 = cfg.zero == 3 and planner.shard_size(layout) > 1
         blocks = [layer for c in chunks for layer in c.layers.values()]
         unit_of = unit_index(nn.ModuleList(chunks), blocks, params) if zero3 else None
-        specs = bucket_specs([(q.numel(), dtype) for q in params], dp, None, reduce,
+        shard = planner.shard_size(layout) if cfg.zero else dp    # HSDP: the shard groups
+        specs = bucket_specs([(q.numel(), dtype) for q in params], shard, None, reduce,
                              mode == "bf16", unit_of)
         buffered = sum(s.padded_numel for s in specs)
-        stepped = buffered // dp if cfg.zero and dp > 1 else n
+        stepped = buffered // shard if cfg.zero and shard > 1 else n
         row = rows[p]
         weight, grad, opt = planner.bytes_per_param(layout, feat, hw)
         weights = n * weight

@@ -37,7 +37,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices as _
 import fastpar
 from ..context_parallel import shard_sequence
 from ..data_parallel import DataParallel, DistributedOptimizer
-from ..mesh import Layout, Mesh
+from ..mesh import Layout, Mesh, hsdp_groups
 from ..mesh.profiling import span
 from ..mesh import collectives
 from ..mesh.watchdog import CollectiveTimeoutError, Watchdog, group_timeout
@@ -95,8 +95,12 @@ def _wrap(cfg: TrainConfig, chunks, mesh):
     sharded = cfg.zero >= 1 and mesh.dp_size > 1
     units = [layer for m in chunks for layer in m.layers.values()] \
         if sharded and cfg.zero == 3 else None
-    ddp = DataParallel(nn.ModuleList(chunks), dp_group=mesh.dp_cp_group, main_grads=mixed,
-                       reduce_dtype=reduce_dtype, units=units)
+    groups = dict(dp_group=mesh.dp_cp_group)
+    if sharded and 0 < cfg.dp_shard < mesh.dp_size:    # HSDP: shard in a group, replicate over
+        shard, replicate = hsdp_groups(mesh, cfg.dp_shard, group_timeout(cfg.timeout))
+        groups = dict(dp_group=shard, replicate_group=replicate)
+    ddp = DataParallel(nn.ModuleList(chunks), main_grads=mixed, reduce_dtype=reduce_dtype,
+                       units=units, **groups)
     # Fused AdamW: one kernel per parameter group, and it skips a non-finite step on the device.
     kernel = dict(fused=True) if mesh.device.type in _fused_devices() else dict(foreach=True)
     return ddp, DistributedOptimizer(ddp, torch.optim.AdamW, _param_groups(chunks, cfg.weight_decay),
