@@ -224,9 +224,11 @@ def _zero2_frees_whole_gradients(rank, world):
                 flats = [t for b in buckets for t in b._flats()]
                 assert sum(t.untyped_storage().nbytes() for t in flats) == 0, what
                 assert not any(b.released for b in one._reducer.buckets), what
-            # What release frees, the allocator counts: each bucket's whole gradients.
+            # What release frees, the allocator counts: each bucket's whole gradients (gloo's
+            # scratch comes back at the bucket's launch, not here).
             for b in buckets:
-                whole = sum(t.numel() * t.element_size() for t in b._flats())
+                whole = sum(t.numel() * t.element_size() for t in b._flats()
+                            if t is not b.scratch)
                 before = CPUMemory.allocated()
                 b.acquire()
                 grown = CPUMemory.allocated() - before

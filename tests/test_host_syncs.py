@@ -36,8 +36,8 @@ def _syncs_per_step(rank, world, kwargs):
     return per_step, [r["step"] for r in rows]
 
 
-@pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=2, zero=1), dict(pp=2)],
-                         ids=["dp2", "dp2-zero1", "pp2"])
+@pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=2, zero=1), dict(dp=2, zero=3),
+                                    dict(pp=2)], ids=["dp2", "dp2-zero1", "dp2-zero3", "pp2"])
 def test_steps_that_do_not_log_make_no_host_sync(layout):
     for rank, (per_step, steps) in enumerate(run_ranks(_syncs_per_step, 2, dict(BASE, **layout),
                                                        init_pg=False, timeout=90)):

@@ -12,7 +12,8 @@ run and the planner call) less the runtime reserve, which is no tensor.
 
 In sample: the ZeRO-1 shard terms and the zero-bubble output-gradient term were added after
 seeing "dp2 zero1", "dp2 zero1 bf16 reduce" and "pp2 zb-h1"; every 4-rank layout here was first
-run after those terms were frozen. The per-layer activation terms were fitted on autograd's saved
+run after those terms were frozen. The ZeRO-3 terms (``planner.zero3_bytes``) were written
+before either ZeRO-3 layout here first ran. The per-layer activation terms were fitted on autograd's saved
 tensors (tests/test_plan.py), not on these peaks.
 """
 import gc
@@ -46,6 +47,9 @@ LAYOUTS = {
         # one micro-batch per step: whole gradients and activations peak apart
         "dp2 zero2 bf16 one micro-batch": dict(dp=2, zero=2, precision="bf16",
                                                micro_batch_size=4),
+        # ZeRO-3: shards, two blocks' weights and whole gradients, the root (zero3_bytes)
+        "dp2 zero3 bf16 one micro-batch": dict(dp=2, zero=3, precision="bf16",
+                                               micro_batch_size=4),
     },
     4: {
         "tp2 pp2": dict(tp=2, pp=2),
@@ -53,6 +57,7 @@ LAYOUTS = {
         "pp2 dp2 zb-h1": dict(pp=2, dp=2, schedule="zb-h1"),
         "cp2 dp2 bf16 reduce": dict(cp=2, dp=2, precision="bf16",
                                     grad_reduce_dtype="bf16"),
+        "dp4 zero3 hsdp2": dict(dp=4, zero=3, dp_shard=2),
     },
 }
 TOLERANCE = 0.10

@@ -137,6 +137,8 @@ HANDLERS = {
     "fastpar": help_of,
     "fastpar train": default_run,
     "fastpar train --zero 1": layout_row(2),
+    "fastpar train --zero 3": layout_row(2),
+    "fastpar train --dp 4 --zero 3 --dp-shard 2": layout_row(4),
     "fastpar train --tp 2 --pp 2 --schedule 1f1b": layout_row(8),
     "fastpar train --tp 2 --pp 2 --dp 1 --schedule 1f1b": layout_row(4),
     "fastpar train --help": help_of,

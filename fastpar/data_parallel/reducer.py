@@ -107,7 +107,8 @@ class _Bucket:
         if not self.released:
             return
         for t in self._flats():
-            t.untyped_storage().resize_(t.numel() * t.element_size())
+            if t is not self.scratch:        # gloo's scratch: taken at the launch
+                t.untyped_storage().resize_(t.numel() * t.element_size())
         if self.main is not None:
             self.main.zero_()
         if self.buffer is not self.main:
@@ -292,9 +293,9 @@ class GradReducer:
                                       1.0 / self.mean_world)
             self.events.record("launch", b)
             if self.sharded:
-                shard = bucket.shard.untyped_storage()
-                if shard.nbytes() == 0:
-                    shard.resize_(bucket.shard.numel() * bucket.shard.element_size())
+                for t in (bucket.shard, bucket.scratch):     # freed since the last launch
+                    if t is not None and t.untyped_storage().nbytes() == 0:
+                        t.untyped_storage().resize_(t.numel() * t.element_size())
                 bucket.work = reduce_scatter_async(bucket.shard, bucket.buffer, self.group,
                                                    bucket.scratch)
             else:

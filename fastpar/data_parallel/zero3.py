@@ -34,10 +34,24 @@ and its optimizer state only.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 
 from ..mesh.profiling import span
+
+
+def _weak(obj, method: str, *bound):
+    """A hook calling ``obj.method(*bound, *args)`` that does not keep ``obj`` alive (hooks on
+    parameters and tensors are held from C++, where the garbage collector cannot see cycles)."""
+    ref = weakref.ref(obj)
+
+    def hook(*args):
+        o = ref()
+        if o is not None:
+            return getattr(o, method)(*bound, *args)
+    return hook
 
 
 def _tensors(out):
@@ -78,17 +92,15 @@ class UnitGather:
                 for m in model.module.modules():
                     if any(id(p) in mine for p in m.parameters(recurse=False)):
                         self._hooks.append(m.register_forward_pre_hook(
-                            lambda _m, _a, g=g: self.before_forward(g)))
+                            _weak(self, "_pre_forward", g)))
                 continue
             unit = units[key]
-            self._hooks.append(unit.register_forward_pre_hook(
-                lambda _m, _a, g=g: self.before_forward(g)))
-            self._hooks.append(unit.register_forward_hook(
-                lambda _m, _a, out, g=g: self.after_forward(g, out)))
+            self._hooks.append(unit.register_forward_pre_hook(_weak(self, "_pre_forward", g)))
+            self._hooks.append(unit.register_forward_hook(_weak(self, "_post_forward", g)))
         for p in reducer.params:
             if id(p) in self.group_of:
                 # After the reducer's own hook (registered first): the gradient is in its bucket.
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                self._hooks.append(p.register_post_accumulate_grad_hook(_weak(self, "_on_grad")))
         self.live = [True] * len(reducer.buckets)    # built whole: freed right here
         self.reshard_all()
 
@@ -129,6 +141,15 @@ class UnitGather:
         self.opt.finish_param_sync()
 
     # -- hooks ---------------------------------------------------------------------------------
+    def _pre_forward(self, g, _module, _args):
+        self.before_forward(g)
+
+    def _post_forward(self, g, _module, _args, out):
+        self.after_forward(g, out)
+
+    def _pre_backward(self, g, _grad):
+        self.before_backward(g)
+
     def before_forward(self, g: int) -> None:
         if self.hold:
             return
@@ -148,7 +169,7 @@ class UnitGather:
         if torch.is_grad_enabled():
             for t in _tensors(out):
                 if t.requires_grad:
-                    t.register_hook(lambda _grad, g=g: self.before_backward(g))
+                    t.register_hook(_weak(self, "_pre_backward", g))
         if self.reshard_after_forward and g != self.root:
             self.reshard(g)
 
