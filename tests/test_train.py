@@ -64,6 +64,8 @@ LAYOUTS = {
     "pp2-dp2-zbh1-zero3": (4, dict(pp=2, dp=2, schedule="zb-h1", zero=3, recompute="full")),
     # HSDP: ZeRO-3 sharded over pairs of dp ranks, replicated across the two pairs.
     "dp4-zero3-hsdp2": (4, dict(dp=4, zero=3, dp_shard=2)),
+    # ZeRO under context parallelism: sharded over dp x cp, the ranks whose gradients are averaged.
+    "cp2-dp2-zero3": (4, dict(cp=2, dp=2, zero=3)),
 }
 
 
@@ -116,7 +118,8 @@ def test_resume_continues_exactly_and_across_layouts(tmp_path):
     (["--data", "/nonexistent/corpus.txt"], "does not exist"),
     (["--model", "gpt5"], "unknown model 'gpt5'"),
     (["--cp", "2", "--seq-len", "30"], "sequence length 30 is not divisible by 2 x cp = 4"),
-    (["--cp", "2", "--zero", "1"], "--zero=1 with --cp=2 is not supported yet"),
+    (["--cp", "2", "--zero", "1", "--dp-shard", "1", "--nproc", "4"],
+     "--dp-shard=1 with --cp=2 is not supported yet"),
     (["--dp-shard", "2"], "--dp-shard=2 shards ZeRO state: it needs --zero 1, 2 or 3"),
     (["--dp", "4", "--zero", "3", "--dp-shard", "3"], "--dp-shard=3 must divide dp=4"),
     (["--zero", "4"], "--zero=4 is not one of (0, 1, 2, 3)"),

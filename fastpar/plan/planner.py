@@ -256,8 +256,9 @@ def bytes_per_param(cfg: ParallelConfig, feat: Features, hw) -> tuple[float, flo
 
 
 def shard_size(cfg: ParallelConfig) -> int:
-    """Ranks the ZeRO state is sharded over: dp, or HSDP's shard groups (``dp_shard``)."""
-    return cfg.dp_shard if 0 < cfg.dp_shard < (cfg.dp or 1) else (cfg.dp or 1)
+    """Ranks the ZeRO state is sharded over: dp x cp (the ranks whose gradients are averaged),
+    or HSDP's shard groups (``dp_shard``)."""
+    return cfg.dp_shard if 0 < cfg.dp_shard < (cfg.dp or 1) else (cfg.dp or 1) * cfg.cp
 
 
 def grads_apart(cfg: ParallelConfig, work: Workload) -> bool:
@@ -266,7 +267,7 @@ def grads_apart(cfg: ParallelConfig, work: Workload) -> bool:
     the activations (fastpar/data_parallel/reducer.py ``acquire``). With gradient
     accumulation (or a pipeline's micro-batches) every forward after the first finds the whole
     gradients allocated, as under ZeRO-1."""
-    return cfg.zero >= 2 and (cfg.dp or 1) > 1 and cfg.pp == 1 and \
+    return cfg.zero >= 2 and shard_size(cfg) > 1 and cfg.pp == 1 and \
         cfg.num_microbatches(work.global_batch) == 1
 
 
@@ -349,7 +350,7 @@ def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> li
                 acts += E * shape.tokens * m.d_model * (1 - 1 / t)
         weight, grad, opt = bytes_per_param(cfg, feat, hw)
         weights, grads = params * weight, gradient_bytes(cfg, work, feat, hw, params, acts)
-        if cfg.zero == 3 and cfg.dp > 1:
+        if cfg.zero == 3 and shard_size(cfg) > 1:
             n = sum(len(ranges[s]) for s in mine)
             whole_w, whole_g = zero3_bytes(cfg, work, feat, hw, params, m.layer_params() / t,
                                            params - n * m.layer_params() / t, n)
@@ -497,7 +498,7 @@ def _step_collectives(cluster: Cluster, cfg: ParallelConfig) -> float:
     world = cfg.tp * cfg.cp * cfg.pp * cfg.dp
     total = ar(cfg.pp, world) + ar(cfg.dp * cfg.cp, cfg.tp * cfg.cp * cfg.dp)     # the loss
     total += ar(cfg.tp, cfg.tp) + ar(cfg.pp, world)                  # the gradient norm
-    total += ar(cfg.dp, cfg.tp * cfg.dp) if cfg.zero else 0.0
+    total += ar(shard_size(cfg), cfg.tp * cfg.cp * cfg.dp) if cfg.zero else 0.0
     return total + ar(world, world)                                  # the non-finite check
 
 

@@ -92,7 +92,7 @@ def _wrap(cfg: TrainConfig, chunks, mesh):
         (torch.float32 if mixed else None)
     # Context-parallel ranks see other tokens of the same sequences: their gradients are
     # averaged together with the data-parallel ones (each rank's loss is its tokens' mean).
-    sharded = cfg.zero >= 1 and mesh.dp_size > 1
+    sharded = cfg.zero >= 1 and mesh.dp_size * mesh.cp_size > 1     # over dp x cp
     units = [layer for m in chunks for layer in m.layers.values()] \
         if sharded and cfg.zero == 3 else None
     groups = dict(dp_group=mesh.dp_cp_group)
