@@ -91,6 +91,12 @@ def _zero3_equals_zero1(rank, world):
         what = f"{dtype} {opts} micro={micro} {kw}"
         units = o3._units
         assert units.groups == [[4], [3], [2], [1], [0]], units.groups  # root, then blocks
+        live, inner = [], units.unshard        # blocks whole after each gather started
+
+        def counting(g, inner=inner, units=units, live=live):
+            inner(g)
+            live.append(sum(units._is_live(k) for k in range(1, len(units.groups))))
+        units.unshard = counting
         for step in range(3):
             before = units.gathers
             for model, opt in ((one, o1), (three, o3)):
@@ -100,6 +106,9 @@ def _zero3_equals_zero1(rank, world):
             assert units.gathers - before == want, (what, units.gathers - before, want)
             assert all(t.untyped_storage().nbytes() == 0 for t in o3._full), what
             assert all(b.released for b in three._reducer.buckets), (what, [b.released for b in three._reducer.buckets], [b.work for b in three._reducer.buckets])
+        # At most the computing block and the prefetched ones are whole at once.
+        if kw.get("reshard_after_forward", True):
+            assert max(live) == 1 + kw.get("prefetch", 1), (what, max(live))
         o1.finish_param_sync()
         with o3.gathered():
             for (n, p), q in zip(one.named_parameters(), three.parameters()):

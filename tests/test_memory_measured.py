@@ -53,7 +53,6 @@ LAYOUTS = {
     },
     4: {
         "tp2 pp2": dict(tp=2, pp=2),
-        "tp2 sp dp2 zero1": dict(tp=2, sequence_parallel=True, dp=2, zero=1),
         "pp2 dp2 zb-h1": dict(pp=2, dp=2, schedule="zb-h1"),
         "cp2 dp2 bf16 reduce": dict(cp=2, dp=2, precision="bf16",
                                     grad_reduce_dtype="bf16"),

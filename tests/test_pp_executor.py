@@ -203,8 +203,10 @@ def _declared_activation(rank, world_size):
     errors = []
     # A bad batch: every rank was given it, every rank refuses it. A wrong declaration: the
     # stage that finds it refuses to send (its peer's receive then fails: last, on purpose).
+    # The wrong declaration's receive fails by the group's timeout: 5 s, on groups of their own.
+    short = fastpar.init(pp=world_size, timeout=5)
     for declared, size in ((act, 2 * m + 1), (((2, 5, 8), torch.float32), 2 * m)):
-        pipe = PipelineExecutor(stages, build_schedule("1f1b", world_size, m), mesh.pp_group,
+        pipe = PipelineExecutor(stages, build_schedule("1f1b", world_size, m), short.pp_group,
                                 loss_fn=loss_fn, activation=declared)
         try:
             pipe.step(*batch(0, size=size))

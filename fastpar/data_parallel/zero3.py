@@ -80,7 +80,6 @@ class UnitGather:
         self.group_of = {id(p): g for g, bs in enumerate(self.groups) for b in bs
                          for p in reducer.buckets[b].params}
         self.sizes = [sum(len(reducer.buckets[b].params) for b in bs) for bs in self.groups]
-        self.live = [False] * len(reducer.buckets)   # storage held (gathered or in flight)
         self.in_backward = [False] * len(self.groups)
         self.arrived = [0] * len(self.groups)
         self.gathers = 0                             # all-gathers started (for tests, stats)
@@ -101,7 +100,8 @@ class UnitGather:
             if id(p) in self.group_of:
                 # After the reducer's own hook (registered first): the gradient is in its bucket.
                 self._hooks.append(p.register_post_accumulate_grad_hook(_weak(self, "_on_grad")))
-        self.live = [True] * len(reducer.buckets)    # built whole: freed right here
+        # Storage held (gathered or in flight) per bucket: built whole, freed right here.
+        self.live = [True] * len(reducer.buckets)
         self.reshard_all()
 
     # -- the buffers ---------------------------------------------------------------------------
@@ -151,20 +151,22 @@ class UnitGather:
         self.before_backward(g)
 
     def before_forward(self, g: int) -> None:
-        if self.hold:
+        # (a recomputed forward inside backward: gathered already)
+        if self.hold or self.in_backward[g]:
             return
-        if self.in_backward[g]:          # a recomputed forward inside backward: gathered already
-            return
+        # The root's later users (the head after the last unit) prefetch nothing.
+        ahead = self.prefetch if g != self.root or not self._is_live(g) else 0
         with span("zero-3 gather for forward of unit", g):
             self.unshard(g)
-            for nxt in range(g + 1, min(g + 1 + self.prefetch, len(self.groups))):
+            for nxt in range(g + 1, min(g + 1 + ahead, len(self.groups))):
                 self.unshard(nxt)
             self.wait(g)
 
+    def _is_live(self, g: int) -> bool:
+        return all(self.live[b] for b in self.groups[g])
+
     def after_forward(self, g: int, out) -> None:
-        if self.hold:
-            return
-        if self.in_backward[g]:
+        if self.hold or self.in_backward[g]:
             return
         if torch.is_grad_enabled():
             for t in _tensors(out):
@@ -174,9 +176,7 @@ class UnitGather:
             self.reshard(g)
 
     def before_backward(self, g: int) -> None:
-        if self.hold:
-            return
-        if self.in_backward[g]:
+        if self.hold or self.in_backward[g]:
             return
         self.in_backward[g] = True
         with span("zero-3 gather for backward of unit", g):
