@@ -31,34 +31,38 @@ def reduce_scatter_async(out: torch.Tensor, buf: torch.Tensor, group: Group,
     """Start a sum reduce-scatter: ``out`` gets this rank's 1/size block of ``buf``.
 
     gloo reduce-scatters through a whole all-reduce (the time of an all-reduce of ``buf``;
-    bench/RESULTS.md, "gloo's collectives"). With ``scratch`` (room for size-1 blocks) each
-    rank instead sends block r of ``buf`` to rank r and receives its own block from every
-    peer, the (size-1)/size of ``buf`` that a ring moves; the received blocks are summed with
-    its own on wait.
+    bench/RESULTS.md, "gloo's collectives"). There (:func:`pairwise`) each rank instead sends
+    block r of ``buf`` to rank r and receives its own block from every peer, the (size-1)/size
+    of ``buf`` that a ring moves: the first peer's block straight into ``out``, the others into
+    ``scratch`` (room for size-2 blocks: none at size 2); they are summed with its own block on
+    wait, in the order own + first peer + the rest.
     """
     if group_size(group) == 1:
         out.copy_(buf[: out.numel()])
         return None
-    if scratch is not None:
+    if pairwise(group):
         size, me = group_size(group), group_rank(group)
-        blocks, got = buf.view(size, -1), scratch[: (size - 1) * out.numel()].view(size - 1, -1)
+        blocks, n = buf.view(size, -1), out.numel()
+        extra = scratch[: (size - 2) * n].view(size - 2, -1) if size > 2 else None
         peers = [r for r in range(size) if r != me]
+        got = [out] + ([] if extra is None else list(extra))
         works = _exchange(group, [(r, blocks[r], got[k]) for k, r in enumerate(peers)])
-        return _SumBlocks(works, blocks[me], got, out)
+        return _SumBlocks(works, blocks[me], got[1:], out)
     return _reduce_scatter_tensor(out, buf, group=group, async_op=True)
 
 
 class _SumBlocks:
-    """Pairwise transfers whose received blocks are summed with ``own`` into ``out`` on wait."""
+    """Pairwise transfers: ``out`` holds the first peer's block; on wait ``own`` and the other
+    received blocks are added to it."""
 
-    def __init__(self, works, own: torch.Tensor, got: torch.Tensor, out: torch.Tensor):
-        self.works, self.own, self.got, self.out = works, own, got, out
+    def __init__(self, works, own: torch.Tensor, rest: list[torch.Tensor], out: torch.Tensor):
+        self.works, self.own, self.rest, self.out = works, own, rest, out
 
     def wait(self) -> None:
         for w in self.works:
             w.wait()
-        torch.add(self.own, self.got[0], out=self.out)
-        for block in self.got[1:]:
+        self.out.add_(self.own)            # peer + own: the same bits as own + peer
+        for block in self.rest:
             self.out.add_(block)
 
 
@@ -87,8 +91,8 @@ def _exchange(group: Group, pairs) -> list:
     return collectives.batch_isend_irecv(ops)
 
 
-def needs_scratch(group: Group) -> bool:
-    """Whether collectives over ``group`` should be built from pairwise transfers: gloo, whose
+def pairwise(group: Group) -> bool:
+    """Whether collectives over ``group`` are built from pairwise transfers: gloo, whose
     own reduce-scatter costs an all-reduce and whose all-gather is slower than an all-reduce
     (bench/RESULTS.md, "gloo's collectives")."""
     return group_size(group) > 1 and dist.get_backend(group) == "gloo"
@@ -101,7 +105,7 @@ def all_gather_async(out: torch.Tensor, shard: torch.Tensor, group: Group):
         if out.data_ptr() != shard.data_ptr():
             out[: shard.numel()].copy_(shard)
         return None
-    if needs_scratch(group):
+    if pairwise(group):
         size, me = group_size(group), group_rank(group)
         blocks = out.view(size, -1)
         if blocks[me].data_ptr() != shard.data_ptr():

@@ -46,7 +46,7 @@ from .. import extension
 from ..mesh.groups import group_size
 from ..mesh.profiling import span
 from .buckets import BucketSpec
-from .comm import (CommStream, all_reduce_async, needs_scratch, reduce_scatter_async,
+from .comm import (CommStream, all_reduce_async, pairwise, reduce_scatter_async,
                    then_all_reduce)
 
 
@@ -196,6 +196,10 @@ class GradReducer:
         self.max_in_flight: int | None = None
         # ZeRO-3: the reduced gradient shards too exist only from a reduction to zero_grad()
         self.free_shards = False
+        # ZeRO-3: a unit's gradients stay autograd's until the unit's backward is over; the
+        # unit gather then frees the unit's parameters and launches (FSDP2's order: the bucket
+        # is taken once the parameters are gone and the reduction before has landed)
+        self.pack_at_launch = False
         self.optimizer = None         # the DistributedOptimizer stepping these buckets, if any
         self.on_reduced = None        # on_reduced(b): bucket b's mean gradient is in place
         self.in_flight = False        # started and not yet finished
@@ -238,8 +242,8 @@ class GradReducer:
             if release:             # until the first backward, whole gradients are not needed
                 bucket.release()
             bucket.shard = bucket.buffer.new_zeros(bucket.spec.padded_numel // self.world)
-            if needs_scratch(self.group):
-                bucket.scratch = bucket.buffer.new_empty(bucket.shard.numel() * (self.world - 1))
+            if pairwise(self.group) and self.world > 2:   # the blocks not received into shard
+                bucket.scratch = bucket.buffer.new_empty(bucket.shard.numel() * (self.world - 2))
                 if bucket.released:             # comes and goes with the whole gradients
                     bucket.scratch.untyped_storage().resize_(0)
         self.sharded = True
@@ -254,13 +258,15 @@ class GradReducer:
                 f"bucket's reduction had started, so this step's gradients are not valid; with "
                 f"wait_in_backward=False call finish_gradient_sync() (or run the wrapper's "
                 f"forward) before backwards that are not part of the reduction")
-        bucket.acquire()
-        if bucket.in_buffer:
-            # A fresh gradient of a reducing backward is divided as it is copied in (one pass
-            # over it, not two). Not across several backward calls (wait_in_backward=False): a
-            # later call would add undivided gradients into the divided view.
-            divide = self.sync and self.wait_in_backward and not bucket.arrived[k]
-            bucket.adopt(k, self.mean_world if divide else 1)
+        if not (self.pack_at_launch and self.sync and bucket.released and bucket.as_views):
+            bucket.acquire()
+            if bucket.in_buffer:
+                # A fresh gradient of a reducing backward is divided as it is copied in (one
+                # pass over it, not two). Not across several backward calls
+                # (wait_in_backward=False): a later call would add undivided gradients into the
+                # divided view.
+                divide = self.sync and self.wait_in_backward and not bucket.arrived[k]
+                bucket.adopt(k, self.mean_world if divide else 1)
         self._touched[i] = True
         if not self.sync:
             return
@@ -272,7 +278,7 @@ class GradReducer:
             return
         bucket.arrived[k] = True
         bucket.pending -= 1
-        if bucket.pending == 0 and self.overlap:
+        if bucket.pending == 0 and self.overlap and not self.pack_at_launch:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -281,6 +287,13 @@ class GradReducer:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
+        if bucket.released and bucket.as_views:    # pack_at_launch: .grad holds the gradients
+            self._retire(b)
+            bucket.acquire()
+            divide = self.sync and self.wait_in_backward
+            for k, p in enumerate(bucket.params):
+                if p.grad is not None:
+                    bucket.adopt(k, self.mean_world if divide else 1)
         with self.stream.issue(), span("dp start", "reduce-scatter" if self.sharded else
                                        "all-reduce", "of bucket", b):
             if bucket.main is not None and bucket.buffer is not bucket.main:
@@ -303,16 +316,23 @@ class GradReducer:
             if group_size(self.replicate_group) > 1:
                 bucket.work = then_all_reduce(bucket.work, bucket.shard if self.sharded else
                                               bucket.buffer, self.replicate_group,
-                                              host_waits=needs_scratch(self.group))
+                                              host_waits=pairwise(self.group))
         self._next = b + 1
-        if self.max_in_flight is not None and self.release_grads:
-            for old in self.buckets[:max(0, b + 1 - self.max_in_flight)]:
-                if old.work is not None:
-                    with span("dp wait for bucket", self.buckets.index(old)):
-                        old.work.wait()
-                    old.work = None
-                    self.stream.join()
-                    old.release()
+        self._retire(b)
+
+    def _retire(self, b: int) -> None:
+        """``max_in_flight``: wait for the reductions of the buckets before b but the last
+        max_in_flight - 1 of them, and free their whole gradients (called before and after
+        bucket b's launch)."""
+        if self.max_in_flight is None or not self.release_grads:
+            return
+        for old in self.buckets[:max(0, b + 1 - self.max_in_flight)]:
+            if old.work is not None:
+                with span("dp wait for bucket", self.buckets.index(old)):
+                    old.work.wait()
+                old.work = None
+                self.stream.join()
+                old.release()
 
     # -- 3: the autograd engine has finished ---------------------------------------------------
     def _on_backward_end(self) -> None:

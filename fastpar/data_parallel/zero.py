@@ -176,6 +176,7 @@ class DistributedOptimizer:
             from .zero3 import UnitGather
             self._gather_stream = CommStream(self._master[0].device)
             reducer.max_in_flight = 1
+            reducer.pack_at_launch = True
             reducer.free_shards = True
             self._units = UnitGather(self, prefetch=prefetch,
                                      reshard_after_forward=reshard_after_forward)

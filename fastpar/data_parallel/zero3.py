@@ -12,10 +12,12 @@ storage exists only while the unit is gathered:
   (``reshard_after_forward``) and hooks the unit's outputs, whose gradients mark the start of its
   backward;
 - backward: that output hook gathers the unit again and prefetches the ``prefetch`` units before
-  it; once every parameter of the unit has its gradient the buffer is freed, and the unit's
-  bucket is reduce-scattered by the reducer while the unit before it computes (one
-  reduce-scatter in flight: launching the next waits for it and frees its whole gradients,
-  during backward; so at most two units' whole gradients exist at once).
+  it; the unit's gradients stay autograd's (``.grad``) until every parameter of the unit has
+  its gradient. Then, in FSDP2's order, the unit's parameters are freed, the reduce-scatter
+  before it is waited for (its whole gradients freed), and only then is the unit's bucket
+  taken, its gradients packed into it (and freed) and reduce-scattered while the unit before
+  it computes: one reduce-scatter in flight, so at most two units' whole gradients exist at
+  once, and never beside the unit's bucket and its parameters together.
 - the root is gathered at its first use and kept until its gradients are in (the last unit's
   outputs need the head right away, as FSDP keeps its root).
 
@@ -195,3 +197,5 @@ class UnitGather:
         self.arrived[g], self.in_backward[g] = 0, False
         if self.reshard_after_forward or self.reducer.sync:
             self.reshard(g)
+        if self.reducer.sync and self.reducer.overlap:   # pack_at_launch: after the free
+            self.reducer._launch_ready()
