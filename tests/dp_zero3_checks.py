@@ -242,8 +242,75 @@ def _hsdp_equals_zero(rank, world):
                      find_unused_parameters=True)
 
 
+def _meta(layers=4, d=16, seed=4):
+    with torch.device("meta"):
+        torch.manual_seed(seed)
+        net = Net(layers=layers, d=d)
+    model = DataParallel(net, units=list(net.blocks), device="cpu")
+    opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=3)
+    return model, opt, {id(p): n for n, p in net.named_parameters()}
+
+
+def _zero3_meta_build(rank, world):
+    """A model built on the meta device, filled a unit at a time (``materialize``) or from flat
+    ranges of each parameter (``load_shards``), trains exactly as the same model built whole;
+    building, wrapping and filling it never hold more than this rank's master shards and one
+    unit whole (building it whole holds the whole model); misuse is one clear error."""
+    torch.manual_seed(4)
+    values = {n: p.detach().clone() for n, p in Net().named_parameters()}
+    whole, ow = _build(3, torch.float32, {})                  # the same seed, built whole
+    filled, of, names = _meta()
+    of.materialize(lambda ps: [p.copy_(values[names[id(p)]]) for p in ps])
+    read, orr, rnames = _meta()
+    asked = []
+
+    def reader(p, start, n):
+        asked.append(n)
+        return values[rnames[id(p)]].reshape(-1)[start:start + n].double()
+    orr.load_shards(reader)
+    assert sum(asked) <= sum(v.numel() for v in values.values()) // world + 8, asked
+    for model, opt in ((whole, ow), (filled, of), (read, orr)):
+        _steps(model, opt, world, rank, torch.float32, 2, 1)
+    with ow.gathered(), of.gathered(), orr.gathered():
+        for (n, p), q, r in zip(whole.named_parameters(), filled.parameters(),
+                                read.parameters()):
+            assert torch.equal(p, q) and torch.equal(p, r), n
+    # Memory: this rank's fp32 masters (4 bytes / parameter / dp), and one unit at a time.
+    if not CPUMemory.installed():
+        CPUMemory.install()
+    peaks = {}
+    for how in ("meta", "whole"):
+        gc.collect()
+        base = CPUMemory.allocated()
+        CPUMemory.reset_peak()
+        if how == "meta":
+            model, opt, _ = _meta(layers=8, d=128)
+            opt.materialize(lambda ps: [p.normal_() for p in ps])
+        else:
+            model, opt = _build(3, torch.float32, {}, layers=8, d=128)
+        numel = sum(b.spec.padded_numel for b in model._reducer.buckets)
+        unit = max(b.spec.padded_numel for b in model._reducer.buckets)
+        peaks[how] = CPUMemory.peak() - base
+        del model, opt
+    assert peaks["meta"] <= 4 * numel // world + 2 * 4 * unit + 65536, (peaks, numel, unit)
+    assert peaks["whole"] >= 4 * numel, (peaks, numel)
+    with pytest.raises(ValueError, match="built on the meta device: pass device="):
+        with torch.device("meta"):
+            net = Net()
+        DataParallel(net, units=list(net.blocks))
+    with pytest.raises(ValueError, match="needs units="):
+        DataParallel(net, device="cpu")
+    with pytest.raises(ValueError, match="needs stage=3"):
+        DistributedOptimizer(DataParallel(net, units=list(net.blocks), device="cpu"),
+                             torch.optim.AdamW, stage=2)
+    model, opt, _ = _meta()
+    with pytest.raises(RuntimeError, match="has no values yet"):
+        model(torch.randn(2, 6))
+
+
 def zero3_checks(rank, world):
     _zero3_equals_zero1(rank, world)
+    _zero3_meta_build(rank, world)
     _zero3_memory(rank, world)
     _zero3_progress(rank, world)
     if world == 4:

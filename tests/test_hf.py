@@ -9,7 +9,7 @@ import torch.distributed as dist
 import transformers
 
 from fastpar.models import GPT
-from fastpar.models.hf import config_from_hf, load_hf, save_hf
+from fastpar.models.hf import HFShardReader, config_from_hf, load_hf, save_hf
 from fastpar.testing import run_ranks
 
 VOCAB = 300         # not a multiple of the 128 fastpar pads to: the last shard holds padding
@@ -148,7 +148,7 @@ FINE_TUNE = dict(seq_len=32, global_batch_size=4, micro_batch_size=2, steps=2, w
                  log_every=100)
 
 
-@pytest.mark.parametrize("world, layout", [(1, {}), (2, {"tp": 2})])
+@pytest.mark.parametrize("world, layout", [(1, {}), (2, {"tp": 2}), (2, {"dp": 2, "zero": 3})])
 def test_init_from_a_hugging_face_directory_starts_at_its_loss(tmp_path, world, layout):
     import torch.nn.functional as F
 
@@ -162,6 +162,44 @@ def test_init_from_a_hugging_face_directory_starts_at_its_loss(tmp_path, world, 
     with torch.no_grad():
         want = F.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten()).item()
     assert losses[0] == pytest.approx(want, abs=1e-5)
+
+
+def _shard_ranks(rank, world_size, path):
+    from pathlib import Path
+
+    import fastpar
+    from fastpar.data_parallel import DataParallel, DistributedOptimizer
+
+    path, mesh = Path(path), fastpar.init(tp=2, dp=2)
+    cfg = config_from_hf(json.loads((path / "config.json").read_text()))
+    ref = GPT(cfg, tp_group=mesh.tp_group)
+    load_hf(path, [ref], 2, mesh.tp_rank)
+    model = GPT(cfg, tp_group=mesh.tp_group, device="meta")
+    model.reset_buffers("cpu")
+    reader = HFShardReader(path, [model], 2, mesh.tp_rank)
+    everything = HFShardReader(path, [model], 2, mesh.tp_rank)
+    ddp = DataParallel(model, dp_group=mesh.dp_group, units=list(model.layers.values()),
+                       device="cpu")
+    opt = DistributedOptimizer(ddp, torch.optim.AdamW, stage=3)
+    opt.load_shards(reader)
+    for p in model.parameters():               # what this TP rank would read whole
+        everything(p, 0, p.numel())
+    with opt.gathered():
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), n
+    return reader.bytes_read, everything.bytes_read
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_zero3_reads_only_its_shard_of_a_hugging_face_directory(tmp_path, kind):
+    """tp2 x dp2, ZeRO-3 over a model built on the meta device: each rank's shards equal what
+    load_hf gives the whole model (GPT-2's transposed and fused tensors, the vocabulary
+    padding, row-parallel column slices), and each rank reads about half its TP rank's
+    bytes."""
+    _save(kind, tmp_path)
+    out = run_ranks(_shard_ranks, 4, str(tmp_path), init_pg=False, timeout=120)
+    for read, whole in out:
+        assert 0.4 * whole <= read <= 0.6 * whole, (read, whole)
 
 
 def test_export_of_a_tp2_checkpoint_loads_in_transformers(tmp_path):

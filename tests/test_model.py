@@ -111,3 +111,27 @@ def test_bad_config():
     for make, needle in cases:
         with pytest.raises(ValueError, match=needle):
             make()
+
+
+@pytest.mark.parametrize("extra", [{}, {"rotary": False, "tie_embeddings": True}])
+def test_a_meta_build_and_init_weights_give_the_constructors_values(extra):
+    cfg = GPTConfig(**TINY, **extra)
+    ref = GPT(cfg)
+    meta = GPT(cfg, device="meta")
+    assert all(p.is_meta for p in meta.parameters())
+    meta.reset_buffers("cpu")
+    for (n, b), c in zip(meta.named_buffers(), ref.buffers()):
+        assert not b.is_meta and torch.equal(b, c), n
+    model = GPT(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    one = model.layers["1"].mlp.down.weight
+    rng = torch.get_rng_state()
+    model.init_weights_([one])                      # only the parameters asked for
+    assert torch.equal(one, ref.layers["1"].mlp.down.weight)
+    assert not torch.equal(model.layers["0"].mlp.down.weight, ref.layers["0"].mlp.down.weight)
+    model.init_weights_()
+    assert torch.equal(torch.get_rng_state(), rng)  # the caller's RNG stream is not touched
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n

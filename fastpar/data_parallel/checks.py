@@ -44,9 +44,21 @@ def check_options(module, bucket_cap_mb, reduce_dtype) -> None:
                          f"{', '.join(str(d) for d in _FLOAT)}")
 
 
-def check_params(module: nn.Module, reduce_dtype) -> list[tuple[str, nn.Parameter]]:
-    """The trainable parameters, in registration order; raises on what cannot be bucketed."""
+def check_params(module: nn.Module, reduce_dtype, device=None) -> list[tuple[str, nn.Parameter]]:
+    """The trainable parameters, in registration order; raises on what cannot be bucketed.
+    Parameters on the meta device (all or none of them) need ``device`` and ZeRO-3."""
     named = list(module.named_parameters())
+    meta = [n for n, p in named if p.is_meta]
+    if meta and len(meta) < len(named):
+        raise ValueError(f"DataParallel: some parameters are on the meta device ({meta[0]!r}) "
+                         f"and others are not ({next(n for n, p in named if not p.is_meta)!r})")
+    if meta and device is None:
+        raise ValueError("DataParallel: the module was built on the meta device: pass device= "
+                         "(where its shards live) and shard it with DistributedOptimizer("
+                         "stage=3), then materialize() or load_shards() it")
+    if device is not None and not meta and named and named[0][1].device != torch.device(device):
+        raise ValueError(f"DataParallel: device={device} but the parameters are on "
+                         f"{named[0][1].device}")
     if not named:
         raise ValueError(f"DataParallel: the module ({type(module).__name__}) has no parameters: "
                          f"there is nothing to synchronise")
@@ -59,9 +71,8 @@ def check_params(module: nn.Module, reduce_dtype) -> list[tuple[str, nn.Paramete
         raise ValueError(f"DataParallel: parameters are on several devices "
                          f"{sorted(map(str, devices))}; one replica must live on one device")
     for n, p in trainable:
-        if p.is_sparse or p.device.type == "meta":
-            where = "sparse" if p.is_sparse else "on the meta device"
-            raise ValueError(f"DataParallel: parameter {n!r} is {where}")
+        if p.is_sparse:
+            raise ValueError(f"DataParallel: parameter {n!r} is sparse")
         if p.dtype not in _FLOAT:
             raise ValueError(f"DataParallel: parameter {n!r} has dtype {p.dtype}; trainable "
                              f"parameters must be floating point")
@@ -101,10 +112,14 @@ def check_same_params(module: nn.Module, group: Group, device) -> None:
 
 
 @torch.no_grad()
-def broadcast_state(module: nn.Module, group: Group) -> None:
-    """Copy dp rank 0's parameters and buffers to every rank: one packed broadcast per dtype."""
+def broadcast_state(module: nn.Module, group: Group, params: bool = True) -> None:
+    """Copy dp rank 0's parameters (unless not ``params``) and buffers to every rank: one packed
+    broadcast per dtype."""
     src = dist.get_global_rank(group, 0)
-    tensors = [p.detach() for p in module.parameters()] + list(module.buffers())
+    tensors = ([p.detach() for p in module.parameters()] if params else []) + \
+        list(module.buffers())
+    if not tensors:
+        return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         if t.dtype in _FLOAT and t.is_contiguous():
@@ -118,3 +133,18 @@ def broadcast_state(module: nn.Module, group: Group) -> None:
         extension.multi_tensor_pack(ts, flat)
         dist.broadcast(flat, src=src, group=group)
         extension.multi_tensor_unpack(flat, ts)
+
+
+def empty_params(module: nn.Module, device) -> None:
+    """Replace every parameter on the meta device by one of its shape and dtype on ``device``
+    whose storage is freed (allocated one at a time, so the whole module never is): ZeRO-3
+    makes them views of its gather buffers and fills them (``materialize``, ``load_shards``).
+    A parameter shared by several modules stays shared."""
+    done: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for name, p in list(m.named_parameters(recurse=False)):
+            if id(p) not in done:
+                t = torch.empty(p.shape, dtype=p.dtype, device=device)
+                t.untyped_storage().resize_(0)
+                done[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+            setattr(m, name, done[id(p)])

@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .buckets import BucketSpec, assign_buckets, unit_buckets
-from .checks import broadcast_state, check_options, check_params, check_same_params, resolve_group
+from .checks import (broadcast_state, check_options, check_params, check_same_params,
+                     empty_params, resolve_group)
 from ..extension import EventLog
 from ..mesh.groups import group_rank, group_size
 from .reducer import GradReducer
@@ -110,6 +111,12 @@ class DataParallel(nn.Module):
             groups (:func:`fastpar.mesh.hsdp_groups`); each reduction over ``dp_group`` is
             followed by an all-reduce of its result over the replicas, and the mean is over
             both. ``None``: plain data parallelism over ``dp_group``.
+        device: where the parameters live; needed (only) for a module built on the meta device
+            (``with torch.device("meta")``, or ``GPT(..., device="meta")``): its parameters
+            become storage-less ones on ``device``, and ``DistributedOptimizer(stage=3)``
+            gives each rank its shards with ``materialize`` (an init function, run a unit at a
+            time) or ``load_shards`` (a reader of each parameter's flat ranges, e.g. a
+            checkpoint's): no rank ever holds the whole model. Its buffers must be real.
 
     The constructor checks its arguments locally (``ValueError``), then compares the parameter
     shapes across the group with one small collective and broadcasts dp rank 0's parameters and
@@ -119,7 +126,7 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, *, dp_group=None, bucket_cap_mb: float | None = None,
                  overlap: bool = True, reduce_dtype: torch.dtype | None = None,
                  main_grads: bool = False, find_unused_parameters: bool = False,
-                 units: list[nn.Module] | None = None, replicate_group=None):
+                 units: list[nn.Module] | None = None, replicate_group=None, device=None):
         super().__init__()
         check_options(module, bucket_cap_mb, reduce_dtype)
         group = resolve_group(dp_group)
@@ -130,6 +137,19 @@ class DataParallel(nn.Module):
             if find_unused_parameters:
                 raise ValueError("find_unused_parameters=True is not supported with a "
                                  "replicate_group (HSDP)")
+        check_params(module, reduce_dtype, device)
+        # Built on the meta device: parameters on ``device`` without memory, until ZeRO-3's
+        # optimizer gives them their shards (nothing to broadcast: every rank fills its own).
+        self.deferred_init = next(module.parameters()).is_meta
+        if self.deferred_init:
+            if units is None:
+                raise ValueError("DataParallel: a module built on the meta device needs units= "
+                                 "(ZeRO-3 fills it a unit at a time)")
+            bad = [n for n, b in module.named_buffers() if b.is_meta]
+            if bad:
+                raise ValueError(f"DataParallel: buffer {bad[0]!r} is on the meta device: give "
+                                 f"the buffers their values on {device} first")
+            empty_params(module, device)
         named = check_params(module, reduce_dtype)
         unit_of = unit_index(module, units, [p for _, p in named])
         device = named[0][1].device
@@ -138,7 +158,7 @@ class DataParallel(nn.Module):
         for g in (replicate_group, group):
             if group_size(g) > 1:
                 check_same_params(module, g, device)
-                broadcast_state(module, g)
+                broadcast_state(module, g, params=not self.deferred_init)
         self.module = module
         self.dp_group, self.dp_size, self.dp_rank = group, group_size(group), group_rank(group)
         self.bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb

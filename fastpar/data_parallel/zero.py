@@ -110,6 +110,9 @@ class DistributedOptimizer:
         if stage >= 2 and not shard:
             raise ValueError(f"DistributedOptimizer: stage={stage} shards gradients, which "
                              f"needs shard=True")
+        if model.deferred_init and stage != 3:
+            raise ValueError(f"DistributedOptimizer: the model was built on the meta device, "
+                             f"which needs stage=3 (got stage={stage}, shard={shard})")
         if stage == 3 and (overlap_step or overlap_param_gather):
             raise ValueError("DistributedOptimizer: stage=3 gathers each unit's parameters when "
                              "it is used; overlap_step and overlap_param_gather do not apply")
@@ -139,15 +142,25 @@ class DistributedOptimizer:
         # Unsharded bf16 buckets cast their masters into the parameters instead.
         # At stage 3 the gather buffers come and go: the masters are kept apart.
         self._in_place = [b.spec.dtype not in _LOW and stage != 3 for b in reducer.buckets]
-        self._full, self._views = [], []
+        self._full, self._views, self._master, self._grads = [], [], [], []
+        self._piece_grads: list[torch.Tensor] = []
+        self._uninitialized = model.deferred_init    # no values yet: materialize / load_shards
         for b, (bucket, fits) in enumerate(zip(reducer.buckets, self._in_place)):
-            # One bucket at a time: its parameters' old memory goes as the buffer comes.
+            # One bucket at a time: its parameters' old memory goes as the buffer comes (and
+            # at stage 3 the buffer goes again once the master shard is packed from it).
             self._full.append(bucket.buffer.new_empty(bucket.spec.padded_numel,
                                                       dtype=bucket.spec.dtype)
                               if shard or fits else None)
             self._views.append(self._adopt_params(b) if self._full[b] is not None else None)
-        self._master, self._grads = self._shard_buffers()
-        self._piece_grads = [self._grads[pc.bucket][pc.lo:pc.hi] for pc in self._pieces]
+            master, grads = self._shard_buffer(b)
+            self._master.append(master)
+            self._grads.append(grads)
+            self._piece_grads += [grads[pc.lo:pc.hi] for pc in self._pieces if pc.bucket == b]
+            if stage == 3:
+                # The whole parameters and the gradient shard come back when used (a view of
+                # freed storage cannot be made: the shard's are made just above).
+                self._full[b].untyped_storage().resize_(0)
+                reducer.buckets[b].shard.untyped_storage().resize_(0)
         # Unsharded, each piece is a whole parameter: its master (and so its optimizer state)
         # takes the parameter's shape.
         self._shard_params = [nn.Parameter(self._master[pc.bucket][pc.lo:pc.hi].view(
@@ -176,8 +189,9 @@ class DistributedOptimizer:
             from .zero3 import UnitGather
             self._gather_stream = CommStream(self._master[0].device)
             reducer.max_in_flight = 1
-            reducer.pack_at_launch = True
+            # the reduced gradient shards too exist only from a reduction to zero_grad()
             reducer.free_shards = True
+            reducer.pack_at_launch = True
             self._units = UnitGather(self, prefetch=prefetch,
                                      reshard_after_forward=reshard_after_forward)
         model.module.register_state_dict_pre_hook(lambda *_a, **_kw: self.unshard_all())
@@ -203,30 +217,78 @@ class DistributedOptimizer:
         full.zero_()                              # the padding
         for o, n, p in zip(spec.offsets, spec.numels, self._reducer.buckets[b].params):
             view = full[o:o + n].view(p.shape)
-            view.copy_(p.detach())
+            if not self._uninitialized:
+                view.copy_(p.detach())
             p.data = view
         return [p.data_ptr() - full.data_ptr() for p in self._reducer.buckets[b].params]
 
     @torch.no_grad()
-    def _shard_buffers(self):
-        """Master shards (packed from the parameters, or this rank's block of the gather buffer
-        for in-place buckets), and the optimizer's gradient shards."""
-        masters, grads = [], []
-        for b, bucket in enumerate(self._reducer.buckets):
-            dtype = torch.float32 if bucket.spec.dtype in _LOW else bucket.spec.dtype
-            src = self._reducer.mean_grads(bucket)
-            if self._in_place[b]:
-                lo, hi = bucket.spec.shard(self._rank, self._world) if self.shard else \
-                    (0, bucket.spec.padded_numel)
-                masters.append(self._full[b][lo:hi])
-                grads.append(src if src.dtype == dtype else torch.zeros_like(masters[-1]))
-                continue
+    def _shard_buffer(self, b: int):
+        """Bucket b's master shard (packed from the parameters, or this rank's block of the
+        gather buffer for in-place buckets), and the optimizer's gradient shard."""
+        bucket = self._reducer.buckets[b]
+        dtype = torch.float32 if bucket.spec.dtype in _LOW else bucket.spec.dtype
+        src = self._reducer.mean_grads(bucket)
+        if self._in_place[b]:
+            lo, hi = bucket.spec.shard(self._rank, self._world) if self.shard else \
+                (0, bucket.spec.padded_numel)
+            master = self._full[b][lo:hi]
+        else:
             master = src.new_zeros(src.numel(), dtype=dtype)
-            extension.multi_tensor_pack([self._flat(pc) for pc in self._pieces if pc.bucket == b],
-                                  master)
-            masters.append(master)
-            grads.append(src if src.dtype == dtype else torch.zeros_like(master))
-        return masters, grads
+            self._pack_master(b, master)
+        return master, (src if src.dtype == dtype else torch.zeros_like(master))
+
+    def _pack_master(self, b: int, master: torch.Tensor) -> None:
+        extension.multi_tensor_pack([self._flat(pc) for pc in self._pieces if pc.bucket == b],
+                                    master)
+
+    # -- a model built on the meta device (stage 3) ----------------------------------------------
+    @torch.no_grad()
+    def materialize(self, fill) -> None:
+        """Give a model built on the meta device its values, a unit at a time: each unit's
+        parameters get memory (the whole unit, on this rank), ``fill(params)`` writes their
+        values in place (every rank the same: a seeded init such as
+        :meth:`fastpar.models.GPT.init_weights_`, or values read from a file), this rank's
+        shard of them becomes its master, and the memory goes again. At most one unit is
+        whole at a time. Call it before training (the optimizer state is not touched)."""
+        self._check_deferred("materialize")
+        units = self._units
+        units.reshard_all()
+        for buckets in units.groups:
+            params = []
+            for b in buckets:
+                full = self._full[b]
+                full.untyped_storage().resize_(full.numel() * full.element_size())
+                full.zero_()                               # the padding
+                params += self._reducer.buckets[b].params
+            fill(params)
+            for b in buckets:
+                self._pack_master(b, self._master[b])
+                self._full[b].untyped_storage().resize_(0)
+        self._uninitialized = False
+
+    @torch.no_grad()
+    def load_shards(self, read) -> None:
+        """Fill this rank's master shards from ``read(param, start, count)``: the ``count``
+        elements from ``start`` of ``param``'s flattened value (any float dtype; rounded to
+        the parameter's dtype on the way, as a parameter holding it would be). Only what this
+        rank keeps is asked for: about 1/dp of the model, nothing ever whole."""
+        self._check_deferred("load_shards")
+        self._units.reshard_all()
+        for pc in self._pieces:
+            p = self._reducer.params[pc.param]
+            x = read(p, pc.start, pc.hi - pc.lo)
+            if tuple(x.shape) != (pc.hi - pc.lo,):
+                raise ValueError(f"load_shards: read gave shape {tuple(x.shape)} for "
+                                 f"{self._reducer.names[pc.param]!r}, expected "
+                                 f"({pc.hi - pc.lo},)")
+            self._master[pc.bucket][pc.lo:pc.hi].copy_(x.to(p.dtype))
+        self._uninitialized = False
+
+    def _check_deferred(self, what: str) -> None:
+        if self.stage != 3:
+            raise ValueError(f"DistributedOptimizer.{what} needs stage=3 (this is stage "
+                             f"{self.stage})")
 
     def _flat(self, pc: _Piece) -> torch.Tensor:
         p = self._reducer.params[pc.param]

@@ -109,6 +109,10 @@ class UnitGather:
     # -- the buffers ---------------------------------------------------------------------------
     def unshard(self, g: int) -> None:
         """Start group g's all-gathers (a no-op for buckets gathered or in flight)."""
+        if self.opt._uninitialized:
+            raise RuntimeError("ZeRO-3: the model was built on the meta device and has no values "
+                               "yet: call DistributedOptimizer.materialize() or load_shards() "
+                               "first")
         for b in self.groups[g]:
             if self.live[b]:
                 continue

@@ -58,59 +58,91 @@ class GPT(nn.Module):
             raise ValueError(f"layers {list(layers)} outside 0..{config.n_layers - 1}")
         self.config, self.tp_group, self.sp = config, tp_group, sequence_parallel
         self.pre_process, self.post_process, self.recompute = pre_process, post_process, recompute
-        seed = config.init_seed * 1_000_003
-        kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
-        # Under SP the column linears keep their gathered inputs for the weight gradients
-        # (as autograd does for torch's own SP), unless activations are recomputed to save
-        # memory: then they gather them again in backward, one more all-gather each, as
-        # Megatron does. A fully recomputed block gathers in its forward replay anyway, so its
-        # linears keep that copy; the head's is kept only without recompute.
-        regather = recompute == "selective"
+        self._overlap = overlap
         if pre_process:
-            with _seeded(seed):
-                self.embed = VocabParallelEmbedding(config.padded_vocab, config.d_model,
-                                                    device=device, **kw)
+            self.embed = self._new_piece("embed", device)
             if not config.rotary:
-                with _seeded(seed + 1):
-                    self.pos_embed = nn.Embedding(config.max_seq_len, config.d_model,
-                                                  device=device)
+                self.pos_embed = self._new_piece("pos_embed", device)
                 if sequence_parallel and tp > 1:    # each rank adds its own rows' positions
                     mark_partial_grads(self.pos_embed, "weight")
         self.layers = nn.ModuleDict()
         for i in layers:
-            with _seeded(seed + 100 + i):
-                self.layers[str(i)] = ParallelTransformerLayer(config, overlap=overlap,
-                                                               cp_group=self.cp_group,
-                                                               regather_input=regather,
-                                                               **kw).to(device)
+            self.layers[str(i)] = self._new_piece(f"layers.{i}", device)
         if post_process:
-            self.norm = Norm(config, **kw).to(device)
+            self.norm = self._new_piece("norm", device)
             if not config.tie_embeddings:
-                with _seeded(seed + 2):
-                    self.head = ColumnParallelLinear(config.d_model, config.padded_vocab,
-                                                     bias=False, overlap=overlap, device=device,
-                                                     regather_input=recompute != "none",
-                                                     **kw)
+                self.head = self._new_piece("head", device)
             elif not pre_process:
                 raise ValueError("tie_embeddings needs the embedding and the head on one stage")
-        self._scale_init()
         if config.rotary:
             cos, sin = rotary_tables(config, device)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
+    def _new_piece(self, key: str, device) -> nn.Module:
+        """The module ``key`` ("embed", "pos_embed", "layers.<i>", "norm", "head") as
+        initialised: under its seed (derived from ``config.init_seed`` and its position), with
+        GPT-2's scales on top of the layers' own init (embeddings N(0, 0.02); the projections
+        that write into the residual stream shrunk by 1/sqrt(2 n_layers); elementwise, so
+        every shard stays the slice of the full model)."""
+        config, seed = self.config, self.config.init_seed * 1_000_003
+        kw = dict(tp_group=self.tp_group, sequence_parallel=self.sp)
+        # Under SP the column linears keep their gathered inputs for the weight gradients
+        # (as autograd does for torch's own SP), unless activations are recomputed to save
+        # memory: then they gather them again in backward, one more all-gather each, as
+        # Megatron does. A fully recomputed block gathers in its forward replay anyway, so its
+        # linears keep that copy; the head's is kept only without recompute.
+        meta = torch.device("meta") if torch.device(device or "cpu").type == "meta" else \
+            contextlib.nullcontext()          # shapes only: nothing drawn, nothing computed
+        if key == "norm":
+            return Norm(config, **kw).to(device)
+        with meta, _seeded(seed + {"embed": 0, "pos_embed": 1, "head": 2}.get(key, 0)), \
+                torch.no_grad():
+            if key == "embed":
+                m = VocabParallelEmbedding(config.padded_vocab, config.d_model, device=device,
+                                           **kw)
+                m.weight.mul_(0.02)
+            elif key == "pos_embed":
+                m = nn.Embedding(config.max_seq_len, config.d_model, device=device)
+                m.weight.mul_(0.02)
+            elif key == "head":
+                m = ColumnParallelLinear(config.d_model, config.padded_vocab, bias=False,
+                                         overlap=self._overlap, device=device,
+                                         regather_input=self.recompute != "none", **kw)
+            else:
+                i = int(key.split(".")[1])
+                torch.manual_seed(seed + 100 + i)
+                m = ParallelTransformerLayer(config, overlap=self._overlap,
+                                             cp_group=self.cp_group,
+                                             regather_input=self.recompute == "selective",
+                                             **kw).to(device)
+                for proj in (m.attn.o, m.mlp.down):
+                    proj.weight.mul_((2 * config.n_layers) ** -0.5)
+        return m
+
     @torch.no_grad()
-    def _scale_init(self):
-        """GPT-2's scales on top of the layers' own init: embeddings N(0, 0.02); the projections
-        that write into the residual stream shrunk by 1/sqrt(2 n_layers). Elementwise, so every
-        shard stays the slice of the full model."""
-        if self.pre_process:
-            self.embed.weight.mul_(0.02)
-            if not self.config.rotary:
-                self.pos_embed.weight.mul_(0.02)
-        for layer in self.layers.values():
-            for proj in (layer.attn.o, layer.mlp.down):
-                proj.weight.mul_((2 * self.config.n_layers) ** -0.5)
+    def init_weights_(self, params=None) -> None:
+        """Write the initial values (those the constructor gives) into ``params`` (default:
+        all of this module's), in place: what a model built on the meta device and sharded
+        (ZeRO-3's ``DistributedOptimizer.materialize``) needs, a piece (a block, the
+        embedding, ...) at a time, each built once more under its seed."""
+        want = None if params is None else {id(p) for p in params}
+        keys = ([k for k in ("embed", "pos_embed", "norm", "head") if hasattr(self, k)] +
+                [f"layers.{i}" for i in self.layers])
+        for key in keys:
+            mine = self.get_submodule(key)
+            named = [(n, p) for n, p in mine.named_parameters()
+                     if want is None or id(p) in want]
+            if not named:
+                continue
+            fresh = dict(self._new_piece(key, named[0][1].device).named_parameters())
+            for n, p in named:
+                p.copy_(fresh[n])
+
+    def reset_buffers(self, device) -> None:
+        """The rotary tables on ``device``, after a build on the meta device."""
+        if self.config.rotary:
+            self.rope_cos, self.rope_sin = rotary_tables(self.config, device)
 
     def embed_tokens(self, tokens, start: int = 0):
         """(B, S) ids at positions ``start`` .. start + S - 1 -> (S, B, D) hidden, or

@@ -15,6 +15,7 @@ way in and joined on the way out. The ``--init-from`` checks: :mod:`fastpar.trai
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import NamedTuple
 
@@ -258,9 +259,43 @@ class _Reader:
             raise ValueError(f"the checkpoint has no tensor {name!r}")
         return list(self.where[name].get_slice(name).get_shape())
 
-    def rows(self, name: str, dim: int | None, lo: int, hi: int) -> torch.Tensor:
+    def block(self, name: str, rows: tuple[int, int], cols: tuple[int, int] | None):
+        """Rows [a, z) (and columns, if given) of a stored tensor: only those bytes are read."""
         sl = self.where[name].get_slice(name)
-        return sl[:] if dim is None else sl[lo:hi] if dim == 0 else sl[:, lo:hi]
+        return sl[rows[0]:rows[1]] if cols is None else sl[rows[0]:rows[1], cols[0]:cols[1]]
+
+
+def _read_rows(reader: _Reader, source: _Source, dim, start: int, stop: int, r0: int,
+               r1: int) -> torch.Tensor | None:
+    """Rows [r0, r1) of this TP rank's tensor (split along ``dim`` at [start, stop)), as the
+    directory stores it: the rows read, transposed back for GPT-2's Conv1D, the rows past
+    the real vocabulary (fastpar's padding) left out; None when every row is padding."""
+    g0, g1 = (start + r0, start + r1) if dim == 0 else (r0, r1)        # the global rows
+    real = min(g1, source.want[0])
+    if real <= g0:
+        return None
+    rows, cols = (source.offset + g0, source.offset + real), (start, stop) if dim == 1 else None
+    if source.conv and len(source.want) == 2:      # stored (in, out): fastpar's rows are columns
+        return reader.block(source.name, cols or (0, source.shape[0]), rows).t()
+    return reader.block(source.name, rows, cols)
+
+
+def _sources(path: Path, modules, tp_size: int, tp_rank: int):
+    """(config, reader, [(name, spec, source)]) for the tensors a directory gives ``modules``;
+    a stored shape the config does not expect raises naming the tensor."""
+    hf, config = hf_config(path)
+    kind, reader = hf["model_type"], _Reader(path)
+    out = []
+    for name, spec in shard_specs(modules, tp_size, tp_rank).items():
+        source = hf_source(kind, config, name, spec.shape)
+        if source is None:
+            continue
+        stored = reader.shape(source.name)
+        if stored != source.shape:
+            raise ValueError(f"{path}: tensor {source.name!r} has shape {stored}, the config "
+                             f"needs {source.shape}")
+        out.append((name, spec, source))
+    return config, reader, out
 
 
 @torch.no_grad()
@@ -268,33 +303,52 @@ def load_hf(path, modules, tp_size: int = 1, tp_rank: int = 0) -> GPTConfig:
     """Load the Hugging Face directory ``path`` into ``modules`` (this rank's GPT chunks, built
     with ``config_from_hf``'s config); returns that config. Each tensor is read as the slice
     this rank holds; a shape that does not match the config raises naming the tensor."""
-    path = Path(path)
-    hf, config = hf_config(path)
-    kind, reader = hf["model_type"], _Reader(path)
-    for name, (t, shape, dim, start, stop, _p, _rows) in shard_specs(modules, tp_size,
-                                                                      tp_rank).items():
-        source = hf_source(kind, config, name, shape)
-        if source is None:
-            continue
-        src, part, conv, off, want = source[:5]
-        stored = reader.shape(src)
-        if stored != source.shape:
-            raise ValueError(f"{path}: tensor {src!r} has shape {stored}, the config needs "
-                             f"{source.shape}")
-        d = 0 if dim is None else dim
-        lo, hi = (start, stop) if dim is not None else (0, shape[d])
-        hi_real = min(hi, want[d])                      # padded vocabulary rows are zero
-        if conv or part is not None:
-            src_dim = (1 - d) if conv and len(want) == 2 else d
-            x = reader.rows(src, src_dim, off + lo, off + hi_real) if hi_real > lo else None
-            x = x.t() if x is not None and conv and len(want) == 2 else x
-        else:
-            x = reader.rows(src, d if dim is not None or hi_real < hi else None, lo, hi_real) \
-                if hi_real > lo else None
-        t.zero_()
+    config, reader, found = _sources(Path(path), modules, tp_size, tp_rank)
+    for _name, spec, source in found:
+        t = spec.tensor
+        x = _read_rows(reader, source, spec.dim, spec.start, spec.stop, 0, t.shape[0])
+        t.zero_()                                       # the vocabulary padding
         if x is not None:
-            t.narrow(d, 0, hi_real - lo).copy_(x)
+            t.narrow(0, 0, x.shape[0]).copy_(x)
     return config
+
+
+class HFShardReader:
+    """What ``DistributedOptimizer.load_shards`` reads a Hugging Face directory with (ZeRO-3
+    over a model built on the meta device): a flat range of a parameter of ``modules`` (this
+    rank's GPT chunks) comes from the rows of the stored tensors that range covers, and only
+    those are read (a row: one output feature of a weight), so each rank reads about its
+    1/dp. Build it before ``DataParallel`` (it notes each tensor by name); ``bytes_read``
+    counts what it read."""
+
+    def __init__(self, path, modules, tp_size: int = 1, tp_rank: int = 0):
+        self.path, self.modules = Path(path), list(modules)
+        self.config, self._reader, found = _sources(self.path, self.modules, tp_size, tp_rank)
+        names = {id(p): (k, n) for k, m in enumerate(self.modules)
+                 for n, p in m.named_parameters()}
+        self._parts: dict[tuple[int, str], list] = {}   # (chunk, parameter name) -> its parts
+        for _name, spec, source in found:
+            off, rows = spec.rows or (0, spec.param.shape[0])
+            self._parts.setdefault(names[id(spec.param)], []).append(
+                (off, rows, source, spec.dim, spec.start, spec.stop))
+        self._where: dict[int, tuple[int, str]] | None = None
+        self.bytes_read = 0
+
+    def __call__(self, param, start: int, count: int) -> torch.Tensor:
+        if self._where is None:         # the parameters now (DataParallel replaced meta ones)
+            self._where = {id(p): (k, n) for k, m in enumerate(self.modules)
+                           for n, p in m.named_parameters()}
+        row = math.prod(param.shape[1:])
+        r0, r1 = start // row, -(-(start + count) // row)
+        out = torch.zeros((r1 - r0) * row)
+        for off, rows, source, dim, s0, s1 in self._parts[self._where[id(param)]]:
+            a, z = max(r0, off), min(r1, off + rows)
+            x = _read_rows(self._reader, source, dim, s0, s1, a - off, z - off) \
+                if a < z else None
+            if x is not None:
+                self.bytes_read += x.numel() * x.element_size()
+                out[(a - r0) * row:(a - r0) * row + x.numel()] = x.reshape(-1)
+        return out[start - r0 * row:start - r0 * row + count]
 
 
 @torch.no_grad()

@@ -74,17 +74,21 @@ def partial_grad_params(modules: list[nn.Module]) -> list[nn.Parameter]:
     return out
 
 
-def shard_specs(modules: list[nn.Module], tp_size: int, tp_rank: int) -> dict[str, ShardSpec]:
+def shard_specs(modules: list[nn.Module], tp_size: int, tp_rank: int,
+                only=None) -> dict[str, ShardSpec]:
     """name -> :class:`ShardSpec` for every tensor of ``modules`` as a checkpoint holds them.
     A column-parallel linear of several parts (q, k, v fused) gives one tensor per part, named
     after the part (``attn.q.weight``), ``tensor`` being this rank's rows of it: the files do
-    not depend on the fusion, and separate q / k / v weights load into it."""
+    not depend on the fusion, and separate q / k / v weights load into it. ``only``: the ids of
+    the parameters to describe (default: all)."""
     out = {}
     for root in modules:
         for mname, module in root.named_modules():
             dims = getattr(module, "tp_shard_dims", {})      # see tp_params
             named = bool(dims) and getattr(module, "parts", (("", 0),))[0][0] != ""
             for pname, p in module.named_parameters(recurse=False):
+                if only is not None and id(p) not in only:
+                    continue
                 pieces = [(f"{mname}.{pname}" if mname else pname, p, None)]
                 if named:   # one tensor per part, each split as the whole parameter is
                     parent = mname.rsplit(".", 1)[0] + "." if "." in mname else ""

@@ -276,6 +276,19 @@ def _read_slice(path, index, name, shape, dim, start, stop, verify) -> torch.Ten
     return full if dim is None else full.narrow(dim, start, stop - start).contiguous()
 
 
+@torch.no_grad()
+def load_weights(path, modules, mesh, params) -> None:
+    """Load only the weights of ``params`` (parameters of ``modules``, e.g. one ZeRO-3 unit's,
+    whole on this rank for the call) from checkpoint ``path``."""
+    path = Path(path)
+    verify = Verifier(path, read_manifest(path))
+    index = _read_indexes(path, verify)
+    only = {id(p) for p in params}
+    for name, (t, shape, dim, start, stop, _base, _rows) in shard_specs(
+            modules, mesh.tp_size if mesh else 1, mesh.tp_rank if mesh else 0, only).items():
+        t.copy_(_read_slice(path, index, name, shape, dim, start, stop, verify))
+
+
 def load_checkpoint(path, modules, optimizer, mesh) -> dict:
     """Load ``path`` into this rank's modules (and optimizer state); returns the manifest."""
     path = Path(path)

@@ -43,12 +43,12 @@ from ..mesh import collectives
 from ..mesh.watchdog import CollectiveTimeoutError, Watchdog, group_timeout
 from ..models import GPT
 from ..models.compile import compile_blocks
-from ..models.hf import is_hf_dir, load_hf
+from ..models.hf import HFShardReader, is_hf_dir, load_hf
 from ..pipeline import PipelineExecutor, build_schedule, build_stages
 from . import faults
 from ..tensor_parallel.sharding import tp_params
-from .checkpoint import Verifier, latest_checkpoint, load_checkpoint, pointer_note, \
-    read_manifest
+from .checkpoint import Verifier, latest_checkpoint, load_checkpoint, load_weights, \
+    pointer_note, read_manifest
 from .checkpoint_writer import CheckpointWriter
 from .config import TrainConfig
 from ..data.sources import BatchSampler, check_length, check_vocab, load_tokens
@@ -62,15 +62,43 @@ from .sample import print_sample
 from .profiler import StepProfiler
 
 
-def build_model(cfg: TrainConfig, mesh) -> list[GPT]:
+def build_model(cfg: TrainConfig, mesh, device=None) -> list[GPT]:
     """This rank's model chunks (one per virtual stage), each built with only its layers and
-    numbered as its pipeline stage; stages balanced by ``GPTConfig.piece_flops``."""
+    numbered as its pipeline stage; stages balanced by ``GPTConfig.piece_flops``. ``device``
+    "meta": parameters without values (ZeRO-3 fills each rank's shards), buffers on the
+    mesh's device."""
     mc = cfg.model_config
     make = functools.partial(GPT, mc, tp_group=mesh.tp_group, recompute=cfg.recompute,
-                             sequence_parallel=cfg.sequence_parallel, device=mesh.device,
-                             cp_group=mesh.cp_group)
-    return build_stages(make, mesh.pp_rank, mesh.pp_size, cfg.virtual_stages, num_blocks=mc.n_layers,
-                        layer_costs=mc.piece_flops(cfg.seq_len))
+                             sequence_parallel=cfg.sequence_parallel,
+                             device=device or mesh.device, cp_group=mesh.cp_group)
+    chunks = build_stages(make, mesh.pp_rank, mesh.pp_size, cfg.virtual_stages,
+                          num_blocks=mc.n_layers, layer_costs=mc.piece_flops(cfg.seq_len))
+    if device is not None:
+        for m in chunks:
+            m.reset_buffers(mesh.device)
+    return chunks
+
+
+def fully_sharded(cfg: TrainConfig, mesh) -> bool:
+    """ZeRO-3 over more than one rank: the model is built on the meta device and each rank
+    fills only its shards (no rank ever holds it whole)."""
+    return cfg.zero == 3 and mesh.dp_size * mesh.cp_size > 1
+
+
+def _fill(cfg: TrainConfig, chunks, mesh, opt, resume_from, say, reader) -> None:
+    """ZeRO-3: this rank's shards of the model built on the meta device: read from
+    ``--init-from`` (a Hugging Face directory: only this rank's rows of each tensor; a fastpar
+    checkpoint: a unit at a time), else initialised a unit at a time as the constructor does
+    (a resumed run loads its checkpoint over that)."""
+    src = cfg.init_from if resume_from is None else None
+    if reader is not None:
+        opt.load_shards(reader)
+    elif src:
+        opt.materialize(lambda params: load_weights(src, chunks, mesh, params))
+    else:
+        opt.materialize(lambda params: [m.init_weights_(params) for m in chunks])
+    if src and say:
+        say(f"fastpar train: starting from the weights in {src} (this rank's shards only)")
 
 
 def _wrap(cfg: TrainConfig, chunks, mesh):
@@ -100,7 +128,7 @@ def _wrap(cfg: TrainConfig, chunks, mesh):
         shard, replicate = hsdp_groups(mesh, cfg.dp_shard, group_timeout(cfg.timeout))
         groups = dict(dp_group=shard, replicate_group=replicate)
     ddp = DataParallel(nn.ModuleList(chunks), main_grads=mixed, reduce_dtype=reduce_dtype,
-                       units=units, **groups)
+                       units=units, device=mesh.device, **groups)
     # Fused AdamW: one kernel per parameter group, and it skips a non-finite step on the device.
     kernel = dict(fused=True) if mesh.device.type in _fused_devices() else dict(foreach=True)
     return ddp, DistributedOptimizer(ddp, torch.optim.AdamW, _param_groups(chunks, cfg.weight_decay),
@@ -242,11 +270,18 @@ def setup(cfg: TrainConfig, layout: Layout | None = None) -> Run:
         trace.mkdir(parents=True, exist_ok=True)
     mesh = fastpar.init(layout=lay, timeout=group_timeout(cfg.timeout), nccl_trace=str(trace / "rank_"))
     torch.manual_seed(cfg.seed)
-    chunks = [compile_blocks(m) for m in build_model(cfg, mesh)] if cfg.compile else \
-        build_model(cfg, mesh)                  # --compile: each block compiled at first call
-    if cfg.init_from and resume_from is None:   # fine-tuning: the weights, not the optimizer
+    sharded3 = fully_sharded(cfg, mesh)
+    chunks = build_model(cfg, mesh, "meta" if sharded3 else None)
+    if cfg.compile:                             # --compile: each block compiled at first call
+        chunks = [compile_blocks(m) for m in chunks]
+    if cfg.init_from and resume_from is None and not sharded3:   # fine-tuning: the weights
         _init_from(cfg.init_from, chunks, mesh, say)
+    reader = HFShardReader(cfg.init_from, chunks, mesh.tp_size, mesh.tp_rank) \
+        if sharded3 and cfg.init_from and resume_from is None and is_hf_dir(cfg.init_from) \
+        else None                               # notes the tensors by name, before DataParallel
     ddp, opt = _wrap(cfg, chunks, mesh)
+    if sharded3:
+        _fill(cfg, chunks, mesh, opt, resume_from, say, reader)
     held_out = None
     if val is not None:
         vs = BatchSampler(val, cfg.seq_len, cfg.global_batch_size, cfg.seed, mesh.dp_rank,
