@@ -9,7 +9,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fastpar.testing import run_ranks  # noqa: E402
-from tests.test_memory_measured import BASE, LAYOUTS, _measure  # noqa: E402
+from tests.test_memory_measured import BASE, BENCH_ONLY, LAYOUTS, _measure  # noqa: E402
+
+EVERY = {w: {**LAYOUTS.get(w, {}), **BENCH_ONLY.get(w, {})} for w in {*LAYOUTS, *BENCH_ONLY}}
 
 
 def main():
@@ -18,9 +20,9 @@ def main():
           f"named; GB = 1e9 bytes\n")
     print("| layout | rank | forecast GB | measured GB | error |")
     print("|---|---|---|---|---|")
-    for world in sorted(LAYOUTS):
-        ranks = run_ranks(_measure, world, timeout=600)
-        for name in LAYOUTS[world]:
+    for world in sorted(EVERY):
+        ranks = run_ranks(_measure, world, EVERY, timeout=600)
+        for name in EVERY[world]:
             seen = set()
             for rank, per_layout in enumerate(ranks):
                 peak, model, _ = per_layout[name]

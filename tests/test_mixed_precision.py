@@ -157,11 +157,8 @@ BASE = dict(model="tiny", seq_len=16, global_batch_size=4, micro_batch_size=1, s
 LAYOUTS = {
     "single": (1, dict()),
     "tp2-sp": (2, dict(tp=2, sequence_parallel=True)),
-    "pp2-1f1b": (2, dict(pp=2, schedule="1f1b")),
     "pp2-zbh1": (2, dict(pp=2, schedule="zb-h1")),
-    "dp2": (2, dict(dp=2)),
     "dp2-bf16-reduce": (2, dict(dp=2, grad_reduce_dtype="bf16")),
-    "zero1": (2, dict(dp=2, zero=1)),
     "zero2": (2, dict(dp=2, zero=2)),
     "zero3": (2, dict(dp=2, zero=3)),
     "tp2-pp2": (4, dict(tp=2, pp=2)),

@@ -47,12 +47,11 @@ LAYOUTS = {
     "tp2-pp2": (4, dict(tp=2, pp=2)),
     "dp2-tp2-sp": (4, dict(tp=2, dp=2, sequence_parallel=True)),
     "dp2-tp2-pp2": (8, dict(tp=2, pp=2, dp=2)),
-    # Context parallelism: each sequence split over cp ranks, attention by the key/value ring.
+    # Context parallelism: each sequence split over cp ranks, attention by the key/value ring
+    # (cp4: tests/test_cp_model.py; cp x dp: cp2-dp2-zero3 below).
     "cp2": (2, dict(cp=2)),
-    "cp4": (4, dict(cp=4)),
     "cp2-tp2-sp": (4, dict(cp=2, tp=2, sequence_parallel=True)),
     "cp2-pp2": (4, dict(cp=2, pp=2)),
-    "cp2-dp2": (4, dict(cp=2, dp=2)),
     # ZeRO-2 (dp2 with 2 micro-batches accumulated whole: resumed under it in
     # test_zero_checkpoints_...): one micro-batch per step (whole gradients freed before every
     # forward), and with pp.

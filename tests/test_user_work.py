@@ -142,25 +142,31 @@ def resumable_run(tmp_path_factory):
     return where / "run"
 
 
-@pytest.mark.parametrize("change,needle", [
+CHANGES = [
     (["--steps", "6"], "--steps 4 (the run) -> 6 (now)"),
     (["--lr", "0.001"], "--lr 0.003 (the run) -> 0.001 (now)"),
     (["--global-batch-size", "16"], "--global-batch-size 8 (the run) -> 16 (now)"),
     (["--data", "{other}"], "--data the stdlib corpus (stdlib"),
-])
-def test_a_resume_that_changes_the_run_is_refused_unless_adopted(tmp_path, change, needle,
-                                                                resumable_run):
+]
+
+
+def test_a_resume_that_changes_the_run_is_refused_unless_adopted(tmp_path, resumable_run):
+    """Each change alone is refused, naming it, the run's files untouched; all of them
+    adopted at once are each named, and the run continues after its checkpoint."""
     (tmp_path / "other.txt").write_text("some other text, " * 200)
-    change = [c.replace("{other}", str(tmp_path / "other.txt")) for c in change]
     shutil.copytree(resumable_run, tmp_path / "run")
     before = _sums(tmp_path / "run")
-    flags = RESUMABLE + change               # the later value of a repeated flag wins
-    refused = _train(*flags, "--resume", cwd=tmp_path)
-    _one_error(refused, "would not continue the run", needle, "--adopt-changes")
-    assert _sums(tmp_path / "run") == before
-    adopted = _train(*flags, "--resume", "--adopt-changes", cwd=tmp_path)
+    every = []
+    for change, needle in CHANGES:
+        change = [c.replace("{other}", str(tmp_path / "other.txt")) for c in change]
+        every += change
+        refused = _train(*RESUMABLE, *change, "--resume", cwd=tmp_path)  # the later flag wins
+        _one_error(refused, "would not continue the run", needle, "--adopt-changes")
+        assert _sums(tmp_path / "run") == before
+    adopted = _train(*RESUMABLE, *every, "--resume", "--adopt-changes", cwd=tmp_path)
     assert adopted.returncode == 0, adopted.stderr[-3000:]
-    assert f"fastpar train: --adopt-changes: {needle}" in adopted.stdout, adopted.stdout
+    for _, needle in CHANGES:
+        assert f"fastpar train: --adopt-changes: {needle}" in adopted.stdout, adopted.stdout
     steps = _steps(tmp_path / "run")
     assert steps == sorted(set(steps)) and steps[:2] == [1, 2]       # nothing twice
 
