@@ -308,9 +308,38 @@ def _zero3_meta_build(rank, world):
         model(torch.randn(2, 6))
 
 
+def _zero3_save_gathers_nothing(rank, world):
+    """A checkpoint of a ZeRO-3 model saves the fp32 masters, gathered to dp rank 0 bucket by
+    bucket: no unit is ever gathered whole for it (the model is never whole on any rank), and
+    what rank 0 writes is the trained model."""
+    from types import SimpleNamespace
+
+    from fastpar.train.checkpoint import snapshot
+
+    model, opt = _build(3, torch.float32, {})
+    _steps(model, opt, world, rank, torch.float32, 2, 1)
+    units, before = opt._units, opt._units.gathers
+    seen = []
+    inner = units.unshard
+    units.unshard = lambda g: (seen.append(g), inner(g))
+    mesh = SimpleNamespace(rank=rank, tp_size=1, tp_rank=0, pp_rank=0, replica_rank=rank)
+    files = snapshot([model.module], opt, mesh, copy=True)
+    units.unshard = inner
+    assert not seen and units.gathers == before, seen
+    assert all(t.untyped_storage().nbytes() == 0 for t in opt._full)
+    with opt.gathered():
+        if rank == 0:
+            saved = files["model_tp0_pp0.safetensors"]
+            for n, p in model.module.named_parameters():
+                assert torch.equal(saved[n], p), n
+        else:
+            assert "model_tp0_pp0.safetensors" not in files
+
+
 def zero3_checks(rank, world):
     _zero3_equals_zero1(rank, world)
     _zero3_meta_build(rank, world)
+    _zero3_save_gathers_nothing(rank, world)
     _zero3_memory(rank, world)
     _zero3_progress(rank, world)
     if world == 4:

@@ -599,9 +599,10 @@ class DistributedOptimizer:
         return out if root else None
 
     @torch.no_grad()
-    def load_whole_state(self, whole: WholeState) -> None:
+    def load_whole_state(self, whole: WholeState, gather: bool = True) -> None:
         """Load :meth:`whole_state`'s kind of state (from a checkpoint of any layout and ZeRO
-        stage): this rank's slice of each master and moment, then the parameters gathered."""
+        stage; the parameters it holds, any subset): this rank's slice of each master and
+        moment, then (``gather``) the parameters gathered."""
         by_index = {id(p): i for i, p in enumerate(self._reducer.params)}
         masters = {by_index[id(p)]: m for p, m in whole.masters.items() if id(p) in by_index}
         states = {by_index[id(p)]: st for p, st in whole.state.items() if id(p) in by_index}
@@ -618,8 +619,10 @@ class DistributedOptimizer:
                     target[key] = st[key].reshape(-1)[lo:lo + n].to(sp.device, sp.dtype) \
                         .reshape(sp.shape).clone()
                 target["step"] = torch.as_tensor(st["step"]).reshape(()).clone()
-        self._launch_gathers()
-        self.finish_param_sync()
+        self._uninitialized = self._uninitialized and not masters
+        if gather:
+            self._launch_gathers()
+            self.finish_param_sync()
 
     @property
     def param_groups(self):

@@ -89,10 +89,14 @@ def shard_specs(modules: list[nn.Module], tp_size: int, tp_rank: int,
             for pname, p in module.named_parameters(recurse=False):
                 if only is not None and id(p) not in only:
                     continue
-                pieces = [(f"{mname}.{pname}" if mname else pname, p, None)]
+                # A parameter without memory (ZeRO-3 between uses) is described by a meta
+                # stand-in of its shape: its values are the optimizer's masters.
+                whole = p if p.untyped_storage().nbytes() or not p.numel() else \
+                    torch.empty(p.shape, dtype=p.dtype, device="meta")
+                pieces = [(f"{mname}.{pname}" if mname else pname, whole, None)]
                 if named:   # one tensor per part, each split as the whole parameter is
                     parent = mname.rsplit(".", 1)[0] + "." if "." in mname else ""
-                    pieces = [(f"{parent}{part}.{pname}", p.narrow(0, offset, rows),
+                    pieces = [(f"{parent}{part}.{pname}", whole.narrow(0, offset, rows),
                                (offset, rows)) for part, offset, rows in module.local_parts()]
                 for name, t, part_rows in pieces:
                     dim = dims.get(pname) if tp_size > 1 else None

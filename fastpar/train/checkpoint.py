@@ -59,7 +59,11 @@ def snapshot(modules, optimizer, mesh, rank_tensors: dict | None = None,
         # A view (one part of a fused parameter) is copied: safetensors stores no shared memory.
         return t.detach().to("cpu", copy=copy or t._base is not None).contiguous()
 
-    with getattr(optimizer, "gathered", contextlib.nullcontext)():   # ZeRO-3: whole params
+    # A sharded (ZeRO) optimizer's masters are what is saved, gathered bucket by bucket: the
+    # parameters need not be whole (at ZeRO-3 no rank ever holds the whole model).
+    sharded = getattr(optimizer, "shard", False)
+    with contextlib.nullcontext() if sharded else \
+            getattr(optimizer, "gathered", contextlib.nullcontext)():
         return _snapshot(modules, optimizer, mesh, rank_tensors, cpu)
 
 
@@ -295,8 +299,9 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
     manifest = read_manifest(path)
     verify = Verifier(path, manifest)
     index = _read_indexes(path, verify)
-    if optimizer is not None and hasattr(optimizer, "unshard_all"):
-        optimizer.unshard_all()        # ZeRO-3: the parameters whole, to be written into
+    if optimizer is not None and hasattr(optimizer, "finish_param_sync"):
+        optimizer.finish_param_sync()  # no gather lands on what is loaded (ZeRO-3: nothing
+    #                                    is gathered; its masters are loaded, then gathered)
     specs = shard_specs(modules, mesh.tp_size if mesh else 1, mesh.tp_rank if mesh else 0)
     sharded, optimizer = optimizer, per_param(optimizer)
     if sharded is not None and optimizer is None and manifest.get("zero1"):
@@ -305,11 +310,13 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
                               f"--init-from (the moments start afresh)")
     if sharded is not None and optimizer is None:
         optimizer = WholeState()        # loaded per parameter (on the CPU), then sliced into
-    whole = isinstance(optimizer, WholeState)      # the shards
+    whole = isinstance(optimizer, WholeState)      # the shards, a parameter at a time
     with torch.no_grad():
-        for name, (t, shape, dim, start, stop, base, rows) in specs.items():
+        items = list(specs.items())
+        for k, (name, (t, shape, dim, start, stop, base, rows)) in enumerate(items):
             weight = _read_slice(path, index, name, shape, dim, start, stop, verify)
-            t.copy_(weight)
+            if not t.is_meta:                          # (ZeRO-3: no memory; masters below)
+                t.copy_(weight)
             _, master = _state_of(optimizer, base, rows)
             if master is not None:
                 master.copy_(weight)
@@ -328,9 +335,12 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
                     full.narrow(0, *rows).copy_(got)
             step = _read_slice(path, index, f"optim.step.{name}", [1], None, 0, 0, verify)
             state["step"] = step.reshape(()).clone()
+            if whole and (k + 1 == len(items) or items[k + 1][1].param is not base):
+                sharded.load_whole_state(optimizer, gather=False)   # this parameter done:
+                optimizer = WholeState()                           # the host holds one
     rank = mesh.rank if mesh is not None else 0
-    if isinstance(optimizer, WholeState):
-        sharded.load_whole_state(optimizer)
+    if whole:
+        sharded.load_whole_state(optimizer)        # (empty by now) the parameters gathered
     rng = f"rng_rank{rank}.safetensors"
     if (path / rng).exists():
         with _open(path, rng, verify) as st:

@@ -89,8 +89,11 @@ def _fill(cfg: TrainConfig, chunks, mesh, opt, resume_from, say, reader) -> None
     """ZeRO-3: this rank's shards of the model built on the meta device: read from
     ``--init-from`` (a Hugging Face directory: only this rank's rows of each tensor; a fastpar
     checkpoint: a unit at a time), else initialised a unit at a time as the constructor does
-    (a resumed run loads its checkpoint over that)."""
-    src = cfg.init_from if resume_from is None else None
+    (a resumed run: nothing here, its checkpoint's masters are loaded a parameter at a
+    time)."""
+    if resume_from is not None:
+        return
+    src = cfg.init_from
     if reader is not None:
         opt.load_shards(reader)
     elif src:
@@ -98,7 +101,8 @@ def _fill(cfg: TrainConfig, chunks, mesh, opt, resume_from, say, reader) -> None
     else:
         opt.materialize(lambda params: [m.init_weights_(params) for m in chunks])
     if src and say:
-        say(f"fastpar train: starting from the weights in {src} (this rank's shards only)")
+        say(f"fastpar train: starting from the weights in {src} (" +
+            ("each rank reads only its shards' rows)" if reader else "a unit at a time)"))
 
 
 def _wrap(cfg: TrainConfig, chunks, mesh):
