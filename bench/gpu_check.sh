@@ -20,7 +20,8 @@
 #   kernels    45  the kernel tests compiled on the GPU (TRITON_INTERPRET=0), bf16 included
 #                  (not the sm_90 compile check, which CI runs without a GPU)
 #   tp-nccl    40  the extension's ops, the overlapped TP Functions under CUDA bf16 autocast,
-#                  DataParallel's CUDA path, mixed precision, on a one-rank NCCL group
+#                  DataParallel's CUDA path, mixed precision, ZeRO-3 built on the meta device
+#                  (its gather stream, its memory freed), on a one-rank NCCL group
 #                  (tests/test_tp_gpu.py -m gpu)
 #   accuracy   60  norms at hidden 8192 / 16384, cross-entropy at 16K x 128K, compiled, against
 #                  torch (tests/test_kernel_gpu_accuracy.py -m gpu); the CP ring's flash /

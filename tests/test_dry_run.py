@@ -105,6 +105,11 @@ def test_hsdp_shards_over_its_groups_at_1024_ranks():
     assert hsdp.roles[0].optimizer == pytest.approx(full.roles[0].optimizer * 128, rel=1e-3)
     assert hsdp.roles[0].weights == pytest.approx(full.roles[0].weights, rel=1e-3)
     assert hsdp.step_time_s and full.step_time_s
+    # Under CP a shard group is its dp ranks' cp ranks too: 2 dp x 2 cp of 512 x 2.
+    kw.update(cp=2, dp=256, seq_len=8192, global_batch_size=256)
+    full, hsdp = (dry_run(_cfg(**kw, dp_shard=s), 1024) for s in (0, 2))
+    _check_against_the_model(hsdp, 1024, 1, 32)
+    assert hsdp.roles[0].optimizer == pytest.approx(full.roles[0].optimizer * 128, rel=1e-3)
 
 
 def test_bad_input_is_refused_before_anything_is_built():

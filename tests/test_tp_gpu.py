@@ -8,8 +8,10 @@ One GPU cannot host two NCCL ranks, but a one-rank NCCL group runs every CUDA-si
 multi-rank training uses: the extension's GEMM <-> collective ops on NCCL's stream and their
 events, the overlapped TP autograd Functions under CUDA bf16 autocast (bf16 activations next to
 fp32 weights, as the trainer runs them), DataParallel's comm stream with the CUDA multi-tensor
-kernel, and mixed precision's fp32 main gradients and fused AdamW on fp32 masters. The pipeline's
-p2p is not run (a rank cannot send to itself). Each check prints its numbers.
+kernel, mixed precision's fp32 main gradients and fused AdamW on fp32 masters, and ZeRO-3 (a
+model built on the meta device, its units gathered on a side stream and freed back to the
+caching allocator). The pipeline's p2p is not run (a rank cannot send to itself). Each check
+prints its numbers.
 
 Tolerances: bf16 results against the same math in fp32, max |error| <= 2e-2 * max |reference|
 (bf16 keeps 8 significant bits; a GEMM over K=1024 accumulates in fp32 and rounds once).
@@ -175,3 +177,49 @@ def test_mixed_precision_main_grads_and_fp32_masters(one_rank):
     assert max(errs) <= TOL and min(moved) > 0, (errs, moved)
     print("main gradients vs plain autograd, max relative error "
           f"{max(errs):.1e}; fused AdamW on the masters moved every parameter")
+
+
+def test_zero3_meta_build_gathers_on_a_side_stream_and_frees(one_rank):
+    """ZeRO-3 on the device: a GPT built on the meta device, filled a unit at a time, gathered
+    on its own stream, trains as the same GPT under ZeRO-1; between steps the device holds the
+    fp32 masters and moments only (the units' memory really goes back to the allocator)."""
+    from fastpar.data_parallel import DataParallel, DistributedOptimizer
+    from fastpar.models import GPT, GPTConfig
+    r, dev = one_rank, one_rank.dev
+    cfg = GPTConfig(vocab_size=512, n_layers=4, d_model=r.D // 2, n_heads=8, max_seq_len=r.S)
+    allocated = (lambda: 0) if CPU else (lambda: torch.cuda.memory_allocated(dev))
+    runs = {}
+    for stage in (1, 3):
+        torch.manual_seed(4)
+        model = GPT(cfg, device="meta" if stage == 3 else dev)
+        if stage == 3:
+            model.reset_buffers(dev)
+        ddp = DataParallel(model, dp_group=r.mesh.dp_group, device=dev,
+                           units=list(model.layers.values()) if stage == 3 else None)
+        opt = DistributedOptimizer(ddp, torch.optim.AdamW, stage=stage, lr=1e-3,
+                                   fused=not CPU)
+        if stage == 3:
+            opt.materialize(model.init_weights_)
+            assert CPU or opt._gather_stream.stream is not None     # a side CUDA stream
+        g = torch.Generator().manual_seed(5)
+        for _ in range(2):
+            x = torch.randint(0, 512, (2, r.S // 4), generator=g).to(dev)
+            with torch.autocast(r.kind, dtype=torch.bfloat16):
+                loss = ddp(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        r.sync()
+        held = allocated()
+        with opt.gathered():
+            runs[stage] = ([p.detach().clone() for p in model.parameters()], held,
+                           sum(p.numel() for p in model.parameters()))
+        del model, ddp, opt
+    (one, held1, n), (three, held3, _) = runs[1], runs[3]
+    errs = [rel(p, q) for p, q in zip(three, one)]
+    assert max(errs) <= 1e-5, errs
+    if not CPU:     # ZeRO-3: masters and moments, 12 bytes a parameter; ZeRO-1 (at dp 1 its
+        #             masters are the parameters) keeps its gradient buckets too, 4 more
+        assert held3 <= 13 * n and held3 <= held1 - 3 * n, (held1, held3, n)
+    print(f"ZeRO-3 vs ZeRO-1 after 2 steps, max relative difference {max(errs):.1e}; "
+          f"held between steps {held3 / 2**20:.1f} vs {held1 / 2**20:.1f} MiB")

@@ -130,7 +130,7 @@ def test_logs_without_a_terminal_are_one_line_per_log_interval(tmp_path):
 
 
 def test_ctrl_c_stops_every_rank_and_resume_is_exact(tmp_path):
-    args = ["--steps", "40", "--save-every", "4", "--log-every", "100"]
+    args = ["--steps", "24", "--save-every", "4", "--log-every", "100"]
     whole = _train(*args, "--out", "whole", cwd=tmp_path, nproc=2)
     assert whole.returncode == 0, whole.stderr[-2000:]
     proc = subprocess.Popen([sys.executable, "-m", "fastpar", "train", "--nproc", "2", *SMALL,

@@ -247,18 +247,19 @@ def hsdp_groups(mesh: Mesh, shard: int, timeout: float | timedelta = 600.0):
     The dp group's ranks, in dp order, are cut into blocks of ``shard`` consecutive ones (the
     shard groups: with the tp-cp-dp-pp order the nearest ranks, a node when tp x cp x shard is
     the node's size), and the ranks at the same place of every block form a replicate group.
-    ``shard`` must divide dp (checked before any collective). Collective: every rank creates
-    every group, in the same order."""
+    Under context parallelism (whose ranks hold the same weights and average their gradients)
+    a block is ``shard`` dp ranks with all their cp ranks. ``shard`` must divide dp (checked
+    before any collective). Collective: every rank creates every group, in the same order."""
     dp = mesh.dp_size
     if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1 or dp % shard:
         raise ValueError(f"--dp-shard={shard!r} must be a divisor of dp={dp}")
     timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
     options = group_options(dist.get_backend())
-    mine = {}
-    for ranks in mesh.layout.groups("dp"):
-        blocks = [ranks[i:i + shard] for i in range(0, dp, shard)]
+    mine, size = {}, shard * mesh.cp_size
+    for ranks in mesh.layout.groups("dp-cp" if mesh.cp_size > 1 else "dp"):
+        blocks = [ranks[i:i + size] for i in range(0, len(ranks), size)]
         for kind, groups in (("shard", blocks), ("replicate",
-                                                [ranks[j::shard] for j in range(shard)])):
+                                                [ranks[j::size] for j in range(size)])):
             for g in groups:
                 group = dist.new_group(g, timeout=timeout, pg_options=options)
                 if mesh.rank in g:

@@ -79,9 +79,6 @@ class ParallelConfig:
                 raise ValueError(f"--dp-shard={self.dp_shard} must divide dp={dp}")
         if self.cp > 1:
             check_seq_len(seq_len, self.cp)
-            if self.dp_shard:
-                raise ValueError(f"--dp-shard={self.dp_shard} with --cp={self.cp} is not "
-                                 f"supported yet (ZeRO shards over dp x cp under CP)")
         model.check_tp(self.tp)
         if model.n_layers < self.pp * self.virtual_stages:
             raise ValueError(f"the model has {model.n_layers} layers, fewer than pp x virtual "

@@ -257,8 +257,9 @@ def bytes_per_param(cfg: ParallelConfig, feat: Features, hw) -> tuple[float, flo
 
 def shard_size(cfg: ParallelConfig) -> int:
     """Ranks the ZeRO state is sharded over: dp x cp (the ranks whose gradients are averaged),
-    or HSDP's shard groups (``dp_shard``)."""
-    return cfg.dp_shard if 0 < cfg.dp_shard < (cfg.dp or 1) else (cfg.dp or 1) * cfg.cp
+    or HSDP's shard groups (``dp_shard`` dp ranks with their cp ranks)."""
+    return cfg.dp_shard * cfg.cp if 0 < cfg.dp_shard < (cfg.dp or 1) else \
+        (cfg.dp or 1) * cfg.cp
 
 
 def grads_apart(cfg: ParallelConfig, work: Workload) -> bool:
@@ -554,8 +555,9 @@ def candidates(work: Workload, cluster: Cluster, fixed: dict | None = None):
                                                      cp)
                                 if zero == 2 and not grads_apart(cfg, work):
                                     continue        # ZeRO-1's time and memory, to the byte
-                                node = cluster.gpus_per_node // tp
-                                if zero == 3 and 1 < node < dp and dp % node == 0:
+                                node = cluster.gpus_per_node // (tp * cp)   # dp ranks
+                                if zero == 3 and node * cp > 1 and 1 <= node < dp and \
+                                        dp % node == 0:
                                     hsdp = dataclasses.replace(cfg, dp_shard=node)
                                     if all(getattr(hsdp, k) == val for k, val in fixed.items()):
                                         try:

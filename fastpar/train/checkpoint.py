@@ -280,17 +280,21 @@ def _read_slice(path, index, name, shape, dim, start, stop, verify) -> torch.Ten
     return full if dim is None else full.narrow(dim, start, stop - start).contiguous()
 
 
-@torch.no_grad()
-def load_weights(path, modules, mesh, params) -> None:
-    """Load only the weights of ``params`` (parameters of ``modules``, e.g. one ZeRO-3 unit's,
-    whole on this rank for the call) from checkpoint ``path``."""
+def weight_filler(path, modules, mesh):
+    """A ``DistributedOptimizer.materialize`` fill from checkpoint ``path``: ``fill(params)``
+    writes the weights of ``params`` (parameters of ``modules``, e.g. one ZeRO-3 unit's,
+    whole on this rank for the call). The files are verified once, not per call."""
     path = Path(path)
     verify = Verifier(path, read_manifest(path))
     index = _read_indexes(path, verify)
-    only = {id(p) for p in params}
-    for name, (t, shape, dim, start, stop, _base, _rows) in shard_specs(
-            modules, mesh.tp_size if mesh else 1, mesh.tp_rank if mesh else 0, only).items():
-        t.copy_(_read_slice(path, index, name, shape, dim, start, stop, verify))
+    tp, rank = (mesh.tp_size, mesh.tp_rank) if mesh else (1, 0)
+
+    @torch.no_grad()
+    def fill(params) -> None:
+        for name, (t, shape, dim, start, stop, _base, _rows) in shard_specs(
+                modules, tp, rank, {id(p) for p in params}).items():
+            t.copy_(_read_slice(path, index, name, shape, dim, start, stop, verify))
+    return fill
 
 
 def load_checkpoint(path, modules, optimizer, mesh) -> dict:

@@ -47,8 +47,8 @@ from ..models.hf import HFShardReader, is_hf_dir, load_hf
 from ..pipeline import PipelineExecutor, build_schedule, build_stages
 from . import faults
 from ..tensor_parallel.sharding import tp_params
-from .checkpoint import Verifier, latest_checkpoint, load_checkpoint, load_weights, \
-    pointer_note, read_manifest
+from .checkpoint import Verifier, latest_checkpoint, load_checkpoint, pointer_note, \
+    read_manifest, weight_filler
 from .checkpoint_writer import CheckpointWriter
 from .config import TrainConfig
 from ..data.sources import BatchSampler, check_length, check_vocab, load_tokens
@@ -97,7 +97,7 @@ def _fill(cfg: TrainConfig, chunks, mesh, opt, resume_from, say, reader) -> None
     if reader is not None:
         opt.load_shards(reader)
     elif src:
-        opt.materialize(lambda params: load_weights(src, chunks, mesh, params))
+        opt.materialize(weight_filler(src, chunks, mesh))
     else:
         opt.materialize(lambda params: [m.init_weights_(params) for m in chunks])
     if src and say:
