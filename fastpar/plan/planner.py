@@ -237,10 +237,11 @@ def bytes_per_param(cfg: ParallelConfig, feat: Features, hw) -> tuple[float, flo
     same; it frees the whole gradients between a step's reduction and the next backward, which
     :func:`gradient_bytes` counts). Each bucket's
     reduce-scatter lands in a 1/dp shard of its own beside the bucket (gloo's pairwise
-    reduce-scatter, ``hw.kind == "cpu"``, also keeps (dp-1)/dp of scratch), copied into an fp32
+    reduce-scatter, ``hw.kind == "cpu"``, receives one peer's block into that shard and the
+    others' into (dp-2)/dp of scratch), copied into an fp32
     shard for the optimizer when reduced in bf16; the parameters are views of the flat buffer
     their bucket's updated shards are gathered into, at any precision (fastpar/data_parallel/
-    reducer.py ``enable_sharding``, zero.py ``_shard_buffers``, ``_adopt_params``)."""
+    reducer.py ``enable_sharding``, zero.py ``_shard_buffer``, ``_adopt_params``)."""
     weight, grad, opt = feat.weight_bytes, feat.grad_bytes, feat.optimizer_bytes
     n = shard_size(cfg)
     if cfg.zero == 3 and n > 1:
@@ -250,7 +251,7 @@ def bytes_per_param(cfg: ParallelConfig, feat: Features, hw) -> tuple[float, flo
         return 0.0, feat.reduce_bytes / n + (4 / n if feat.reduce_bytes < 4 else 0), opt
     if cfg.zero and n > 1:
         opt /= n
-        grad += feat.reduce_bytes * (1 if hw.kind == "cpu" else 1 / n)
+        grad += feat.reduce_bytes * ((n - 1) / n if hw.kind == "cpu" else 1 / n)
         grad += 4 / n if feat.reduce_bytes < 4 else 0
     return weight, grad, opt
 
@@ -286,7 +287,7 @@ def zero3_bytes(cfg, work, feat, hw, params: float, unit: float, root: float,
     several micro-batches per step (accumulation, a pipeline) every whole gradient is kept
     until the step's last backward, as under ZeRO-1."""
     n = shard_size(cfg)
-    whole_grad = feat.grad_bytes + (feat.reduce_bytes * (n - 1) / n
+    whole_grad = feat.grad_bytes + (feat.reduce_bytes * max(0, n - 2) / n
                                     if hw.kind == "cpu" else 0.0)    # gloo's scratch
     weights = (min(ZERO3_GATHERED, units) * unit + root) * feat.weight_bytes
     held = params if cfg.pp > 1 or cfg.num_microbatches(work.global_batch) > 1 else \
