@@ -56,9 +56,6 @@ def check_params(module: nn.Module, reduce_dtype, device=None) -> list[tuple[str
         raise ValueError("DataParallel: the module was built on the meta device: pass device= "
                          "(where its shards live) and shard it with DistributedOptimizer("
                          "stage=3), then materialize() or load_shards() it")
-    if device is not None and not meta and named and named[0][1].device != torch.device(device):
-        raise ValueError(f"DataParallel: device={device} but the parameters are on "
-                         f"{named[0][1].device}")
     if not named:
         raise ValueError(f"DataParallel: the module ({type(module).__name__}) has no parameters: "
                          f"there is nothing to synchronise")

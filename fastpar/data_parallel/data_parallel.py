@@ -111,9 +111,9 @@ class DataParallel(nn.Module):
             groups (:func:`fastpar.mesh.hsdp_groups`); each reduction over ``dp_group`` is
             followed by an all-reduce of its result over the replicas, and the mean is over
             both. ``None``: plain data parallelism over ``dp_group``.
-        device: where the parameters live; needed (only) for a module built on the meta device
-            (``with torch.device("meta")``, or ``GPT(..., device="meta")``): its parameters
-            become storage-less ones on ``device``, and ``DistributedOptimizer(stage=3)``
+        device: where the parameters live; needed (and used) only for a module built on the
+            meta device (``with torch.device("meta")``, or ``GPT(..., device="meta")``): its
+            parameters become storage-less ones on ``device``, and ``DistributedOptimizer(stage=3)``
             gives each rank its shards with ``materialize`` (an init function, run a unit at a
             time) or ``load_shards`` (a reader of each parameter's flat ranges, e.g. a
             checkpoint's): no rank ever holds the whole model. Its buffers must be real.
