@@ -417,5 +417,8 @@ def test_waits_after_a_block_are_free_with_overlap():
         # Overlap on: the data had moved during the block; the wait found it there.
         assert max(on[:3]) < 0.1 * alone, (on, alone)
         # Overlap off: each wait right after posting is the transfer itself (measured 3-13 ms
-        # each against ~0.02 ms with overlap on, 8 MiB messages on 2 cores).
-        assert sum(off[:3]) > 0.5 * alone and min(off[:3]) > 10 * max(on[:3]), (off, on, alone)
+        # each against ~0.02 ms with overlap on, 8 MiB messages on 2 cores); on a busy machine
+        # the poster may lose its core long enough for one transfer to end first, so the
+        # middle one of the three is compared.
+        assert sum(off[:3]) > 0.5 * alone and sorted(off[:3])[1] > 10 * max(on[:3]), \
+            (off, on, alone)
