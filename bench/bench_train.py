@@ -72,6 +72,7 @@ from fastpar.train.step import forward_backward, loss_fn  # noqa: E402
 from fastpar.train.trainer import _clip, _param_groups, _wrap, build_model  # noqa: E402
 
 LAYOUTS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "tp2-sp": dict(tp=2, sequence_parallel=True),
+           "tp2-il": dict(tp=2, interleave=2),
            "pp2": dict(pp=2)}
 
 
@@ -125,7 +126,7 @@ def fastpar_variant(cfg, mesh):
                                 loss_fn=loss_fn(mesh.tp_group))
 
     def step(x, y):
-        loss = forward_backward(chunks, ddp, pipe, x, y, M, mesh)
+        loss = forward_backward(chunks, ddp, pipe, x, y, M, mesh, interleave=cfg.interleave)
         dist.all_reduce(loss, group=mesh.dp_group)
         _clip(chunks, mesh, cfg.grad_clip, opt)
         opt.step()
@@ -194,6 +195,12 @@ def torch_pp(cfg, mesh):
 TORCH = {"dp2": torch_dp, "tp2": torch_tp, "tp2-sp": torch_tp, "pp2": torch_pp}
 
 
+def _peer_layout(name: str) -> str:
+    """The layout whose torch step is ``name``'s peer: ``tp2-il`` (fastpar's interleaved
+    micro-batches, an option of the same layout) is measured against torch's ``tp2``."""
+    return name.removesuffix("-il")
+
+
 def _measure(rank, world_size, a, model):
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
     base = dict(model=model, global_batch_size=a.batch, micro_batch_size=a.micro, seq_len=a.seq,
@@ -209,10 +216,14 @@ def _measure(rank, world_size, a, model):
         mesh = fastpar.init(layout=cfg.check_layout(world_size))
         shares[name] = x.chunk(mesh.dp_size)[mesh.dp_rank], y.chunk(mesh.dp_size)[mesh.dp_rank]
         variants[f"fastpar {name}"] = fastpar_variant(cfg, mesh)
-        peer = functools.partial(TORCH[name], backend=a.titan_backend) \
-            if name.startswith("tp") else TORCH[name]
-        variants[f"torch {name}"] = peer(cfg, mesh)
-        variants[f"torch-aa {name}"] = peer(cfg, mesh)   # A/A: the peer against itself
+        of = _peer_layout(name)             # an option of fastpar's: the same layout's peer
+        shares[of] = shares[name]
+        if f"torch {of}" in variants:
+            continue
+        peer = functools.partial(TORCH[of], backend=a.titan_backend) \
+            if name.startswith("tp") else TORCH[of]
+        variants[f"torch {of}"] = peer(cfg, mesh)
+        variants[f"torch-aa {of}"] = peer(cfg, mesh)   # A/A: the peer against itself
     layout = {key: key.split()[1] for key in variants}
 
     losses = {key: [step(*shares[layout[key]]) for _ in range(2)]
@@ -231,9 +242,10 @@ def _measure(rank, world_size, a, model):
     result = common.compare(
         {key: (lambda step=step, key=key: step(*shares[layout[key]]))
          for key, step in variants.items()},
-        f"torch {a.layouts[0]}", torch.device("cpu"), a.rounds, a.iters,
-        control=[f"torch-aa {name}" for name in a.layouts],
-        peers={key: f"torch {layout[key]}" for key in variants}, barrier=dist.barrier)
+        f"torch {_peer_layout(a.layouts[0])}", torch.device("cpu"), a.rounds, a.iters,
+        control=sorted({f"torch-aa {_peer_layout(name)}" for name in a.layouts}),
+        peers={key: f"torch {_peer_layout(layout[key])}" for key in variants},
+        barrier=dist.barrier)
     return result, ref, wire
 
 
@@ -280,18 +292,21 @@ def main(argv=None):
         sec, ratio = result["median"], result["ratio"]
         comparisons.append({"key": model, **result})
         for name in a.layouts:
-            f, t = sec[f"fastpar {name}"], sec[f"torch {name}"]
-            tp_bytes = {lib: sum(n for _, n in wire.get(f"{lib} {name}", {}).values())
+            peer = _peer_layout(name)
+            f, t = sec[f"fastpar {name}"], sec[f"torch {peer}"]
+            tp_bytes = {lib: sum(n for _, n in wire.get(f"{lib} {name if lib == 'fastpar' else peer}",
+                                                      {}).values())
                         for lib in ("fastpar", "torch")}
             rows.append({"model": model, "shape": shape, "params_M": mc.num_params() / 1e6,
                          "fastpar_TP_MB": tp_bytes["fastpar"] / 1e6,
                          "torch_TP_MB": tp_bytes["torch"] / 1e6,
                          "megatron_TP_MB": megatron_tp_bytes(mc, a, name) / 1e6,
-                         "wire": {lib: wire.get(f"{lib} {name}") for lib in ("fastpar", "torch")},
+                         "wire": {"fastpar": wire.get(f"fastpar {name}"),
+                                  "torch": wire.get(f"torch {peer}")},
                          "layout": name, "fastpar_ms": f * 1e3, "torch_ms": t * 1e3,
                          "fastpar_tok/s": tokens / f, "torch_tok/s": tokens / t,
                          "fastpar/torch": ratio[f"fastpar {name}"],
-                         "A/A": ratio[f"torch-aa {name}"],
+                         "A/A": ratio[f"torch-aa {peer}"],
                          "fastpar_GFLOP/s/rank": flops / f / world / 1e9,
                          "torch_GFLOP/s/rank": flops / t / world / 1e9, "warmup_losses": losses,
                          "batch": a.batch, "micro": a.micro, "seq": a.seq})

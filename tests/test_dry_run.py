@@ -49,6 +49,18 @@ def test_1024_ranks_with_context_parallelism():
     assert all(r.optimizer > 2 * r.gradients for r in rep.roles)
 
 
+def test_interleaved_micro_batches_at_1024_ranks_hold_two_micro_batches():
+    """tp8 x dp128 with two micro-batches per step interleaved: the model's activations are
+    two micro-batches' (the logits' gradient once), the rest unchanged."""
+    kw = dict(model="7b", pp=1, dp=128, sequence_parallel=False, global_batch_size=256)
+    one, two = (dry_run(_cfg(**kw, interleave=k), 1024, "h100-80gb") for k in (1, 2))
+    _check_against_the_model(two, 1024, 1, 32)
+    (a,), (b,) = one.roles, two.roles
+    assert b.params == a.params and b.weights == a.weights and b.optimizer == a.optimizer
+    assert 1.9 * a.activations < b.activations < 2 * a.activations
+    assert two.step_time_s < one.step_time_s
+
+
 def test_zero1_divides_the_optimizer_state_by_dp_and_adds_its_buffers():
     one, sharded = (dry_run(_cfg(model="7b", pp=2, dp=4, zero=z), 64) for z in (0, 1))
     for a, b in zip(one.roles, sharded.roles):

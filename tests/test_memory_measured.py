@@ -36,6 +36,8 @@ BASE = dict(model="small", seq_len=512, micro_batch_size=2, global_batch_size=8,
 LAYOUTS = {
     2: {
         "tp2 sp": dict(tp=2, sequence_parallel=True),
+        # two micro-batches' activations and logits at once (planner.schedule_peaks)
+        "tp2 interleave 2": dict(tp=2, interleave=2),
         "pp2 1f1b": dict(pp=2),
         "pp2 interleaved": dict(pp=2, virtual_stages=2, schedule="interleaved"),
         "pp2 zb-h1": dict(pp=2, schedule="zb-h1"),
@@ -97,7 +99,7 @@ def _measure(rank, world, layouts=None):
                                     activation=_activation(cfg, mesh, chunks, sched))
         for _ in range(2):
             with cfg.train_context("cpu"):
-                forward_backward(chunks, ddp, pipe, x, y, M, mesh)
+                forward_backward(chunks, ddp, pipe, x, y, M, mesh, interleave=cfg.interleave)
             _clip(chunks, mesh, cfg.grad_clip, opt)
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -760,3 +760,31 @@ def test_ranks_beyond_the_cores_measure_in_turns():
     (a0, a1), (b0, b1) = out[0][1], out[2][1]
     assert a1 <= b0 + 1e-3        # the second turn starts after the first has finished
     assert abs(out[0][1][0] - out[1][1][0]) < 0.15      # a turn's ranks run together
+
+
+def test_interleaved_micro_batches_in_the_model():
+    """``interleave=2``: two micro-batches' activations (and logits) held at once, the
+    blocks' forward all-reduces hidden behind the other micro-batch's forward; offered by the
+    search only where the trainer accepts it."""
+    work, cluster = _work(64), Cluster(8, 8, BUILTIN["a100-80gb"])
+    one = ParallelConfig(tp=8, pp=1, dp=1, micro_batch_size=4)
+    two = dataclasses.replace(one, interleave=2)
+    m1, m2 = (planner.memory_per_gpu(work, cluster, c) for c in (one, two))
+    logits = 4 * 2048 * GPT.padded_vocab / 8 * cluster.hardware.bytes_per_element / 1e9
+    # each micro-batch's layers, final norm and logits twice; the logits' gradient once
+    assert m2["activations"] == pytest.approx(2 * m1["activations"] - logits)
+    assert m2["weights"] == m1["weights"] and m2["optimizer"] == m1["optimizer"]
+    e1, e2 = evaluate(work, cluster, one), evaluate(work, cluster, two)
+    shape = Shape(GPT, 2048, 4, 8)
+    lc = cost.layer_cost(shape, cluster.hardware, "none", cluster.link_gbps(8))
+    f1 = planner._stage_costs(work, cluster, one, cost.FASTPAR, False)[0][0][0]
+    f2 = planner._stage_costs(work, cluster, two, cost.FASTPAR, False)[0][0][0]
+    exposed = cost.exposed(lc.tp_comm_f, lc.gemm_f, cost.tp_pieces(shape, cluster.hardware,
+                                                                  cost.FASTPAR))
+    assert f1 - f2 == pytest.approx(GPT.n_layers * (exposed - max(0.0, exposed - lc.f)))
+    assert e2.step_time_s < e1.step_time_s and e2.tp_exposed_s < e1.tp_exposed_s
+    offered = [c for c in planner.candidates(work, cluster) if c.interleave == 2]
+    assert offered and all(c.tp > 1 and c.pp == 1 and not c.sequence_parallel and
+                           c.recompute != "full" and c.zero != 3 for c in offered)
+    assert {dataclasses.replace(c, interleave=1) for c in offered} <= \
+        set(planner.candidates(work, cluster))

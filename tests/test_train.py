@@ -43,6 +43,8 @@ def reference(tmp_path_factory):
 
 LAYOUTS = {
     "tp2": (2, dict(tp=2)),
+    # 4 micro-batches: 3 interleaved, then 1 (the groups' backwards accumulate)
+    "tp2-il3": (2, dict(tp=2, interleave=3)),
     "pp2-1f1b": (2, dict(pp=2, schedule="1f1b")),
     "pp2-zbh1": (2, dict(pp=2, schedule="zb-h1")),
     "dp2": (2, dict(dp=2)),

@@ -18,6 +18,7 @@ from .. import kernels
 from ..tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding, copy_to_tp,
                                gather_from_sp, vocab_parallel_cross_entropy)
 from ..tensor_parallel import mark_partial_grads
+from ..tensor_parallel.overlap import deferred_reductions
 from ..context_parallel import positions
 from ..mesh.groups import group_rank, group_size
 from .config import GPTConfig
@@ -192,6 +193,16 @@ class GPT(nn.Module):
         attends to all it holds, and the cache grows by S."""
         if cache is not None:
             return self._forward_cached(x, cache)
+        x, rope = self._enter(x)
+        for layer in self.layers.values():
+            if self.recompute == "full" and self.training:
+                x = checkpoint(layer, x, rope, use_reentrant=False)
+            else:
+                x = layer(x, rope, self.recompute == "selective" and self.training)
+        return self._exit(x, targets)
+
+    def _enter(self, x):
+        """The embedding (on the first stage) and the rotary rows of these tokens."""
         if self.pre_process:
             if x.dim() != 2 or x.shape[1] > self.config.max_seq_len:
                 raise ValueError(f"GPT: tokens must be (B, S) with S <= max_seq_len="
@@ -201,11 +212,10 @@ class GPT(nn.Module):
         if rope is not None and self.cp_group is not None:     # the rows of the true positions
             S = x.shape[0] * (group_size(self.tp_group) if self.sp else 1)
             rope = tuple(t[self._positions(S)] for t in rope)
-        for layer in self.layers.values():
-            if self.recompute == "full" and self.training:
-                x = checkpoint(layer, x, rope, use_reentrant=False)
-            else:
-                x = layer(x, rope, self.recompute == "selective" and self.training)
+        return x, rope
+
+    def _exit(self, x, targets):
+        """The last stage's logits or loss from the blocks' output; else that output."""
         if not self.post_process:
             return x
         if targets is None:
@@ -214,6 +224,41 @@ class GPT(nn.Module):
         # masked copy of the logits, and a gradient laid out as the head's output.
         z = self._head_out(x).transpose(0, 1)                         # (B, S, Vp/tp), a view
         return token_loss(z, targets, self.tp_group, self.config.vocab_size)
+
+    def check_interleave(self) -> None:
+        """Raise unless :meth:`interleaved` can run this model: no full recompute (its
+        checkpointed blocks run whole), no dropout in training, and no hook on the model or a
+        block (it calls the blocks' :meth:`~ParallelTransformerLayer.steps`, not the blocks,
+        so such hooks, e.g. ZeRO-3's gathers, would not run)."""
+        if self.recompute == "full":
+            raise ValueError("interleaved micro-batches need recompute 'none' or 'selective', "
+                             "not 'full' (a checkpointed block runs whole)")
+        if self.config.dropout and self.training:
+            raise ValueError(f"interleaved micro-batches with dropout={self.config.dropout}: "
+                             f"the masks would be drawn in another order than one "
+                             f"micro-batch after another")
+        hooked = [name or "the model" for name, m in [("", self)] + list(self.layers.items())
+                  if m._forward_pre_hooks or m._forward_hooks]
+        if hooked:
+            raise ValueError(f"interleaved micro-batches call the blocks' steps, not the "
+                             f"blocks: the forward hooks on {', '.join(hooked)} would not run "
+                             f"(ZeRO-3 gathers a block in such a hook: use --zero 0, 1 or 2)")
+
+    def interleaved(self, xs, targets):
+        """``[self(x, t) for x, t in zip(xs, targets)]``, the same numbers, with the
+        micro-batches' forwards interleaved block by block (:func:`interleave`): while one
+        micro-batch's row-parallel all-reduce is in flight, the next one computes (what
+        DeepSpeed's Domino does inside a batch, here across micro-batches that exist anyway).
+        Every micro-batch's activations stay until their backward."""
+        self.check_interleave()
+        selective = self.recompute == "selective" and self.training
+
+        def run(x):
+            x, rope = self._enter(x)
+            for layer in self.layers.values():
+                x = yield from layer.steps(x, rope, selective)
+            return x
+        return [self._exit(x, t) for x, t in zip(interleave([run(x) for x in xs]), targets)]
 
     def _positions(self, local_len: int) -> torch.Tensor:
         """The true positions of this CP rank's ``local_len`` tokens of each sequence."""
@@ -234,6 +279,30 @@ class GPT(nn.Module):
             x = layer(x, rope, kv=cache.layers[name])
         cache.advance(S)
         return self.logits(x) if self.post_process else x
+
+
+def interleave(runs: list) -> list:
+    """Run generators (each a micro-batch's forward, pausing after each row-parallel
+    projection) round-robin to their ends; returns their results in order.
+
+    Each step runs inside :func:`~fastpar.tensor_parallel.overlap.deferred_reductions`, so a
+    row-parallel output's all-reduce is started, not waited; the run that made it waits it when
+    it resumes, after the other runs' steps have computed (a GPU's compute stream meanwhile,
+    the host's thread on CPU)."""
+    works = [[] for _ in runs]
+    out, live = [None] * len(runs), list(range(len(runs)))
+    while live:
+        for k in list(live):
+            for work in works[k]:
+                work.wait()
+            works[k].clear()
+            with deferred_reductions(works[k]):
+                try:
+                    next(runs[k])
+                except StopIteration as done:
+                    out[k] = done.value
+                    live.remove(k)
+    return out
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor, tp_group=None,

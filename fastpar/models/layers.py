@@ -170,3 +170,15 @@ class ParallelTransformerLayer(nn.Module):
     def forward(self, x, rope=None, recompute_core=False, kv=None):
         x = self._add(*self.attn(self.norm1(x), rope, recompute_core, kv), x)
         return self._add(*self.mlp(self.norm2(x)), x)
+
+    def steps(self, x, rope=None, recompute_core=False):
+        """``forward`` as a generator that pauses after each branch's row-parallel projection,
+        before its output is read (its all-reduce may still be in flight: see
+        ``fastpar.models.gpt.interleave``); returns the block's output. The same ops as
+        ``forward``, in the same order. Bypasses this module's own hooks (its children's run)."""
+        branch = self.attn(self.norm1(x), rope, recompute_core)
+        yield
+        x = self._add(*branch, x)
+        branch = self.mlp(self.norm2(x))
+        yield
+        return self._add(*branch, x)

@@ -38,6 +38,10 @@ class ParallelConfig:
     dp_shard: int = 0                   # HSDP: shard the ZeRO state over groups of this many
                                         # dp ranks (a node), replicate across the groups
                                         # (0: over the whole dp group)
+    interleave: int = 1                 # micro-batches run forward together, interleaved block
+                                        # by block, so one's TP all-reduces travel while the
+                                        # next one computes (tp > 1, no SP or pipeline); their
+                                        # activations are all held until backward (1: off)
 
     def num_microbatches(self, global_batch: int, dp: int | None = None) -> int:
         return global_batch // (self.micro_batch_size * (dp or self.dp))
@@ -45,7 +49,8 @@ class ParallelConfig:
     def check_fields(self, flags: bool = False) -> None:
         """The checks that need no model or world: sizes >= 1, known schedule and recompute."""
         require_positive({k: getattr(self, k) for k in ("tp", "pp", "cp", "virtual_stages",
-                                                        "micro_batch_size")}, flags=flags)
+                                                        "micro_batch_size", "interleave")},
+                         flags=flags)
         if self.dp is not None:
             require_positive({"dp": self.dp}, flags=flags)
         if isinstance(self.dp_shard, bool) or not isinstance(self.dp_shard, int) or \
@@ -93,4 +98,26 @@ class ParallelConfig:
                              f"parallelism")
         check_args(self.schedule, self.pp, self.num_microbatches(global_batch, dp),
                    self.virtual_stages)
+        self._check_interleave(self.num_microbatches(global_batch, dp), model.dropout)
         return lay
+
+    def _check_interleave(self, micro_batches: int, dropout: float) -> None:
+        """Interleaved micro-batches hide the TP all-reduces of the blocks' forwards; where
+        there are none, or the step runs its micro-batches its own way, refuse."""
+        if self.interleave == 1:
+            return
+        why = [why for bad, why in (
+            (self.tp == 1, "tp=1 (no all-reduce to hide)"),
+            (self.sequence_parallel, "sequence parallelism (its reduce-scatters overlap the "
+                                     "GEMMs already)"),
+            (self.pp > 1, f"pp={self.pp} (the pipeline schedule orders the micro-batches)"),
+            (self.cp > 1, f"cp={self.cp}"),
+            (self.recompute == "full", "recompute 'full'"),
+            (self.zero == 3, "zero 3 (its gathers run in block hooks)"),
+            (micro_batches < 2, f"{micro_batches} micro-batch per step"),
+            (dropout > 0, f"dropout={dropout} (its masks would be drawn in another order)"))
+               if bad]
+        if why:
+            raise ValueError(f"interleave={self.interleave} needs tp > 1 and 2 or more "
+                             f"micro-batches per step, without sequence parallelism, pp, cp, "
+                             f"full recompute, zero 3 or dropout; got " + "; ".join(why))

@@ -114,6 +114,9 @@ def _stage_costs(work, cluster, cfg, feat, split):
         exp_b = cost.exposed(lc.tp_comm_b, partner_b, pieces)
     else:
         exp_f, exp_b = lc.tp_comm_f, lc.tp_comm_b
+    # Interleaved micro-batches: a block's all-reduce travels while the other k - 1
+    # micro-batches compute their blocks (the wait uses no core, on a CPU too).
+    exp_f = max(0.0, exp_f - (interleaved(cfg, work) - 1) * lc.f)
     layer = (lc.f + exp_f + lc.cp_exposed_f, lc.b + exp_b + lc.cp_exposed_b, lc.w)
     if split:   # fastpar/pipeline/backward.py: the row linears' (o, down) weight GEMMs run in B
         mats = cost._linears(shape)
@@ -221,9 +224,27 @@ def memory_per_gpu(work: Workload, cluster: Cluster, cfg: ParallelConfig,
         ranges = [range(m.n_layers)] if stages == 1 else \
             partition(m.piece_flops(work.seq_len), pp, cfg.virtual_stages)
     if peaks is None:
-        peaks = build_schedule(cfg.schedule, pp, cfg.num_microbatches(work.global_batch),
-                               cfg.virtual_stages).in_flight
+        peaks = schedule_peaks(cfg, work)
     return _memory(work, cluster, cfg, feat, ranges, peaks)
+
+
+def interleaved(cfg: ParallelConfig, work: Workload) -> int:
+    """Micro-batches whose forwards run together (``cfg.interleave``, at most the step's)."""
+    return min(cfg.interleave, cfg.num_microbatches(work.global_batch)) if cfg.pp == 1 else 1
+
+
+def schedule_peaks(cfg: ParallelConfig, work: Workload, sched=None) -> list[tuple]:
+    """Per pipeline rank, the (micro-batches alive, of those awaiting W) pairs its peak can be
+    at: the schedule's (``sched``, default built here; its ``in_flight``); without a pipeline,
+    the micro-batches interleaved (``fastpar.models.GPT.interleaved``: all their activations
+    are held until their one backward)."""
+    k = interleaved(cfg, work)
+    if k > 1:
+        return [((k, 0),)]
+    if sched is None:
+        sched = build_schedule(cfg.schedule, cfg.pp, cfg.num_microbatches(work.global_batch),
+                               cfg.virtual_stages)
+    return sched.in_flight
 
 
 def _memory(work, cluster, cfg, feat, ranges, peaks) -> dict:
@@ -313,8 +334,7 @@ def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> li
         ranges = [range(m.n_layers)] if pp * cfg.virtual_stages == 1 else \
             partition(m.piece_flops(work.seq_len), pp, cfg.virtual_stages)
     if peaks is None:
-        peaks = build_schedule(cfg.schedule, pp, cfg.num_microbatches(work.global_batch),
-                               cfg.virtual_stages).in_flight
+        peaks = schedule_peaks(cfg, work)
     hw, m, t, pp = cluster.hardware, work.model, cfg.tp, cfg.pp
     E, ref = hw.bytes_per_element, hw.kind == "cpu"
     shape = Shape(m, work.seq_len, cfg.micro_batch_size, t, cfg.sequence_parallel, cfg.cp)
@@ -344,8 +364,10 @@ def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> li
             # entropy saves as they are (in the activation dtype, no fp32 copy) next to their
             # gradient in the same dtype in the backward
             # (fastpar/tensor_parallel/cross_entropy.py). Once: the last stage runs each
-            # micro-batch's backward right after its forward (GPipe's would hold more).
-            acts += cost.norm_bytes(shape, E, ref) + 2 * shape.tokens * m.padded_vocab / t * E
+            # micro-batch's backward right after its forward (GPipe's would hold more); each
+            # of the interleaved micro-batches' before their one backward, the gradient once.
+            logits = shape.tokens * m.padded_vocab / t * E
+            acts += interleaved(cfg, work) * (cost.norm_bytes(shape, E, ref) + logits) + logits
             if shape.sp and t > 1 and (cfg.recompute == "none" or not feat.tp_overlap):
                 # the head keeps its gathered input (fastpar.models.gpt: gathered again only
                 # under recompute)
@@ -416,7 +438,7 @@ def _schedule(cfg: ParallelConfig, work: Workload, schedules: dict):
 def _cache_key(cfg: ParallelConfig) -> tuple:
     """What a configuration's per-stage costs depend on (the last item: a split backward)."""
     return (cfg.tp, cfg.pp, cfg.virtual_stages, cfg.micro_batch_size, cfg.recompute,
-            cfg.sequence_parallel, cfg.schedule == "zb-h1")
+            cfg.sequence_parallel, cfg.interleave, cfg.schedule == "zb-h1")
 
 
 def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
@@ -432,7 +454,7 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
     shared, slow = _sharing(cluster, cfg)
     if shared is None and slow > 1:
         fbw = [[slow * (x - y) + y for x, y in zip(row, wrow)] for row, wrow in zip(fbw, waits)]
-    mem = _memory(work, cluster, cfg, feat, ranges, sched.in_flight)
+    mem = _memory(work, cluster, cfg, feat, ranges, schedule_peaks(cfg, work, sched))
     tokens = cfg.micro_batch_size * work.seq_len // cfg.cp * m.d_model * hw.bytes_per_element
     p2p = 0.0
     if cfg.pp > 1:
@@ -506,8 +528,11 @@ def _step_collectives(cluster: Cluster, cfg: ParallelConfig) -> float:
 
 def _peak_lower_bound(cfg: ParallelConfig, num_mb: int) -> int:
     """Fewest micro-batch chunks rank 0 holds at once under ``cfg.schedule`` (its warm-up plus
-    one); the real schedule's count is checked when the configuration is evaluated."""
+    one; the interleaved micro-batches without a pipeline); the real schedule's count is
+    checked when the configuration is evaluated."""
     pp, v = cfg.pp, cfg.virtual_stages
+    if pp == 1:
+        return min(cfg.interleave, num_mb)
     if cfg.schedule == "gpipe":
         return num_mb
     if cfg.schedule == "interleaved":
@@ -566,13 +591,17 @@ def candidates(work: Workload, cluster: Cluster, fixed: dict | None = None):
                                             yield hsdp
                                         except ValueError:
                                             pass
-                                if any(getattr(cfg, k) != val for k, val in fixed.items()):
-                                    continue
-                                try:
-                                    check(cfg, work, cluster)
-                                except ValueError:
-                                    continue
-                                yield cfg
+                                # Interleaved pairs of micro-batches where they hide
+                                # something (cfg.check refuses them elsewhere).
+                                for il in ((1, 2) if tp > 1 and pp == 1 else (1,)):
+                                    one = dataclasses.replace(cfg, interleave=il)
+                                    if any(getattr(one, k) != val for k, val in fixed.items()):
+                                        continue
+                                    try:
+                                        check(one, work, cluster)
+                                    except ValueError:
+                                        continue
+                                    yield one
 
 
 def search(work: Workload, cluster: Cluster, feat: Features = FASTPAR, fixed: dict | None = None,
@@ -612,7 +641,8 @@ def search(work: Workload, cluster: Cluster, feat: Features = FASTPAR, fixed: di
             # schedule's own peak (no simulation of its step).
             for _, rest in bounds[i:]:
                 need = _memory(work, cluster, rest, feat, cache[_cache_key(rest)][1],
-                               _schedule(rest, work, schedules).in_flight)["total"]
+                               schedule_peaks(rest, work, _schedule(rest, work,
+                                                                    schedules)))["total"]
                 if need > limit:
                     rejected["memory"] += 1
                     too_big.append((need, rest, None))
@@ -644,7 +674,7 @@ def _smallest_need(work, cluster, feat, too_big, schedules) -> Estimate | None:
             if key not in schedules:
                 schedules[key] = build_schedule(*key)
             need = _memory(work, cluster, cfg, feat, ranges,
-                           schedules[key].in_flight)["total"]
+                           schedule_peaks(cfg, work, schedules[key]))["total"]
         if best is None or need < best[0]:
             best = (need, cfg)
     return None if best is None else evaluate(work, cluster, best[1], feat, schedules)

@@ -272,8 +272,11 @@ class RowParallelLinear(_ParallelLinear):
         x, weight, bias = self._cast(x)
         if self.overlap:
             rows = x.reshape(-1, x.shape[-1])
+            # Its all-reduce may be left in flight (overlap.deferred_reductions) only where
+            # nothing here reads the output: the caller adds the bias after waiting.
             y = RowLinearOverlap.apply(rows, weight, self.tp_group, self.sequence_parallel,
-                                       self.chunks, self._weight_id())
+                                       self.chunks, self._weight_id(),
+                                       self.skip_bias_add or bias is None)
             lead = ((x.shape[0] // self.tp_size,) + x.shape[1:-1]) if self.sequence_parallel \
                 else x.shape[:-1]
             y = y.view(*lead, -1)

@@ -8,9 +8,12 @@ backward they skip the weight-gradient GEMM, in W the input-gradient GEMM and it
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import extension
+from ..mesh import collectives
 from ..mesh.groups import all_gather_tensor
 from ..mesh.profiling import span
 from ..split_backward import phase_of
@@ -27,6 +30,26 @@ def row_chunks(chunks: int, rows: int, cols: int, itemsize: int) -> int:
     """Row chunks of an all-reduced (rows, cols) GEMM result: at most ``chunks``, each chunk's
     all-reduce at least :data:`MIN_CHUNK_BYTES` (one chunk when the whole is smaller)."""
     return max(1, min(chunks, rows, rows * cols * itemsize // max(MIN_CHUNK_BYTES, 1)))
+
+
+# Where a row-parallel forward (no SP) leaves its all-reduce in flight: the works list of the
+# innermost deferred_reductions, or None (the all-reduce is waited inside the op, as usual).
+_deferred: list | None = None
+
+
+@contextlib.contextmanager
+def deferred_reductions(works: list):
+    """Inside, a :class:`RowParallelLinear` without SP whose output its caller reads only
+    later (``skip_bias_add``, or no bias) starts its output's all-reduce and returns at once; the
+    work is appended to ``works``, and whoever reads that output waits it first. This is what
+    lets the trainer interleave micro-batches (``fastpar.models.gpt.interleave``): one
+    micro-batch's reduction travels while the next one computes. Not under torch.compile."""
+    global _deferred
+    outer, _deferred = _deferred, works
+    try:
+        yield works
+    finally:
+        _deferred = outer
 
 
 def _needs(ctx) -> tuple[bool, bool]:
@@ -76,12 +99,18 @@ class RowLinearOverlap(torch.autograd.Function):
     communication (under SP: ring all-gather of the output grad fused with the input-grad GEMM)."""
 
     @staticmethod
-    def forward(ctx, x, w, group, sequence_parallel, chunks, weight_id):
+    def forward(ctx, x, w, group, sequence_parallel, chunks, weight_id, may_defer=False):
         ctx.group, ctx.sp, ctx.weight_id = group, sequence_parallel, weight_id
         ctx.save_for_backward(x, w)
         if sequence_parallel:
             with span("tp GEMM + reduce-scatter (row forward)"):
                 return extension.matmul_reducescatter(x, w, group)
+        if may_defer and _deferred is not None and not torch.compiler.is_compiling():
+            # The output is not saved for backward and its caller reads it only after waiting
+            # the work: the all-reduce may write it in place while other work runs.
+            y = x @ w.t()
+            _deferred.append(collectives.all_reduce(y, group=group, async_op=True))
+            return y
         with span("tp GEMM + all-reduce (row forward)"):
             return extension.matmul_allreduce(
                 x, w, group, row_chunks(chunks, x.shape[0], w.shape[0], x.element_size()))
@@ -103,4 +132,4 @@ class RowLinearOverlap(torch.autograd.Function):
         elif need_x:
             gx = g @ w
         gw = g.t() @ x if need_w else None
-        return gx, gw, None, None, None, None
+        return gx, gw, None, None, None, None, None

@@ -28,7 +28,8 @@ def loss_fn(tp_group):
     return functools.partial(token_loss, tp_group=tp_group)
 
 
-def forward_backward(chunks, ddp, pipe, x, y, M: int, mesh, overlap: bool = True) -> torch.Tensor:
+def forward_backward(chunks, ddp, pipe, x, y, M: int, mesh, overlap: bool = True,
+                     interleave: int = 1) -> torch.Tensor:
     """Forward and backward of one global batch share; returns this DP rank's mean loss.
 
     Under a pipeline with ``overlap``, each chunk's last backward (its last B, and its last W
@@ -37,9 +38,12 @@ def forward_backward(chunks, ddp, pipe, x, y, M: int, mesh, overlap: bool = True
     Every bucket is waited for at the end of the step. ``overlap=False``: the whole step
     accumulates, then every bucket is reduced (same numbers). Last, after the DP sync and
     before any clipping, one all-reduce over TP sums the replicated parameters' partial
-    gradients (:func:`fastpar.tensor_parallel.reduce_replicated_grads`)."""
+    gradients (:func:`fastpar.tensor_parallel.reduce_replicated_grads`).
+
+    ``interleave`` (no pipeline): micro-batches run forward this many at a time, interleaved
+    block by block (:meth:`fastpar.models.GPT.interleaved`), then backward together."""
     grads = replicated_grads_of(ddp, chunks)
-    loss = _accumulate(chunks[0], ddp, x, y, M, mesh) if pipe is None else \
+    loss = _accumulate(chunks[0], ddp, x, y, M, mesh, interleave) if pipe is None else \
         _pipeline(ddp, pipe, x, y, mesh, overlap)
     reduce_replicated_grads(chunks, mesh.tp_group, grads)
     return loss
@@ -80,15 +84,21 @@ def _sync_final_backward(ddp: DataParallel):
     return before_backward
 
 
-def _accumulate(model, ddp, x, y, M: int, mesh) -> torch.Tensor:
-    """Forward and backward of M micro-batches; gradients reduced over DP on the last one."""
+def _accumulate(model, ddp, x, y, M: int, mesh, interleave: int = 1) -> torch.Tensor:
+    """Forward and backward of M micro-batches, ``interleave`` at a time (one backward per
+    group, of the sum of its losses); gradients reduced over DP in the last group's backward."""
     total = torch.zeros((), device=mesh.device)
-    for i, (xm, ym) in enumerate(zip(x.chunk(M), y.chunk(M))):
+    xs, ys = x.chunk(M), y.chunk(M)
+    for i in range(0, M, interleave):
+        j = min(i + interleave, M)
         if ddp is not None:
-            ddp.set_requires_gradient_sync(i == M - 1)
-        with span("forward of micro-batch", i):
-            loss = model(xm, ym) / M
-        with span("backward of micro-batch", i):
+            ddp.set_requires_gradient_sync(j == M)
+        with span("forward of micro-batch", i if j == i + 1 else f"{i}..{j - 1}"):
+            if j == i + 1:
+                loss = model(xs[i], ys[i]) / M
+            else:
+                loss = sum(model.interleaved(xs[i:j], ys[i:j])) / M
+        with span("backward of micro-batch", i if j == i + 1 else f"{i}..{j - 1}"):
             loss.backward()
         total += loss.detach()
     return total
