@@ -154,6 +154,8 @@ def test_train_flag():
     assert not TrainConfig().compile
     with pytest.raises(ValueError, match="--compile with --schedule zb-h1 is not supported"):
         TrainConfig(compile=True, pp=2, schedule="zb-h1")
+    with pytest.raises(ValueError, match="--compile with --interleave 2 is not supported"):
+        TrainConfig(compile=True, tp=2, interleave=2)
     cfg = TrainConfig(compile=True, pp=2, schedule="1f1b")
     with pytest.raises(ValueError, match=r"--compile needs a model without dropout \(dropout=0.1"):
         cfg._check_compile(cfg.model_config.replace(dropout=0.1))

@@ -60,8 +60,8 @@ class TrainConfig(ParallelConfig):
     max_skipped_steps: int = 5          # non-finite steps in a row (skipped) before stopping
     deterministic: bool = False         # deterministic kernels on GPU (CPU always is)
     compile: bool = False               # torch.compile each Transformer block (fullgraph, inductor;
-                                        # fastpar.models.compile_blocks); needs dropout 0 and a
-                                        # schedule without a split backward
+                                        # fastpar.models.compile_blocks); needs dropout 0, a
+                                        # schedule without a split backward, no --interleave
     precision: str = "auto"             # bf16: Megatron's mixed precision (bf16 parameters and
                                         # activations, fp32 main gradients and master weights) |
                                         # amp: bf16 autocast over fp32 weights | fp32 |
@@ -142,6 +142,10 @@ class TrainConfig(ParallelConfig):
             raise ValueError(f"--compile with --schedule {self.schedule} is not supported: its "
                              "split backward (input gradients first, weight gradients later) "
                              "cannot reach inside a compiled block; use 1f1b or interleaved")
+        if self.interleave > 1:
+            raise ValueError(f"--compile with --interleave {self.interleave} is not supported: "
+                             "interleaved micro-batches pause inside each block, between its "
+                             "two halves, which a compiled block runs as one graph")
 
     @cached_property
     def model_config(self) -> GPTConfig:
