@@ -7,11 +7,27 @@ linears') asks :func:`phase_of` which half to skip.
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 # (phase, ids of the weights it applies to) while a split backward runs, else None. A global, not
 # a thread-local: on CUDA the autograd engine runs backward on its own device thread.
 _PHASE: tuple[str, set[int]] | None = None
+# Told (``after_input()``) each time B has run through a segment of a stage (a layer): what
+# holds weights for B only (ZeRO-3's gathered units) may let them go, since W reads no weight.
+_LISTENERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def listen(obj) -> None:
+    """Call ``obj.after_input()`` each time :func:`input_done` is called, while ``obj``
+    lives."""
+    _LISTENERS.add(obj)
+
+
+def input_done() -> None:
+    """B has run through a segment: every backward it began there is over but for W."""
+    for obj in list(_LISTENERS):
+        obj.after_input()
 
 
 @contextmanager

@@ -57,6 +57,8 @@ LAYOUTS = {
         "cp2 dp2 bf16 reduce": dict(cp=2, dp=2, precision="bf16",
                                     grad_reduce_dtype="bf16"),
         "dp4 zero3 hsdp2": dict(dp=4, zero=3, dp_shard=2),
+        # ZeRO-3 under a split backward: each unit freed after B (W reads no weight)
+        "pp2 dp2 zb-h1 zero3": dict(pp=2, dp=2, schedule="zb-h1", zero=3),
     },
 }
 # Also in bench/bench_memory.py's table, not in the suite (their terms are the layouts' above).
@@ -128,3 +130,50 @@ def test_the_memory_model_is_within_10_percent_of_the_measured_peak(measured):
     bad = [w for w in worst if w[0] > TOLERANCE]
     assert not bad, "; ".join(f"{n} rank {r}: model {m:.4f} GB, measured {p:.4f} GB ({e:.1%})"
                               for e, n, r, m, p in bad)
+
+
+def _units_live(rank, world):
+    """The most blocks whole at once on this rank during a ZB-H1 step under ZeRO-3, from the
+    optimizer's gather / free events."""
+    torch.set_num_threads(1)
+    cfg = TrainConfig(**{**BASE, "seq_len": 64, "pp": 2, "dp": 2,
+                         "schedule": "zb-h1", "zero": 3})
+    lay = cfg.check_layout(world)
+    mesh = fastpar.init(layout=lay)
+    M = cfg.num_microbatches(cfg.global_batch_size, lay.dp)
+    chunks = build_model(cfg, mesh, "meta")
+    ddp, opt = _wrap(cfg, chunks, mesh)
+    _fill(cfg, chunks, mesh, opt, None, None, None)
+    sched = build_schedule(cfg.schedule, lay.pp, M, cfg.virtual_stages)
+    pipe = PipelineExecutor(chunks, sched, mesh.pp_group, loss_fn=loss_fn(mesh.tp_group),
+                            stage_loss=True, activation=_activation(cfg, mesh, chunks, sched))
+    g = torch.Generator().manual_seed(0)
+    V, B = cfg.model_config.vocab_size, cfg.global_batch_size // lay.dp
+    x, y = (torch.randint(0, V, (B, cfg.seq_len), generator=g) for _ in range(2))
+    units = opt._units
+    ddp.events.enable()
+    for _ in range(2):
+        forward_backward(chunks, ddp, pipe, x, y, M, mesh)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    live, most, gathers = set(), 0, 0
+    for name, group, _ in ddp.events.take():
+        if group == units.root:
+            continue
+        if name == "gather":
+            live.add(group)
+            gathers += 1
+        elif name == "free":
+            live.discard(group)
+        most = max(most, len(live))
+    return most, gathers, len(units.groups) - (units.root is not None), M
+
+
+def test_zero3_frees_each_unit_after_b_under_a_split_backward():
+    """Under ZB-H1 a block's weights are freed once its B has run (W reads none): at most the
+    block computing and the one prefetched are whole, as the memory model counts
+    (``planner.ZERO3_GATHERED``), where before every block of the stage stayed whole from its
+    B to the end of the step. Each block is gathered twice per micro-batch (F, B)."""
+    for most, gathers, blocks, M in run_ranks(_units_live, 4, timeout=120):
+        assert blocks == 4
+        assert most <= 2 and gathers == 2 * 2 * M * blocks, (most, gathers, blocks, M)

@@ -41,6 +41,7 @@ import weakref
 import torch
 import torch.nn as nn
 
+from .. import split_backward
 from ..mesh.profiling import span
 
 
@@ -86,14 +87,20 @@ class UnitGather:
         self.arrived = [0] * len(self.groups)
         self.gathers = 0                             # all-gathers started (for tests, stats)
         self.hold = False            # everything gathered and kept: the hooks do nothing
+        self.split = False           # a split backward's B ran this step: units freed after B
         self._hooks = []
+        modules = list(model.module.modules())
+        unit_ids = {id(u) for u in units}
+        first_unit = next((i for i, m in enumerate(modules) if id(m) in unit_ids), len(modules))
         for g, key in enumerate(keys):
             if key is None:           # the root: the modules that hold its parameters directly
                 mine = {id(p) for b in self.groups[g] for p in reducer.buckets[b].params}
-                for m in model.module.modules():
+                for i, m in enumerate(modules):
                     if any(id(p) in mine for p in m.parameters(recurse=False)):
+                        # Only a root module before the units (an embedding) prefetches the
+                        # first unit; one after them (a head) has nothing left to prefetch.
                         self._hooks.append(m.register_forward_pre_hook(
-                            _weak(self, "_pre_forward", g)))
+                            _weak(self, "_pre_forward_root", g, i < first_unit)))
                 continue
             unit = units[key]
             self._hooks.append(unit.register_forward_pre_hook(_weak(self, "_pre_forward", g)))
@@ -105,6 +112,7 @@ class UnitGather:
         # Storage held (gathered or in flight) per bucket: built whole, freed right here.
         self.live = [True] * len(reducer.buckets)
         self.reshard_all()
+        split_backward.listen(self)
 
     # -- the buffers ---------------------------------------------------------------------------
     def unshard(self, g: int) -> None:
@@ -140,6 +148,7 @@ class UnitGather:
         for g in range(len(self.groups)):
             self.reshard(g)
             self.in_backward[g], self.arrived[g] = False, 0
+        self.split = False
 
     def unshard_all(self) -> None:
         for g in range(len(self.groups)):
@@ -150,18 +159,22 @@ class UnitGather:
     def _pre_forward(self, g, _module, _args):
         self.before_forward(g)
 
+    def _pre_forward_root(self, g, before_units, _module, _args):
+        self.before_forward(g, prefetch=before_units)
+
     def _post_forward(self, g, _module, _args, out):
         self.after_forward(g, out)
 
     def _pre_backward(self, g, _grad):
         self.before_backward(g)
 
-    def before_forward(self, g: int) -> None:
+    def before_forward(self, g: int, prefetch: bool = True) -> None:
         # (a recomputed forward inside backward: gathered already)
         if self.hold or self.in_backward[g]:
             return
-        # The root's later users (the head after the last unit) prefetch nothing.
-        ahead = self.prefetch if g != self.root or not self._is_live(g) else 0
+        # The root prefetches the first unit at its first use only, and only from a module
+        # that runs before the units.
+        ahead = self.prefetch if prefetch and (g != self.root or not self._is_live(g)) else 0
         with span("zero-3 gather for forward of unit", g):
             self.unshard(g)
             for nxt in range(g + 1, min(g + 1 + ahead, len(self.groups))):
@@ -192,7 +205,25 @@ class UnitGather:
                     self.unshard(prev)
             self.wait(g)
 
+    def after_input(self) -> None:
+        """A split backward's B has run through a layer (:mod:`fastpar.split_backward`): the
+        units whose backward it began are done with their weights, since W reads none (each
+        deferred module's weight gradient is its output gradient against its saved input), so
+        they are freed now rather than at their last gradient, which W brings later."""
+        if self.hold:
+            return
+        self.split = True
+        for g in range(len(self.groups)):
+            if self.in_backward[g] and g != self.root:
+                self.in_backward[g], self.arrived[g] = False, 0
+                if self.reshard_after_forward or self.reducer.sync:
+                    self.reshard(g)
+
     def _on_grad(self, p: nn.Parameter) -> None:
+        if self.split:      # W's gradients: the unit was freed after its B
+            if self.reducer.sync and self.reducer.overlap:
+                self.reducer._launch_ready()
+            return
         g = self.group_of[id(p)]
         self.arrived[g] += 1
         if self.arrived[g] < self.sizes[g]:

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import get_gradient_edge
 
-from ..split_backward import backward_phase
+from ..split_backward import backward_phase, input_done
 
 
 def _own(module: nn.Module) -> list[nn.Parameter]:
@@ -117,6 +117,7 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
                 grad = torch.zeros_like(top)
             grads = torch.autograd.grad(top, inputs, grad_outputs=grad, retain_graph=True,
                                         allow_unused=True) if inputs else ()
+            input_done()                # (ZeRO-3 frees the layer's weights: W reads none)
             grad = grads[0] if xs else None
             n = len(xs)
             # W starts from each output's place in the graph, not the tensor: an output no
