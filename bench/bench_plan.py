@@ -49,7 +49,9 @@ training step measured on this machine.
    since 2026-12-03). ``--set holdout2``: the ``HOLDOUT2`` cases, fixed on 2026-12-03 after
    that day's changes, with the spread of each case's predictions and, per workload, whether
    the layout predicted fastest is the one measured fastest (in sample since the split
-   backward's calls were modelled). ``--set holdout3``: the ``HOLDOUT3`` cases, the same way.
+   backward's calls were modelled). ``--set holdout3``: the ``HOLDOUT3`` cases, the same way
+   (in sample since); ``--set holdout4``: the ``HOLDOUT4`` cases (tp2 with interleaved
+   micro-batches among them), the same way.
 """
 from __future__ import annotations
 
@@ -214,7 +216,31 @@ HOLDOUT3 = [
     ("tiny-s192", dict(tp=1, pp=2, dp=1, schedule="zb-h1")),
     ("tiny-s192", dict(tp=1, pp=4, dp=1, schedule="1f1b")),
 ]
-RUNS = {**CPU_RUNS, **HOLDOUT_RUNS, **HOLDOUT2_RUNS, **HOLDOUT3_RUNS}
+# Fourth out-of-sample set (--set holdout4). Fixed on 2026-12-03 (night) before any of these
+# cases was run or predicted, with the model as of the interleaved micro-batches' term (a layer's
+# forward all-reduces hidden behind the other micro-batches' forward; written from the
+# mechanism, never compared with a planner run); every case above is in sample, and this
+# machine (an AMD EPYC VM) is not the one they ran on. Two workloads no earlier run used: small
+# at sequence 160 in 4 micro-batches of 2, tiny at sequence 96 in 4 micro-batches of 4. Per
+# workload every 2-rank layout, tp2 with and without --interleave 2 among them, and one 4-rank
+# layout. The same targets as HOLDOUT2, all reported, none dropped or rerun alone.
+HOLDOUT4_RUNS = {"small-s160": ("small", 160, 8, 2), "tiny-s96": ("tiny", 96, 16, 4)}
+HOLDOUT4 = [
+    ("small-s160", dict(tp=1, pp=1, dp=2)),
+    ("small-s160", dict(tp=2, pp=1, dp=1)),
+    ("small-s160", dict(tp=2, pp=1, dp=1, interleave=2)),
+    ("small-s160", dict(tp=1, pp=2, dp=1, schedule="1f1b")),
+    ("small-s160", dict(tp=1, pp=2, dp=1, schedule="zb-h1")),
+    ("small-s160", dict(tp=2, pp=1, dp=2, interleave=2)),
+    ("tiny-s96", dict(tp=1, pp=1, dp=2)),
+    ("tiny-s96", dict(tp=2, pp=1, dp=1)),
+    ("tiny-s96", dict(tp=2, pp=1, dp=1, interleave=2)),
+    ("tiny-s96", dict(tp=1, pp=2, dp=1, schedule="1f1b")),
+    ("tiny-s96", dict(tp=1, pp=2, dp=1, schedule="zb-h1")),
+    ("tiny-s96", dict(tp=2, pp=2, dp=1, schedule="1f1b")),
+]
+RUNS = {**CPU_RUNS, **HOLDOUT_RUNS, **HOLDOUT2_RUNS, **HOLDOUT3_RUNS, **HOLDOUT4_RUNS}
+HOLDOUTS = {"holdout2": HOLDOUT2, "holdout3": HOLDOUT3, "holdout4": HOLDOUT4}
 
 
 def _rank(rank, world, layout, steps, out, run):
@@ -268,6 +294,8 @@ def layout_name(layout: dict) -> str:
     name = f"tp{layout['tp']} pp{layout['pp']} dp{layout['dp']}"
     if layout["pp"] > 1:
         name += f" {layout.get('schedule', '1f1b')}"
+    if layout.get("interleave", 1) > 1:
+        name += f" il{layout['interleave']}"
     return name + (f" v{layout['virtual_stages']}" if layout.get("virtual_stages", 1) > 1 else "")
 
 
@@ -312,12 +340,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--repeats", type=int, default=3, help="CPU runs per layout (median)")
     p.add_argument("--models", default="tiny,small", help="CPU runs: " + ",".join(CPU_RUNS))
-    p.add_argument("--set", choices=("dev", "holdout", "holdout2", "holdout3"), default="dev",
+    p.add_argument("--set", choices=("dev", "holdout", *HOLDOUTS), default="dev",
                    help="dev: the published rows and the CPU runs of --models (used while the "
                         "cost model was built); holdout: the CPU cases HOLDOUT (out of sample "
                         "on 2026-12-01, in sample since); holdout2: the CPU cases HOLDOUT2 "
                         "(in sample since the split backward's calls were modelled); holdout3: "
-                        "the CPU cases HOLDOUT3, fixed before their first run")
+                        "the CPU cases HOLDOUT3 (in sample since ZB-H1's row weight GEMMs moved "
+                        "to B); holdout4: the CPU cases HOLDOUT4, fixed before their first run")
     p.add_argument("--sensitivity", action="store_true",
                    help="only print how the published rows' predictions move with "
                         "matmul_efficiency and link bandwidth (arithmetic, no runs)")
@@ -331,8 +360,8 @@ def main() -> None:
         rows = cpu(args.steps, HOLDOUT, args.repeats)
         common.report("plan_holdout", rows, list(rows[0]))
         return
-    if args.set in ("holdout2", "holdout3"):
-        rows = cpu(args.steps, HOLDOUT2 if args.set == "holdout2" else HOLDOUT3, args.repeats)
+    if args.set in HOLDOUTS:
+        rows = cpu(args.steps, HOLDOUTS[args.set], args.repeats)
         common.report(f"plan_{args.set}", rows, list(rows[0]))
         picks = fastest(rows)
         common.report(f"plan_{args.set}_fastest", picks, list(picks[0]))
