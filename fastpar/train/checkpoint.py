@@ -276,8 +276,43 @@ def _read_full(path: Path, index: dict, name: str, shape, verify: Verifier) -> t
 
 
 def _read_slice(path, index, name, shape, dim, start, stop, verify) -> torch.Tensor:
-    full = _read_full(path, index, name, shape, verify)
-    return full if dim is None else full.narrow(dim, start, stop - start).contiguous()
+    """Rows ``start:stop`` along ``dim`` of the global tensor ``name`` (all of it when ``dim``
+    is None), read from the files that hold it: of each, only the part that overlaps (a lazy
+    safetensors slice), so a rank never builds a whole tensor it holds a shard of."""
+    if dim is None:
+        return _read_full(path, index, name, shape, verify)
+    out, covered = None, 0
+    for idx_file, entries in index.items():
+        entry = entries.get(name)
+        if entry is None:
+            continue
+        if list(entry["shape"]) != list(shape):
+            raise ValueError(f"checkpoint {path}: {name} has shape {entry['shape']}, the model "
+                             f"{list(shape)}: a checkpoint of another model shape")
+        if entry["dim"] not in (None, dim):         # sharded along another dim: assemble
+            return _read_full(path, index, name, shape, verify).narrow(
+                dim, start, stop - start).contiguous()
+        first, last = (0, shape[dim]) if entry["dim"] is None else \
+            (entry["start"], entry["stop"])
+        lo, hi = max(start, first), min(stop, last)
+        if lo >= hi:
+            continue
+        tensors = _tensors_file(idx_file)
+        with _open(path, tensors, verify) as st:
+            if name not in st.keys():
+                raise CheckpointError(f"checkpoint {path}: {tensors} lacks {name!r}, which its "
+                                      f"index lists")
+            piece = st.get_slice(name)[(slice(None),) * dim + (slice(lo - first, hi - first),)]
+        if hi - lo == stop - start:
+            return piece
+        if out is None:
+            out = torch.empty(list(shape[:dim]) + [stop - start] + list(shape[dim + 1:]),
+                              dtype=piece.dtype)
+        out.narrow(dim, lo - start, hi - lo).copy_(piece)
+        covered += hi - lo
+        if covered == stop - start:
+            return out
+    raise ValueError(f"checkpoint {path} does not hold all of {name!r}")
 
 
 def weight_filler(path, modules, mesh):
