@@ -85,9 +85,14 @@ def _one_launch_per_group(rank, world):
             opts[name].zero_grad()
     for o in opts.values():
         o.finish_param_sync()
-    # Weights and moments equal torch's fused AdamW on the plain model, bit for bit.
-    same = {name: all(torch.equal(p, q) for p, q in zip(plain.parameters(), m.parameters()))
+    # Weights and moments equal torch's fused AdamW on the plain model: to rounding for the
+    # sharded ones (a flat shard and a parameter split the CPU kernel's vector body and scalar
+    # tail at other elements, which rounds differently on some CPUs; bit for bit on others).
+    same = {name: all(torch.allclose(p, q, rtol=1e-6, atol=1e-9)
+                      for p, q in zip(plain.parameters(), m.parameters()))
             for name, m in models.items()}
+    same["unsharded bits"] = all(torch.equal(p, q) for p, q in
+                                 zip(plain.parameters(), models["unsharded"].parameters()))
     moments = all(torch.equal(ref.state[p]["exp_avg"], opts["unsharded"].state[q]["exp_avg"])
                   for p, q in zip(plain.parameters(), models["unsharded"].parameters()))
     return {"buckets": buckets, "launches": launches, "same": same, "moments": moments,
@@ -105,7 +110,8 @@ def test_one_fused_adamw_launch_per_param_group_per_step():
             (rank, launches)
         # Stepping bucket by bucket (overlap_step, the opt-in exception) launches per bucket.
         assert all(n >= r["buckets"] for n in launches["per bucket"]), (rank, launches)
-        assert r["same"] == {"sharded": True, "unsharded": True, "per bucket": True}, r["same"]
+        assert r["same"] == {"sharded": True, "unsharded": True, "per bucket": True,
+                             "unsharded bits": True}, r["same"]
         assert r["moments"]
 
 

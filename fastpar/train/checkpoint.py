@@ -302,7 +302,7 @@ def _read_slice(path, index, name, shape, dim, start, stop, verify) -> torch.Ten
             if name not in st.keys():
                 raise CheckpointError(f"checkpoint {path}: {tensors} lacks {name!r}, which its "
                                       f"index lists")
-            piece = st.get_slice(name)[(slice(None),) * dim + (slice(lo - first, hi - first),)]
+            piece = _rows(st.get_slice(name), shape, dim, lo - first, hi - first)
         if hi - lo == stop - start:
             return piece
         if out is None:
@@ -313,6 +313,25 @@ def _read_slice(path, index, name, shape, dim, start, stop, verify) -> torch.Ten
         if covered == stop - start:
             return out
     raise ValueError(f"checkpoint {path} does not hold all of {name!r}")
+
+
+# A slice along a dim other than the first is read this many bytes of whole rows at a time.
+_BLOCK_BYTES = 16 << 20
+
+
+def _rows(sl, shape, dim: int, a: int, b: int) -> torch.Tensor:
+    """``[a, b)`` along ``dim`` of a lazy safetensors slice, contiguous and owning its memory.
+    Along dim 0 that is one read of those rows; along a later dim safetensors reads the whole
+    span of the rows it covers, so the rows are read a block at a time (at most
+    :data:`_BLOCK_BYTES` of them), each cut down before the next is read."""
+    cut = (slice(None),) * dim + (slice(a, b),)
+    if dim == 0:
+        return sl[cut].contiguous()
+    row_bytes = max(1, math.prod(shape[1:])) * _DTYPE_BYTES.get(sl.get_dtype(), 4)
+    step = max(1, _BLOCK_BYTES // row_bytes)
+    parts = [sl[(slice(r, min(r + step, shape[0])),) + cut[1:]].contiguous()
+             for r in range(0, shape[0], step)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def weight_filler(path, modules, mesh):
