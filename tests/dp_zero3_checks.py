@@ -5,10 +5,12 @@ progress while a unit computes.
 Run inside the ranks of tests/test_dp_data_parallel.py (one spawn per world size).
 """
 import gc
+import json
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -309,10 +311,12 @@ def _zero3_meta_build(rank, world):
 
 
 def _zero3_save_gathers_nothing(rank, world):
-    """A checkpoint of a ZeRO-3 model saves the fp32 masters, gathered to dp rank 0 bucket by
-    bucket: no unit is ever gathered whole for it (the model is never whole on any rank), and
-    what rank 0 writes is the trained model."""
+    """A checkpoint of a ZeRO-3 model is each rank's own shard of the fp32 masters, written by
+    that rank: no collective runs for it, no unit is gathered (the model is never whole on any
+    rank), and together the ranks' flat pieces are the trained model."""
     from types import SimpleNamespace
+
+    from wire import WireRecorder
 
     from fastpar.train.checkpoint import snapshot
 
@@ -323,17 +327,24 @@ def _zero3_save_gathers_nothing(rank, world):
     inner = units.unshard
     units.unshard = lambda g: (seen.append(g), inner(g))
     mesh = SimpleNamespace(rank=rank, tp_size=1, tp_rank=0, pp_rank=0, replica_rank=rank)
-    files = snapshot([model.module], opt, mesh, copy=True)
+    with WireRecorder() as wire:
+        files = snapshot([model.module], opt, mesh, copy=True)
     units.unshard = inner
-    assert not seen and units.gathers == before, seen
+    assert not seen and units.gathers == before and not wire.records, (seen, wire.records)
     assert all(t.untyped_storage().nbytes() == 0 for t in opt._full)
+    saved = files[f"model_tp0_pp0_dp{rank}.safetensors"]
+    index = json.loads(files[f"index_tp0_pp0_dp{rank}.json"])
+    held = torch.zeros(1)
     with opt.gathered():
-        if rank == 0:
-            saved = files["model_tp0_pp0.safetensors"]
-            for n, p in model.module.named_parameters():
-                assert torch.equal(saved[n], p), n
-        else:
-            assert "model_tp0_pp0.safetensors" not in files
+        for n, p in model.module.named_parameters():
+            if n in index:
+                a, b = index[n]["flat"]
+                assert torch.equal(saved[n], p.detach().reshape(-1)[a:b]), n
+                assert torch.equal(saved[f"optim.exp_avg.{n}"], opt.optimizer.state[
+                    opt._by_param[id(p)]]["exp_avg"]), n
+                held += b - a
+    dist.all_reduce(held)
+    assert held.item() == sum(p.numel() for p in model.module.parameters())
 
 
 def zero3_checks(rank, world):

@@ -27,7 +27,7 @@ _C10D = {"allreduce_": ("all_reduce", 0), "_allgather_base_": ("all_gather", 0),
          "allgather_": ("all_gather", 0), "allgather_into_tensor_coalesced_": ("all_gather", 0),
          "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
          "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
-         "broadcast_": ("broadcast", 0), "alltoall_base_": ("all_to_all", 1),
+         "broadcast_": ("broadcast", 0), "gather_": ("gather", 1), "alltoall_base_": ("all_to_all", 1),
          "send": ("send", 0), "recv_": ("recv", 0)}
 
 

@@ -45,7 +45,10 @@ this is Megatron's mixed precision without ZeRO: bf16 parameters (2 bytes each),
 gradients (4), fp32 master weights (4) and Adam's two fp32 moments (8), 18 bytes per parameter;
 with ``shard=True`` the last 12 are divided by dp. The masters of an unsharded optimizer are
 shaped like their parameters, and ``state`` / ``master_of`` look them up by model parameter, so
-checkpoints store the fp32 masters and their moments per parameter, loadable into any layout.
+checkpoints store the fp32 masters and their moments per parameter. A sharded optimizer's
+checkpoint is its shards as they are: each rank saves its pieces (``shard_pieces``) and loads
+the flat ranges of each parameter its new shard covers (``load_state_shards``), from a
+checkpoint of any layout and ZeRO stage.
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ from ..mesh import collectives
 from ..mesh.profiling import span
 from .comm import CommStream, all_gather_async
 from .data_parallel import DataParallel
-from .zero_state import StateByParam, WholeState, group_index, group_options
+from .zero_state import StateByParam, group_index, group_options
 
 _LOW = (torch.float16, torch.bfloat16)
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -168,6 +171,7 @@ class DistributedOptimizer:
             self._master[pc.bucket][pc.lo:pc.hi]) for pc in self._pieces]
         self._by_param = {id(self._reducer.params[pc.param]): sp
                           for pc, sp in zip(self._pieces, self._shard_params)}
+        self._held = {id(p) for p in self._reducer.params}
         groups = [{**opts, "params": []} for opts in group_options(param_groups)]
         for pc, sp in zip(self._pieces, self._shard_params):
             groups[group_of[pc.param]]["params"].append(sp)
@@ -548,81 +552,55 @@ class DistributedOptimizer:
         self._launch_gathers()
         self.finish_param_sync()
 
-    @torch.no_grad()
-    def whole_state(self) -> WholeState | None:
-        """Every parameter's fp32 master and optimizer state, whole and shaped like it, on the
-        CPU (what a checkpoint saves per parameter, loadable into any layout and ZeRO stage).
-        Sharded, each bucket's master and moment shards are gathered to dp rank 0, bucket by
-        bucket (the device holds one bucket's at a time): every rank of the dp group calls it,
-        and the others get None."""
-        self.finish_param_sync()
-        root = not self.shard or self._rank == 0
-        out = WholeState()
-        steps: dict[int, float] = {}
-        for pc, sp in zip(self._pieces, self._shard_params):
-            st = self.optimizer.state.get(sp, {})
-            if "step" in st:
-                steps[pc.param] = float(torch.as_tensor(st["step"]))
-        if self.shard and self._world > 1:
-            every: list = [None] * self._world
-            dist.all_gather_object(every, steps, group=self.model.dp_group)
-            steps = {i: max(d[i] for d in every if i in d) for d in every for i in d}
-        for b, bucket in enumerate(self._reducer.buckets):
-            spec, master = bucket.spec, self._master[b]
-            mine = [(pc, sp) for pc, sp in zip(self._pieces, self._shard_params)
-                    if pc.bucket == b]
-            flats = {"master": master.float()}
-            for key in _MOMENTS:
-                flat = torch.zeros(master.numel(), dtype=torch.float32, device=master.device)
-                for pc, sp in mine:
-                    st = self.optimizer.state.get(sp, {})
-                    if key in st:
-                        flat[pc.lo:pc.hi] = st[key].reshape(-1)
-                flats[key] = flat
-            if self.shard and self._world > 1:
-                group = self.model.dp_group
-                for key, flat in flats.items():
-                    whole = flat.new_empty(spec.padded_numel) if root else None
-                    dist.gather(flat.contiguous(), list(whole.chunk(self._world)) if root
-                                else None, dst=dist.get_global_rank(group, 0), group=group)
-                    flats[key] = whole
-            if not root:
-                continue
-            flats = {key: flat.cpu() for key, flat in flats.items()}
-            for k, (i, off, n) in enumerate(zip(spec.indices, spec.offsets, spec.numels)):
-                p = self._reducer.params[i]
-                out.masters[p] = flats["master"][off:off + n].view(p.shape)
-                if i in steps:
-                    out.state[p] = {key: flats[key][off:off + n].view(p.shape)
-                                    for key in _MOMENTS}
-                    out.state[p]["step"] = torch.tensor(steps[i])
-        return out if root else None
+    @property
+    def saves_shards(self) -> bool:
+        """Whether this rank writes its shard to a checkpoint: under HSDP only the first
+        replica's shard group does (the others hold the same shards)."""
+        group = self.model.replicate_group
+        return group is None or dist.get_rank(group) == 0
+
+    def holds(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s master (and optimizer state) is this optimizer's."""
+        return id(p) in self._held
 
     @torch.no_grad()
-    def load_whole_state(self, whole: WholeState, gather: bool = True) -> None:
-        """Load :meth:`whole_state`'s kind of state (from a checkpoint of any layout and ZeRO
-        stage; the parameters it holds, any subset): this rank's slice of each master and
-        moment, then (``gather``) the parameters gathered."""
-        by_index = {id(p): i for i, p in enumerate(self._reducer.params)}
-        masters = {by_index[id(p)]: m for p, m in whole.masters.items() if id(p) in by_index}
-        states = {by_index[id(p)]: st for p, st in whole.state.items() if id(p) in by_index}
+    def shard_pieces(self):
+        """This rank's shard, piece by piece, as a checkpoint saves it: ``(param, start,
+        tensors)``, ``tensors`` holding the fp32 ``master`` of the elements ``start`` on of
+        ``param``'s flattened value (1-D, a view: copy it before training on) and, once the
+        optimizer has stepped it, its ``exp_avg``, ``exp_avg_sq`` and ``step``. Every dp rank
+        holds its own pieces: nothing is gathered."""
+        self.finish_param_sync()
+        for pc, sp in zip(self._pieces, self._shard_params):
+            out = {"master": self._master[pc.bucket][pc.lo:pc.hi]}
+            st = self.optimizer.state.get(sp, {})
+            if all(k in st for k in _MOMENTS):
+                out.update({k: st[k].reshape(-1) for k in _MOMENTS})
+                out["step"] = torch.as_tensor(st["step"]).reshape(()).float().cpu()
+            yield self._reducer.params[pc.param], pc.start, out
+
+    @torch.no_grad()
+    def load_state_shards(self, read) -> None:
+        """Fill this rank's masters and optimizer state from ``read(param, start, count,
+        key)``: for ``key`` "master", "exp_avg" and "exp_avg_sq" the ``count`` elements from
+        ``start`` of ``param``'s flattened value (None: no state saved), for "step" a scalar.
+        Only this rank's shard is asked for (from a checkpoint of any layout and ZeRO stage),
+        then the parameters are gathered from the masters."""
+        self.finish_param_sync()
         placed = StateByParam(self)
         for pc, sp in zip(self._pieces, self._shard_params):
-            lo, n = pc.start, pc.hi - pc.lo
-            m = masters.get(pc.param)
-            if m is not None:
-                self._master[pc.bucket][pc.lo:pc.hi].copy_(m.reshape(-1)[lo:lo + n])
-            st = states.get(pc.param)
-            if st and all(k in st for k in _MOMENTS):
-                target = placed._wrap(sp)
-                for key in _MOMENTS:
-                    target[key] = st[key].reshape(-1)[lo:lo + n].to(sp.device, sp.dtype) \
-                        .reshape(sp.shape).clone()
-                target["step"] = torch.as_tensor(st["step"]).reshape(()).clone()
-        self._uninitialized = self._uninitialized and not masters
-        if gather:
-            self._launch_gathers()
-            self.finish_param_sync()
+            p, n = self._reducer.params[pc.param], pc.hi - pc.lo
+            self._master[pc.bucket][pc.lo:pc.hi].copy_(read(p, pc.start, n, "master"))
+            moments = {k: read(p, pc.start, n, k) for k in _MOMENTS}
+            if any(v is None for v in moments.values()):
+                continue
+            target = placed._wrap(sp)
+            for key, v in moments.items():
+                target[key] = v.to(sp.device, sp.dtype).reshape(sp.shape).clone()
+            target["step"] = torch.as_tensor(read(p, pc.start, n, "step")).reshape(()).clone()
+        self._uninitialized = False
+        self._launch_gathers()
+        self.finish_param_sync()
 
     @property
     def param_groups(self):

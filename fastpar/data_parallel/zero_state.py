@@ -57,34 +57,6 @@ class _PlacedState(MutableMapping):
         return len(self._state)
 
 
-class WholeState:
-    """Every parameter's fp32 master and optimizer state, shaped like the parameter: what a
-    checkpoint stores per parameter whatever the layout and ZeRO stage that wrote it. Built by
-    :meth:`DistributedOptimizer.whole_state` (gathered over the dp group), or empty as a place
-    to load into (``master_of`` makes a zeroed CPU master on first use), then handed to
-    :meth:`DistributedOptimizer.load_whole_state`. ``state[p]`` is a dict of ``exp_avg``,
-    ``exp_avg_sq`` and ``step``, as torch's ``optimizer.state[p]``."""
-
-    shard = False                   # per parameter, as an unsharded optimizer's
-
-    def __init__(self):
-        self.state: dict = _StateDict()
-        self.masters: dict = {}
-
-    def master_of(self, p: torch.Tensor) -> torch.Tensor:
-        if p not in self.masters:
-            self.masters[p] = torch.zeros_like(p, dtype=torch.float32, device="cpu")
-        return self.masters[p]
-
-
-class _StateDict(dict):
-    """``state[p]`` creates an empty dict on first use, as torch's ``optimizer.state`` does."""
-
-    def __missing__(self, key):
-        self[key] = {}
-        return self[key]
-
-
 def group_options(param_groups) -> list[dict]:
     opts = [{k: v for k, v in g.items() if k != "params"} for g in (param_groups or [])]
     return opts + [{}]

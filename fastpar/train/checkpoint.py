@@ -1,15 +1,19 @@
-"""Sharded checkpoints that load into any (tp, pp, dp) layout.
+"""Sharded checkpoints that load into any (tp, pp, dp) layout and ZeRO stage.
 
 ``OUT/checkpoints/step_N/`` holds one safetensors file per (tp, pp) shard, written in parallel by
 the first data-parallel replica, plus ``index_tp{t}_pp{p}.json`` saying for each tensor its global
 shape and which slice the file holds, ``rng_rank{r}.safetensors`` per rank, and ``manifest.json``
-(step, data position, configuration, layout, and the size and sha256 of every file). Everything
+(step, data position, configuration, layout, and the size and sha256 of every file). Under a
+sharded (ZeRO) optimizer each dp rank of the first replica writes its own shard instead,
+``model_tp{t}_pp{p}_dp{d}.safetensors``: the fp32 masters and moments of the flat range of each
+parameter it holds, which its index entry's ``flat`` names. Nothing is gathered to save. Everything
 is written into ``step_N.tmp-*`` and renamed when complete (see :mod:`.checkpoint_writer`), so a
 crash never leaves a broken latest checkpoint and a partial one is ignored. Loading checks each
 file against the manifest before reading it (a truncated or corrupt file is one clear
-:class:`CheckpointError` naming it), then reads, for each local tensor, the overlapping slices of
-whatever files hold it: a checkpoint saved with one layout loads into another. Only tensors are
-read back (safetensors, JSON), never pickled objects.
+:class:`CheckpointError` naming it), then reads, for each local tensor, only the parts of
+whatever files overlap it (lazy safetensors slices; a ZeRO rank only its shard's flat range): a
+checkpoint saved with one layout loads into another. Only tensors are read back (safetensors,
+JSON), never pickled objects.
 """
 from __future__ import annotations
 
@@ -24,7 +28,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..data_parallel.zero_state import WholeState
 from ..models.config import GPTConfig
 from ..tensor_parallel.sharding import shard_specs
 
@@ -33,8 +36,7 @@ _OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
 
 def per_param(optimizer):
     """The optimizer whose state is saved and loaded per parameter as it is, or None: a sharded
-    (ZeRO) optimizer's goes through its :meth:`~fastpar.data_parallel.DistributedOptimizer.
-    whole_state` (gathered over the dp group), so that it too loads into any layout."""
+    (ZeRO) optimizer's is saved and loaded as each rank's flat shard (see the module doc)."""
     return None if optimizer is None or getattr(optimizer, "shard", False) else optimizer
 
 
@@ -59,7 +61,7 @@ def snapshot(modules, optimizer, mesh, rank_tensors: dict | None = None,
         # A view (one part of a fused parameter) is copied: safetensors stores no shared memory.
         return t.detach().to("cpu", copy=copy or t._base is not None).contiguous()
 
-    # A sharded (ZeRO) optimizer's masters are what is saved, gathered bucket by bucket: the
+    # A sharded (ZeRO) optimizer's masters are what is saved, each rank its own shard: the
     # parameters need not be whole (at ZeRO-3 no rank ever holds the whole model).
     sharded = getattr(optimizer, "shard", False)
     with contextlib.nullcontext() if sharded else \
@@ -69,36 +71,73 @@ def snapshot(modules, optimizer, mesh, rank_tensors: dict | None = None,
 
 def _snapshot(modules, optimizer, mesh, rank_tensors, cpu) -> dict[str, dict | str]:
     rank = mesh.rank if mesh is not None else 0
-    tp, pp = (mesh.tp_rank, mesh.pp_rank) if mesh else (0, 0)
-    if optimizer is not None and per_param(optimizer) is None:
-        optimizer = optimizer.whole_state()       # every dp rank takes part in the gather
-        # (under HSDP the first rank of every shard group gets it; replica 0 saves)
-        if optimizer is None and (mesh is None or mesh.replica_rank == 0):
-            raise RuntimeError("the ZeRO optimizer's state gathers to dp rank 0, which is not "
-                               "the replica that saves this model shard")
+    tp, pp = _coords(mesh)
+    specs = shard_specs(modules, mesh.tp_size if mesh else 1, tp)
     files: dict[str, dict | str] = {}
-    if mesh is None or mesh.replica_rank == 0:      # one copy of each (tp, pp) shard writes it
+    zero = optimizer if optimizer is not None and per_param(optimizer) is None else None
+    if zero is not None and zero.saves_shards:   # (HSDP: the first replica's shard group)
+        d = zero.model.dp_rank
+        tensors, index = _shard_tensors(specs, zero, cpu, others=d == 0)
+        files[f"model_tp{tp}_pp{pp}_dp{d}.safetensors"] = tensors
+        files[f"index_tp{tp}_pp{pp}_dp{d}.json"] = json.dumps(index)
+    elif zero is None and (mesh is None or mesh.replica_rank == 0):  # one copy of each shard
         tensors, index = {}, {}
-        for name, (t, shape, dim, start, stop, p, rows) in shard_specs(
-                modules, mesh.tp_size if mesh else 1, tp).items():
-            state, master = _state_of(optimizer, p, rows)
-            tensors[name] = cpu(t if master is None else master)
-            index[name] = {"shape": shape, "dim": dim, "start": start, "stop": stop}
-            for key in _OPTIM_KEYS:
-                if key in state:
-                    st = state[key] if rows is None else state[key].narrow(0, *rows)
-                    tensors[f"optim.{key}.{name}"] = cpu(st)
-                    index[f"optim.{key}.{name}"] = index[name]
-            if "step" in state:
-                tensors[f"optim.step.{name}"] = \
-                    torch.as_tensor(state["step"]).reshape(1).float().clone()
-                index[f"optim.step.{name}"] = {"shape": [1], "dim": None, "start": 0, "stop": 0}
+        for name, (t, shape, dim, start, stop, p, rows) in specs.items():
+            _whole_tensors(tensors, index, name, t, shape, dim, start, stop, optimizer, p, rows,
+                           cpu)
         files[f"model_tp{tp}_pp{pp}.safetensors"] = tensors
         files[f"index_tp{tp}_pp{pp}.json"] = json.dumps(index)
     files[f"rng_rank{rank}.safetensors"] = {"cpu": torch.get_rng_state()}
     if rank_tensors:
         files[f"rank{rank}.safetensors"] = {k: cpu(v) for k, v in rank_tensors.items()}
     return files
+
+
+def _whole_tensors(tensors, index, name, t, shape, dim, start, stop, optimizer, p, rows, cpu):
+    """``name``'s slice (its fp32 master where there is one) and its optimizer state."""
+    state, master = _state_of(optimizer, p, rows)
+    tensors[name] = cpu(t if master is None else master)
+    index[name] = {"shape": shape, "dim": dim, "start": start, "stop": stop}
+    for key in _OPTIM_KEYS:
+        if key in state:
+            st = state[key] if rows is None else state[key].narrow(0, *rows)
+            tensors[f"optim.{key}.{name}"] = cpu(st)
+            index[f"optim.{key}.{name}"] = index[name]
+    if "step" in state:
+        _step(tensors, index, name, state["step"])
+
+
+def _step(tensors, index, name, step) -> None:
+    tensors[f"optim.step.{name}"] = torch.as_tensor(step).reshape(1).float().cpu().clone()
+    index[f"optim.step.{name}"] = {"shape": [1], "dim": None, "start": 0, "stop": 0}
+
+
+def _shard_tensors(specs, zero, cpu, others: bool):
+    """A sharded optimizer's files on this rank: the flat pieces of its shard (masters,
+    moments, steps), each entry's ``flat`` saying which elements of the slice it holds;
+    ``others``: also the tensors the optimizer does not hold (frozen), whole."""
+    tensors, index = {}, {}
+    parts = _parts(specs)
+    for p, start, held in zero.shard_pieces():
+        end = start + held["master"].numel()
+        for name, shape, dim, lo, hi, first, last in parts.get(id(p), ()):
+            a, b = max(start, first), min(end, last)
+            if a >= b:
+                continue
+            entry = {"shape": shape, "dim": dim, "start": lo, "stop": hi,
+                     "flat": [a - first, b - first]}
+            for key in ("master",) + _OPTIM_KEYS:
+                if key in held:
+                    full = name if key == "master" else f"optim.{key}.{name}"
+                    tensors[full] = cpu(held[key][a - start:b - start])
+                    index[full] = entry
+            if "step" in held:
+                _step(tensors, index, name, held["step"])
+    if others:
+        for name, (t, shape, dim, lo, hi, p, rows) in specs.items():
+            if not zero.holds(p):
+                _whole_tensors(tensors, index, name, t, shape, dim, lo, hi, None, p, rows, cpu)
+    return tensors, index
 
 
 def file_digest(path: Path) -> dict:
@@ -229,8 +268,11 @@ class _open:
 
 
 def _tensors_file(index_file: Path) -> str:
-    """The safetensors file whose tensors ``index_tp{t}_pp{p}.json`` describes."""
+    """The safetensors file whose tensors ``index_tp{t}_pp{p}[_dp{d}].json`` describes."""
     return index_file.name.replace("index_", "model_").replace(".json", ".safetensors")
+
+
+_INDEX = re.compile(r"index_tp(\d+)_pp(\d+)(?:_dp(\d+))?\.json")
 
 
 def _read_indexes(path: Path, verify: Verifier) -> dict[Path, dict]:
@@ -248,160 +290,262 @@ def _read_indexes(path: Path, verify: Verifier) -> dict[Path, dict]:
     return index
 
 
-def _read_full(path: Path, index: dict, name: str, shape, verify: Verifier) -> torch.Tensor:
-    """The whole global tensor ``name``, assembled from the files that hold its slices."""
-    out, covered = None, 0
-    for idx_file, entries in index.items():
-        entry = entries.get(name)
-        if entry is None:
-            continue
-        if list(entry["shape"]) != list(shape):
-            raise ValueError(f"checkpoint {path}: {name} has shape {entry['shape']}, the model "
-                             f"{list(shape)}: a checkpoint of another model shape")
-        tensors = _tensors_file(idx_file)
-        with _open(path, tensors, verify) as st:
-            if name not in st.keys():
-                raise CheckpointError(f"checkpoint {path}: {tensors} lacks {name!r}, which its "
-                                      f"index lists")
-            t = st.get_tensor(name)
-        if entry["dim"] is None:
-            return t
-        if out is None:
-            out = torch.empty(shape, dtype=t.dtype)
-        out.narrow(entry["dim"], entry["start"], entry["stop"] - entry["start"]).copy_(t)
-        covered += entry["stop"] - entry["start"]
-        if covered == shape[entry["dim"]]:
-            return out
-    raise ValueError(f"checkpoint {path} does not hold all of {name!r}")
+@dataclasses.dataclass
+class _Source:
+    """One slice of a global tensor as a checkpoint holds it: ``box`` (``[lo, hi)`` per dim)
+    whole in one file, or in flat pieces (a sharded optimizer's, one file per dp rank):
+    ``pieces`` lists ``(file, (a, b))``, elements ``[a, b)`` of the slice flattened, or
+    ``(file, None)`` for all of it."""
+
+    box: tuple
+    files: str                      # the (tp, pp) shard whose files hold it
+    pieces: list = dataclasses.field(default_factory=list)
+
+    @property
+    def shape(self) -> list[int]:
+        return [hi - lo for lo, hi in self.box]
 
 
-def _read_slice(path, index, name, shape, dim, start, stop, verify) -> torch.Tensor:
-    """Rows ``start:stop`` along ``dim`` of the global tensor ``name`` (all of it when ``dim``
-    is None), read from the files that hold it: of each, only the part that overlaps (a lazy
-    safetensors slice), so a rank never builds a whole tensor it holds a shard of."""
-    if dim is None:
-        return _read_full(path, index, name, shape, verify)
-    out, covered = None, 0
-    for idx_file, entries in index.items():
-        entry = entries.get(name)
-        if entry is None:
-            continue
-        if list(entry["shape"]) != list(shape):
-            raise ValueError(f"checkpoint {path}: {name} has shape {entry['shape']}, the model "
-                             f"{list(shape)}: a checkpoint of another model shape")
-        if entry["dim"] not in (None, dim):         # sharded along another dim: assemble
-            return _read_full(path, index, name, shape, verify).narrow(
-                dim, start, stop - start).contiguous()
-        first, last = (0, shape[dim]) if entry["dim"] is None else \
-            (entry["start"], entry["stop"])
-        lo, hi = max(start, first), min(stop, last)
-        if lo >= hi:
-            continue
-        tensors = _tensors_file(idx_file)
-        with _open(path, tensors, verify) as st:
-            if name not in st.keys():
-                raise CheckpointError(f"checkpoint {path}: {tensors} lacks {name!r}, which its "
-                                      f"index lists")
-            piece = _rows(st.get_slice(name), shape, dim, lo - first, hi - first)
-        if hi - lo == stop - start:
-            return piece
-        if out is None:
-            out = torch.empty(list(shape[:dim]) + [stop - start] + list(shape[dim + 1:]),
-                              dtype=piece.dtype)
-        out.narrow(dim, lo - start, hi - lo).copy_(piece)
-        covered += hi - lo
-        if covered == stop - start:
-            return out
-    raise ValueError(f"checkpoint {path} does not hold all of {name!r}")
+class _Reader:
+    """Reads any box of a checkpoint's global tensors from whichever files hold it, each file
+    only where it overlaps: a rank reads the rows of its own slice of a tensor (or, for a
+    sharded optimizer, the flat range of its shard), never a whole tensor it holds a part of.
+    Files are verified against the manifest when first opened. ``mine``: this rank's (tp, pp)
+    coordinates, whose files are preferred where several hold the same slice (a tensor
+    replicated over tp)."""
+
+    def __init__(self, path, verify: Verifier, mine: tuple = (0, 0)):
+        self.path, self.verify = Path(path), verify
+        index = _read_indexes(self.path, verify)
+
+        def rank(f: Path):
+            m = _INDEX.fullmatch(f.name)
+            return (not m or (int(m[1]), int(m[2])) != tuple(mine)), f.name
+        self.index = {f: index[f] for f in sorted(index, key=rank)}
+        self._open: dict[str, object] = {}
+        self._sources: dict[str, list[_Source]] = {}
+
+    def has(self, name: str) -> bool:
+        return any(name in entries for entries in self.index.values())
+
+    def _slice(self, file: str, name: str):
+        if file not in self._open:
+            self._open[file] = _open(self.path, file, self.verify).st
+        st = self._open[file]
+        if name not in st.keys():
+            raise CheckpointError(f"checkpoint {self.path}: {file} lacks {name!r}, which its "
+                                  f"index lists")
+        return st.get_slice(name)
+
+    def sources(self, name: str, shape) -> list[_Source]:
+        if name in self._sources:
+            return self._sources[name]
+        by_box: dict[tuple, _Source] = {}
+        for idx_file, entries in self.index.items():
+            entry = entries.get(name)
+            if entry is None:
+                continue
+            if list(entry["shape"]) != list(shape):
+                raise ValueError(f"checkpoint {self.path}: {name} has shape {entry['shape']}, "
+                                 f"the model {list(shape)}: a checkpoint of another model shape")
+            box = tuple((entry["start"], entry["stop"]) if d == entry["dim"] else (0, n)
+                        for d, n in enumerate(shape))
+            files = re.sub(r"_dp\d+\.json$", "", idx_file.name)
+            src = by_box.setdefault(box, _Source(box, files))
+            if src.files == files:       # (another shard's copy of the same slice: not read)
+                flat = entry.get("flat")
+                src.pieces.append((_tensors_file(idx_file), None if flat is None else
+                                   tuple(flat)))
+        self._sources[name] = list(by_box.values())
+        return self._sources[name]
+
+    def box(self, name: str, shape, box) -> torch.Tensor:
+        """The part ``box`` (``[lo, hi)`` per dim) of global tensor ``name`` of ``shape``."""
+        box = [tuple(b) for b in box]
+        size = [hi - lo for lo, hi in box]
+        out, covered = None, 0
+        for src in self.sources(name, shape):
+            cut = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, src.box)]
+            if any(lo >= hi for lo, hi in cut):
+                continue
+            piece = self._local(src, name, [(lo - c, hi - c) for (lo, hi), (c, _)
+                                            in zip(cut, src.box)])
+            if cut == box:
+                return piece
+            if out is None:
+                out = torch.empty(size, dtype=piece.dtype)
+            out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(cut, box))].copy_(piece)
+            covered += math.prod(hi - lo for lo, hi in cut)
+            if covered == math.prod(size):
+                return out
+        raise ValueError(f"checkpoint {self.path} does not hold all of {name!r}")
+
+    def slice(self, name: str, shape, dim, start: int, stop: int) -> torch.Tensor:
+        """``[start, stop)`` along ``dim`` of global tensor ``name`` (all of it: dim None)."""
+        return self.box(name, shape, [(start, stop) if d == dim else (0, n)
+                                      for d, n in enumerate(shape)])
+
+    def flat(self, name: str, shape, dim, start: int, stop: int, a: int, b: int) -> torch.Tensor:
+        """Elements ``[a, b)`` of the slice ``[start, stop)`` along ``dim`` of ``name``,
+        flattened: the rows of the slice that hold them are read, no more."""
+        local = list(shape)
+        if dim is not None:
+            local[dim] = stop - start
+        box = tuple((start, stop) if d == dim else (0, n) for d, n in enumerate(shape))
+        for src in self.sources(name, shape):
+            if src.box == box and src.pieces[0][1] is not None:     # the same slice, in
+                return self._flat(src, name, a, b)                  # flat pieces: just those
+        inner = math.prod(local[1:])
+        if not local or not inner:
+            return self.slice(name, shape, dim, start, stop).reshape(-1)[a:b]
+        r0, r1 = a // inner, -(-b // inner)
+        rows = list(box)
+        rows[0] = (box[0][0] + r0, box[0][0] + r1)
+        return self.box(name, shape, rows).reshape(-1)[a - r0 * inner:b - r0 * inner]
+
+    def _local(self, src: _Source, name: str, local: list) -> torch.Tensor:
+        """The part ``local`` (relative to the slice) of ``src``, contiguous. Along dim 0 it is
+        one read; cut along a later dim it is read a block of whole rows at a time (at most
+        :data:`_BLOCK_BYTES`), each cut down before the next is read."""
+        shape = src.shape
+        if not shape:
+            return self._rows(src, name, 0, 1, ()).reshape(())
+        (r0, r1), rest = local[0], tuple(slice(lo, hi) for lo, hi in local[1:])
+        if all(lo == 0 and hi == n for (lo, hi), n in zip(local[1:], shape[1:])):
+            return self._rows(src, name, r0, r1, ())
+        dtype = self._slice(src.pieces[0][0], name).get_dtype()
+        step = max(1, _BLOCK_BYTES // max(1, math.prod(shape[1:]) * _DTYPE_BYTES.get(dtype, 4)))
+        parts = [self._rows(src, name, r, min(r + step, r1), rest) for r in range(r0, r1, step)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _rows(self, src: _Source, name: str, r0: int, r1: int, rest: tuple) -> torch.Tensor:
+        """Rows ``[r0, r1)`` along dim 0 of ``src``'s slice, cut by ``rest`` in later dims."""
+        file, flat = src.pieces[0]
+        if flat is None:        # (copies of it in several dp shards' files: one already open)
+            file = next((f for f, _ in src.pieces if f in self._open), file)
+            return self._slice(file, name)[(slice(r0, r1),) + rest].contiguous()
+        shape = src.shape
+        inner = math.prod(shape[1:])
+        rows = self._flat(src, name, r0 * inner, r1 * inner).view([r1 - r0] + shape[1:])
+        return rows[(slice(None),) + rest].contiguous() if rest else rows
+
+    def _flat(self, src: _Source, name: str, a: int, b: int) -> torch.Tensor:
+        """Elements ``[a, b)`` of ``src``'s flat pieces."""
+        out, covered = None, 0
+        for file, (fa, fb) in src.pieces:
+            lo, hi = max(a, fa), min(b, fb)
+            if lo >= hi:
+                continue
+            part = self._slice(file, name)[lo - fa:hi - fa]
+            if (lo, hi) == (a, b):
+                return part.contiguous()
+            if out is None:
+                out = torch.empty(b - a, dtype=part.dtype)
+            out[lo - a:hi - a].copy_(part)
+            covered += hi - lo
+            if covered == b - a:
+                return out
+        raise ValueError(f"checkpoint {self.path} does not hold all of {name!r}: no file of "
+                         f"{src.files} holds some of its elements [{a}, {b})")
 
 
 # A slice along a dim other than the first is read this many bytes of whole rows at a time.
 _BLOCK_BYTES = 16 << 20
 
 
-def _rows(sl, shape, dim: int, a: int, b: int) -> torch.Tensor:
-    """``[a, b)`` along ``dim`` of a lazy safetensors slice, contiguous and owning its memory.
-    Along dim 0 that is one read of those rows; along a later dim safetensors reads the whole
-    span of the rows it covers, so the rows are read a block at a time (at most
-    :data:`_BLOCK_BYTES` of them), each cut down before the next is read."""
-    cut = (slice(None),) * dim + (slice(a, b),)
-    if dim == 0:
-        return sl[cut].contiguous()
-    row_bytes = max(1, math.prod(shape[1:])) * _DTYPE_BYTES.get(sl.get_dtype(), 4)
-    step = max(1, _BLOCK_BYTES // row_bytes)
-    parts = [sl[(slice(r, min(r + step, shape[0])),) + cut[1:]].contiguous()
-             for r in range(0, shape[0], step)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+def _coords(mesh) -> tuple[int, int]:
+    return (mesh.tp_rank, mesh.pp_rank) if mesh is not None else (0, 0)
 
 
-def weight_filler(path, modules, mesh):
-    """A ``DistributedOptimizer.materialize`` fill from checkpoint ``path``: ``fill(params)``
-    writes the weights of ``params`` (parameters of ``modules``, e.g. one ZeRO-3 unit's,
-    whole on this rank for the call). The files are verified once, not per call."""
+def _parts(specs) -> dict[int, list]:
+    """The tensors a checkpoint names per parameter (several for a fused one), in row order:
+    ``(name, shape, dim, start, stop, first element, end)`` within the flattened parameter."""
+    out: dict[int, list] = {}
+    for name, (t, shape, dim, start, stop, base, rows) in specs.items():
+        inner = base.numel() // base.shape[0] if base.dim() else 1
+        first, n = (0, base.numel()) if rows is None else (rows[0] * inner, rows[1] * inner)
+        out.setdefault(id(base), []).append((name, shape, dim, start, stop, first, first + n))
+    return {k: sorted(v, key=lambda part: part[5]) for k, v in out.items()}
+
+
+def shard_reader(reader: _Reader, specs):
+    """``read(param, start, count, key="master")`` over a checkpoint, as
+    :meth:`~fastpar.data_parallel.DistributedOptimizer.load_state_shards` (and, for the
+    weights, ``load_shards``) call it: ``count`` elements from ``start`` of ``param``'s
+    flattened value, from every tensor the checkpoint stores it as; None where the checkpoint
+    holds no optimizer state for it."""
+    parts = _parts(specs)
+
+    def read(p: torch.Tensor, start: int, count: int, key: str = "master"):
+        mine = [(name, shape, dim, lo, hi, a - first, b - first)
+                for name, shape, dim, lo, hi, first, end in parts[id(p)]
+                for a, b in [(max(start, first), min(start + count, end))] if a < b]
+        if key != "master" and not reader.has(f"optim.step.{mine[0][0]}"):
+            return None
+        if key == "step":       # (of a part in the range: in the files read for it)
+            return reader.slice(f"optim.step.{mine[0][0]}", [1], None, 0, 0).reshape(())
+        prefix = "" if key == "master" else f"optim.{key}."
+        out = [reader.flat(prefix + name, *rest) for name, *rest in mine]
+        return out[0] if len(out) == 1 else torch.cat(out)
+    return read
+
+
+def checkpoint_shard_reader(path, modules, mesh):
+    """``read(param, start, count)`` of the weights in checkpoint ``path`` (what ZeRO-3's
+    ``load_shards`` reads with, fine-tuning from it): each rank reads only its shard."""
     path = Path(path)
-    verify = Verifier(path, read_manifest(path))
-    index = _read_indexes(path, verify)
-    tp, rank = (mesh.tp_size, mesh.tp_rank) if mesh else (1, 0)
-
-    @torch.no_grad()
-    def fill(params) -> None:
-        for name, (t, shape, dim, start, stop, _base, _rows) in shard_specs(
-                modules, tp, rank, {id(p) for p in params}).items():
-            t.copy_(_read_slice(path, index, name, shape, dim, start, stop, verify))
-    return fill
+    reader = _Reader(path, Verifier(path, read_manifest(path)), _coords(mesh))
+    specs = shard_specs(modules, mesh.tp_size if mesh else 1, mesh.tp_rank if mesh else 0)
+    read = shard_reader(reader, specs)
+    return lambda p, start, count: read(p, start, count)
 
 
 def load_checkpoint(path, modules, optimizer, mesh) -> dict:
-    """Load ``path`` into this rank's modules (and optimizer state); returns the manifest."""
+    """Load ``path`` into this rank's modules (and optimizer state); returns the manifest.
+    A sharded (ZeRO) optimizer's masters and moments are read as the flat ranges of its own
+    shard, and its parameters gathered from them."""
     path = Path(path)
     manifest = read_manifest(path)
-    verify = Verifier(path, manifest)
-    index = _read_indexes(path, verify)
-    if optimizer is not None and hasattr(optimizer, "finish_param_sync"):
-        optimizer.finish_param_sync()  # no gather lands on what is loaded (ZeRO-3: nothing
-    #                                    is gathered; its masters are loaded, then gathered)
-    specs = shard_specs(modules, mesh.tp_size if mesh else 1, mesh.tp_rank if mesh else 0)
-    sharded, optimizer = optimizer, per_param(optimizer)
-    if sharded is not None and optimizer is None and manifest.get("zero1"):
+    zero, optimizer = optimizer, per_param(optimizer)
+    if zero is not None and optimizer is None and manifest.get("zero1"):
         raise CheckpointError(f"checkpoint {path} holds its ZeRO optimizer state in per-rank "
                               f"shard files, a format no longer read: load its weights with "
                               f"--init-from (the moments start afresh)")
-    if sharded is not None and optimizer is None:
-        optimizer = WholeState()        # loaded per parameter (on the CPU), then sliced into
-    whole = isinstance(optimizer, WholeState)      # the shards, a parameter at a time
+    if optimizer is not None or zero is None:
+        zero = None
+    reader = _Reader(path, Verifier(path, manifest), _coords(mesh))
+    if optimizer is not None and hasattr(optimizer, "finish_param_sync"):
+        optimizer.finish_param_sync()     # no gather lands on what is loaded
+    specs = shard_specs(modules, mesh.tp_size if mesh else 1, mesh.tp_rank if mesh else 0)
     with torch.no_grad():
-        items = list(specs.items())
-        for k, (name, (t, shape, dim, start, stop, base, rows)) in enumerate(items):
-            weight = _read_slice(path, index, name, shape, dim, start, stop, verify)
-            if not t.is_meta:                          # (ZeRO-3: no memory; masters below)
+        for name, (t, shape, dim, start, stop, base, rows) in specs.items():
+            if zero is not None and zero.holds(base):
+                continue                    # from its master shards, below
+            weight = reader.slice(name, shape, dim, start, stop)
+            if not t.is_meta:
                 t.copy_(weight)
             _, master = _state_of(optimizer, base, rows)
             if master is not None:
                 master.copy_(weight)
-            if optimizer is None or not any(f"optim.step.{name}" in i for i in index.values()):
+            if optimizer is None or not reader.has(f"optim.step.{name}"):
                 continue
             state = optimizer.state[base]
             for key in _OPTIM_KEYS:
-                got = _read_slice(path, index, f"optim.{key}.{name}", shape, dim, start, stop,
-                                  verify).to(master.device if whole else t.device,
-                                             t.dtype if master is None else master.dtype)
+                got = reader.slice(f"optim.{key}.{name}", shape, dim, start, stop).to(
+                    t.device, t.dtype if master is None else master.dtype)
                 if rows is None:
                     state[key] = got
                 else:                      # one part of a fused parameter's state
                     full = state.setdefault(key, torch.zeros_like(base, dtype=got.dtype,
                                                                    device=got.device))
                     full.narrow(0, *rows).copy_(got)
-            step = _read_slice(path, index, f"optim.step.{name}", [1], None, 0, 0, verify)
-            state["step"] = step.reshape(()).clone()
-            if whole and (k + 1 == len(items) or items[k + 1][1].param is not base):
-                sharded.load_whole_state(optimizer, gather=False)   # this parameter done:
-                optimizer = WholeState()                           # the host holds one
-    rank = mesh.rank if mesh is not None else 0
-    if whole:
-        sharded.load_whole_state(optimizer)        # (empty by now) the parameters gathered
-    rng = f"rng_rank{rank}.safetensors"
+            state["step"] = reader.slice(f"optim.step.{name}", [1], None, 0, 0) \
+                .reshape(()).clone()
+        if zero is not None:
+            zero.load_state_shards(shard_reader(reader, specs))
+    rng = f"rng_rank{mesh.rank if mesh is not None else 0}.safetensors"
     if (path / rng).exists():
-        with _open(path, rng, verify) as st:
+        with _open(path, rng, reader.verify) as st:
             torch.set_rng_state(st.get_tensor("cpu"))
     return manifest
 
@@ -512,11 +656,19 @@ def check_checkpoint(path, shapes: dict[str, list[int]], manifest: dict | None =
     verify.all(full=False)      # sizes first: a truncated file is named as such, not as bad JSON
     index, headers = _read_indexes(path, verify), {}
     for name, shape in shapes.items():
-        spans = []
+        spans, flats = [], {}
         for idx_file, entries in index.items():
             if name in entries:
-                spans.append(_span(path, idx_file, name, entries[name], shape))
-                _check_slice(path, idx_file, name, shape, spans[-1], headers)
+                span, flat = _span(path, idx_file, name, entries[name], shape)
+                _check_slice(path, idx_file, name, shape, span, flat, headers)
+                if flat is None:
+                    spans.append(span)
+                else:            # a dp shard's flat range of the slice: all of them, below
+                    files = re.sub(r"_dp\d+\.json$", "", idx_file.name)
+                    flats.setdefault((files, span), []).append(flat)
+        for (files, span), ranges in flats.items():
+            _check_flat_covered(path, name, shape, files, span, ranges)
+            spans.append(span)
         _check_covered(path, name, shape, spans)
     verify.all(full=True)       # last: reading every byte is the slow part
     return manifest
@@ -533,9 +685,16 @@ def _check_file_list(path: Path, manifest: dict) -> None:
                               f"must be name -> bytes and sha256)")
 
 
-def _span(path: Path, idx_file: Path, name: str, entry, shape) -> tuple[int, int, int] | None:
-    """The ``(dim, start, stop)`` of tensor ``name`` an index entry says its file holds; None:
-    all of it."""
+def _local_shape(shape, span) -> list[int]:
+    part = list(shape)
+    if span is not None:
+        part[span[0]] = span[2] - span[1]
+    return part
+
+
+def _span(path: Path, idx_file: Path, name: str, entry, shape):
+    """The ``(dim, start, stop)`` of tensor ``name`` an index entry says its file holds (None:
+    all of it), and the ``(a, b)`` flat range of that slice (None: all of it)."""
     where = f"checkpoint {path}: {idx_file.name}"
     if not isinstance(entry, dict) or not isinstance(entry.get("shape"), list):
         raise CheckpointError(f"{where}: the entry of {name!r} is malformed")
@@ -543,17 +702,27 @@ def _span(path: Path, idx_file: Path, name: str, entry, shape) -> tuple[int, int
         raise CheckpointError(f"checkpoint {path}: {name} has shape {entry['shape']}, the "
                               f"model {list(shape)}: a checkpoint of another model shape")
     dim, start, stop = entry.get("dim"), entry.get("start"), entry.get("stop")
-    if dim is None:
-        return None
-    if not all(_natural(v) for v in (dim, start, stop)) or dim >= len(shape) or \
-            not start < stop <= shape[dim]:
-        raise CheckpointError(f"{where}: {name!r} is split at dim={dim!r} [{start!r}, "
-                              f"{stop!r}), outside its shape {list(shape)}")
-    return dim, start, stop
+    span = None
+    if dim is not None:
+        if not all(_natural(v) for v in (dim, start, stop)) or dim >= len(shape) or \
+                not start < stop <= shape[dim]:
+            raise CheckpointError(f"{where}: {name!r} is split at dim={dim!r} [{start!r}, "
+                                  f"{stop!r}), outside its shape {list(shape)}")
+        span = (dim, start, stop)
+    flat = entry.get("flat")
+    if flat is None:
+        return span, None
+    n = math.prod(_local_shape(shape, span))
+    if not (isinstance(flat, list) and len(flat) == 2 and all(_natural(v) for v in flat)
+            and flat[0] < flat[1] <= n):
+        raise CheckpointError(f"{where}: {name!r} holds the flat range {flat!r}, outside its "
+                              f"{n} elements")
+    return span, tuple(flat)
 
 
-def _check_slice(path: Path, idx_file: Path, name: str, shape, span, headers: dict) -> None:
-    """The tensors file of ``idx_file`` holds the slice ``span`` of ``name`` (its header)."""
+def _check_slice(path: Path, idx_file: Path, name: str, shape, span, flat, headers) -> None:
+    """The tensors file of ``idx_file`` holds the slice ``span`` of ``name`` (its header),
+    or its flat range ``flat``."""
     file = _tensors_file(idx_file)
     if file not in headers:
         if not (path / file).is_file():
@@ -562,10 +731,20 @@ def _check_slice(path: Path, idx_file: Path, name: str, shape, span, headers: di
         headers[file] = safetensors_header(path / file)
     if name not in headers[file]:
         raise CheckpointError(f"checkpoint {path}: {file} lacks {name!r}, which its index lists")
-    part = list(shape)
-    if span is not None:
-        part[span[0]] = span[2] - span[1]
+    part = _local_shape(shape, span) if flat is None else [flat[1] - flat[0]]
     check_header_tensor(path / file, headers[file], name, part, idx_file.name)
+
+
+def _check_flat_covered(path: Path, name: str, shape, files: str, span, ranges) -> None:
+    """The dp shards' flat ranges ``ranges`` of one slice are all of it."""
+    n, reach = math.prod(_local_shape(shape, span)), 0
+    for a, b in sorted(ranges):
+        if a > reach:
+            break
+        reach = max(reach, b)
+    if reach < n:
+        raise CheckpointError(f"checkpoint {path} does not hold all of {name!r}: no dp shard "
+                              f"of {files} holds element {reach} of its {n}")
 
 
 def _check_covered(path: Path, name: str, shape, spans: list) -> None:

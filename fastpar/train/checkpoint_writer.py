@@ -55,8 +55,8 @@ class CheckpointWriter:
         self.wait()
         files = snapshot(modules, optimizer, self.mesh, rank_tensors, copy=self.async_save)
         key = self._key()
-        # Every optimizer's state is saved per parameter (a sharded one's gathered by
-        # snapshot); "zero1" marked an older format of per-rank shard files.
+        # A sharded optimizer's state is saved as each rank's flat ranges of its parameters
+        # (see checkpoint); "zero1" marked an older format of per-rank shard files.
         manifest = dict(manifest, step=step, zero1=False)
         if self.async_save:
             self._thread = threading.Thread(target=self._run, args=(step, files, manifest, key),

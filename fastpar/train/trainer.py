@@ -47,8 +47,8 @@ from ..models.hf import HFShardReader, is_hf_dir, load_hf
 from ..pipeline import PipelineExecutor, build_schedule, build_stages
 from . import faults
 from ..tensor_parallel.sharding import tp_params
-from .checkpoint import Verifier, latest_checkpoint, load_checkpoint, pointer_note, \
-    read_manifest, weight_filler
+from .checkpoint import Verifier, checkpoint_shard_reader, latest_checkpoint, load_checkpoint, \
+    pointer_note, read_manifest
 from .checkpoint_writer import CheckpointWriter
 from .config import TrainConfig
 from ..data.sources import BatchSampler, check_length, check_vocab, load_tokens
@@ -87,22 +87,19 @@ def fully_sharded(cfg: TrainConfig, mesh) -> bool:
 
 def _fill(cfg: TrainConfig, chunks, mesh, opt, resume_from, say, reader) -> None:
     """ZeRO-3: this rank's shards of the model built on the meta device: read from
-    ``--init-from`` (a Hugging Face directory: only this rank's rows of each tensor; a fastpar
-    checkpoint: a unit at a time), else initialised a unit at a time as the constructor does
-    (a resumed run: nothing here, its checkpoint's masters are loaded a parameter at a
-    time)."""
+    ``--init-from`` (a Hugging Face directory or a fastpar checkpoint: only what this rank's
+    shard covers), else initialised a unit at a time as the constructor does (a resumed run:
+    nothing here, its checkpoint's masters and moments are loaded as this rank's shard)."""
     if resume_from is not None:
         return
     src = cfg.init_from
-    if reader is not None:
-        opt.load_shards(reader)
-    elif src:
-        opt.materialize(weight_filler(src, chunks, mesh))
+    if reader is not None or src:
+        opt.load_shards(reader or checkpoint_shard_reader(src, chunks, mesh))
     else:
         opt.materialize(lambda params: [m.init_weights_(params) for m in chunks])
     if src and say:
-        say(f"fastpar train: starting from the weights in {src} (" +
-            ("each rank reads only its shards' rows)" if reader else "a unit at a time)"))
+        say(f"fastpar train: starting from the weights in {src} (each rank reads only its "
+            f"shards)")
 
 
 def _wrap(cfg: TrainConfig, chunks, mesh):
