@@ -105,7 +105,7 @@ def _progress(rank, world_size):
     model = GPT(cfg, tp_group=dist.group.WORLD)
     xs, ys = _batches(cfg, n=2, b=4, s=128)
     pending = first = 0
-    finished = False
+    finished = {"forward": False, "backward": False}
     for run in range(MAX_RUNS):
         lead = run % world_size                   # each rank in turn starts on time
         dist.barrier()
@@ -117,18 +117,26 @@ def _progress(rank, world_size):
             losses = model.interleaved(xs, ys)
         finally:
             overlap.collectives.all_reduce = probe.real
-        sum(losses).backward()
-        # 2 micro-batches x 4 blocks x 2 branches, every one waited exactly once
+        back = _Probe()
+        overlap.collectives.all_reduce = back
+        try:
+            sum(losses).backward()
+        finally:
+            overlap.collectives.all_reduce = back.real
+        # 2 micro-batches x 4 blocks x 2 branches, every one waited exactly once; in the
+        # backward the same for the column linears' input grads
         assert len(probe.issued) == 16 and all(r["waits"] == 1 for r in probe.issued)
+        assert len(back.issued) == 16 and all(r["waits"] == 1 for r in back.issued), back.issued
         if rank == lead:    # its first all-reduce was issued before any peer had started
             first += 1
             pending += not probe.issued[0]["at_issue"]
         # finished while the other micro-batch computed (its block ran and issued its own
         # all-reduce in between): the wait found it done
-        finished |= any(r["at_wait"] and not r["at_issue"] and r["issued_since"]
-                        for r in probe.issued)
+        for key, p in (("forward", probe), ("backward", back)):
+            finished[key] |= any(r["at_wait"] and not r["at_issue"] and r["issued_since"]
+                                 for r in p.issued)
         everyone = [None] * world_size
-        dist.all_gather_object(everyone, finished)
+        dist.all_gather_object(everyone, all(finished.values()))
         if run >= world_size - 1 and all(everyone):
             break
     return pending, first, finished
@@ -139,11 +147,14 @@ def test_reductions_travel_while_the_other_micro_batch_computes(tp):
     """Progress, not order: the row-parallel all-reduce a micro-batch issues has not finished
     when the issue returns (the issuing rank started first, its peers 0.1 s later), and some
     are found finished when their micro-batch comes back to wait for them, with only the other
-    micro-batch's block computed in between. An interleave that waited at issue, or whose
+    micro-batch's block computed in between. In the backward likewise for the column linears'
+    input-gradient all-reduces: waited once, only after the other micro-batch's backward has
+    issued its own, and some found finished. An interleave that waited at issue, or whose
     all-reduces moved only when waited on, fails here."""
     for pending, first, finished in run_ranks(_progress, tp, timeout=180):
         assert first and pending == first, "an all-reduce had finished when its issue returned"
-        assert finished, "no all-reduce finished while the other micro-batch computed"
+        assert all(finished.values()), f"none finished while the other micro-batch computed: " \
+                                        f"{finished}"
 
 
 def test_bad_combinations_are_refused():

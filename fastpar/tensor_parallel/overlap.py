@@ -9,6 +9,7 @@ backward they skip the weight-gradient GEMM, in W the input-gradient GEMM and it
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -41,15 +42,67 @@ _deferred: list | None = None
 def deferred_reductions(works: list):
     """Inside, a :class:`RowParallelLinear` without SP whose output its caller reads only
     later (``skip_bias_add``, or no bias) starts its output's all-reduce and returns at once; the
-    work is appended to ``works``, and whoever reads that output waits it first. This is what
-    lets the trainer interleave micro-batches (``fastpar.models.gpt.interleave``): one
-    micro-batch's reduction travels while the next one computes. Not under torch.compile."""
+    work is appended to ``works``, and whoever reads that output waits it first; and a
+    :class:`ColumnParallelLinear` without SP leaves its backward's input-gradient all-reduce in
+    flight for a :class:`WaitGrad` that autograd runs late (see :func:`wait_grad_later`). This is
+    what lets the trainer interleave micro-batches (``fastpar.models.gpt.interleave``): one
+    micro-batch's reduction travels while the next one computes, in the forward and in the
+    backward. Not under torch.compile."""
     global _deferred
     outer, _deferred = _deferred, works
     try:
         yield works
     finally:
         _deferred = outer
+
+
+def defers() -> bool:
+    """Whether a linear layer called now may leave its all-reduce in flight (inside
+    :func:`deferred_reductions`, not compiling)."""
+    return _deferred is not None and not torch.compiler.is_compiling()
+
+
+class Pending:
+    """The input-gradient all-reduce a column linear's backward leaves in flight, waited by the
+    :class:`WaitGrad` in front of it."""
+
+    __slots__ = ("work",)
+
+    def __init__(self):
+        self.work = None
+
+
+class WaitGrad(torch.autograd.Function):
+    """Identity. Its backward waits for ``pending``'s all-reduce (writing the gradient in
+    place) before the gradient goes on to whatever made the input (a norm)."""
+
+    @staticmethod
+    def forward(ctx, x, pending):
+        ctx.pending = pending
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        work, ctx.pending.work = ctx.pending.work, None
+        if work is not None:
+            with span("tp wait for a deferred input-grad all-reduce"):
+                work.wait()
+        return g, None
+
+
+# Autograd's engine runs, of the nodes ready, the one created last (the highest sequence number,
+# a per-thread counter). A WaitGrad made on this thread, whose counter is far behind the
+# training thread's, runs only once nothing else is ready: after the other micro-batches'
+# backward has reached its own waits. Of the waits, the one made last runs first, so the
+# micro-batches take turns, each one's all-reduce travelling while another computes.
+_late = ThreadPoolExecutor(1, thread_name_prefix="fastpar-late-node")
+
+
+def wait_grad_later(x: torch.Tensor) -> tuple[torch.Tensor, Pending]:
+    """``x`` through a :class:`WaitGrad` that autograd runs as late as it can (see above), and
+    the :class:`Pending` that the layer taking ``x`` hands its input-gradient all-reduce to."""
+    pending = Pending()
+    return _late.submit(WaitGrad.apply, x, pending).result(), pending
 
 
 def _needs(ctx) -> tuple[bool, bool]:
@@ -69,8 +122,10 @@ class ColumnLinearOverlap(torch.autograd.Function):
     input-gradient GEMM (Megatron's choice: one more all-gather per call for less memory)."""
 
     @staticmethod
-    def forward(ctx, x, w, group, sequence_parallel, chunks, weight_id, regather=True):
+    def forward(ctx, x, w, group, sequence_parallel, chunks, weight_id, regather=True,
+                pending=None):
         ctx.group, ctx.sp, ctx.chunks, ctx.weight_id = group, sequence_parallel, chunks, weight_id
+        ctx.pending = pending
         if sequence_parallel:
             with span("tp all-gather + GEMM (column forward)"):
                 out, gathered = extension.allgather_matmul(x, w, group)
@@ -83,6 +138,16 @@ class ColumnLinearOverlap(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         need_x, need_w = _needs(ctx)
+        if ctx.pending is not None and need_x:
+            # Interleaved micro-batches: the input grad's all-reduce is left in flight for
+            # the WaitGrad in front of this layer, which autograd runs once the other
+            # micro-batches' backward has computed up to its own.
+            g = g.contiguous()
+            gx = g @ w
+            with span("tp column backward: start the input-grad all-reduce"):
+                ctx.pending.work = collectives.all_reduce(gx, group=ctx.group, async_op=True)
+            gw = g.t() @ x if need_w else None
+            return gx, gw, None, None, None, None, None, None
         chunks = row_chunks(ctx.chunks, g.shape[0], x.shape[1], g.element_size())
         # The GEMMs read g (rows, out/tp) row-major. For the output head g is the loss's
         # gradient, made in the head output's own layout, so g.contiguous() copies nothing
@@ -91,7 +156,8 @@ class ColumnLinearOverlap(torch.autograd.Function):
                   "of the input grad under the weight-grad GEMM"):
             gx, gw = extension.column_linear_backward(g.contiguous(), x, w, ctx.group, ctx.sp,
                                                       need_x, need_w, chunks)
-        return (gx if need_x else None), (gw if need_w else None), None, None, None, None, None
+        return (gx if need_x else None), (gw if need_w else None), None, None, None, None, None, \
+            None
 
 
 class RowLinearOverlap(torch.autograd.Function):
@@ -105,7 +171,7 @@ class RowLinearOverlap(torch.autograd.Function):
         if sequence_parallel:
             with span("tp GEMM + reduce-scatter (row forward)"):
                 return extension.matmul_reducescatter(x, w, group)
-        if may_defer and _deferred is not None and not torch.compiler.is_compiling():
+        if may_defer and defers():
             # The output is not saved for backward and its caller reads it only after waiting
             # the work: the all-reduce may write it in place while other work runs.
             y = x @ w.t()
