@@ -115,8 +115,11 @@ def _stage_costs(work, cluster, cfg, feat, split):
     else:
         exp_f, exp_b = lc.tp_comm_f, lc.tp_comm_b
     # Interleaved micro-batches: a block's all-reduce travels while the other k - 1
-    # micro-batches compute their blocks (the wait uses no core, on a CPU too).
-    exp_f = max(0.0, exp_f - (interleaved(cfg, work) - 1) * lc.f)
+    # micro-batches compute their blocks (the wait uses no core, on a CPU too); in the
+    # backward a column linear's input-grad all-reduce while they compute theirs.
+    others = interleaved(cfg, work) - 1
+    exp_f = max(0.0, exp_f - others * lc.f)
+    exp_b = max(0.0, exp_b - others * lc.b)
     layer = (lc.f + exp_f + lc.cp_exposed_f, lc.b + exp_b + lc.cp_exposed_b, lc.w)
     if split:   # fastpar/pipeline/backward.py: the row linears' (o, down) weight GEMMs run in B
         mats = cost._linears(shape)
