@@ -187,3 +187,29 @@ def test_bad_combinations_are_refused():
         GPT(tiny, recompute="full").interleaved(*_batches(tiny, n=2))
     with pytest.raises(ValueError, match="dropout=0.1"):
         GPT(tiny.replace(dropout=0.1)).interleaved(*_batches(tiny, n=2))
+
+
+def _late_node_in_child(q):
+    x = torch.randn(3, requires_grad=True)
+    y, _ = overlap.wait_grad_later(x)
+    y.sum().backward()
+    q.put(x.grad.tolist())
+
+
+def test_the_late_node_thread_survives_a_fork():
+    """A process forked after the helper thread started (which the child does not inherit)
+    still gets its WaitGrad nodes made: no hang."""
+    import multiprocessing as mp
+
+    x = torch.randn(3, requires_grad=True)
+    y, _ = overlap.wait_grad_later(x)           # the parent's helper thread is running
+    y.sum().backward()
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_late_node_in_child, args=(q,))
+    p.start()
+    p.join(30)
+    alive = p.is_alive()
+    if alive:
+        p.kill()
+    assert not alive and q.get(timeout=5) == [1.0, 1.0, 1.0]

@@ -9,6 +9,7 @@ backward they skip the weight-gradient GEMM, in W the input-gradient GEMM and it
 from __future__ import annotations
 
 import contextlib
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -95,14 +96,17 @@ class WaitGrad(torch.autograd.Function):
 # training thread's, runs only once nothing else is ready: after the other micro-batches'
 # backward has reached its own waits. Of the waits, the one made last runs first, so the
 # micro-batches take turns, each one's all-reduce travelling while another computes.
-_late = ThreadPoolExecutor(1, thread_name_prefix="fastpar-late-node")
+_late: tuple[int, ThreadPoolExecutor] | None = None      # (its process, the one thread)
 
 
 def wait_grad_later(x: torch.Tensor) -> tuple[torch.Tensor, Pending]:
     """``x`` through a :class:`WaitGrad` that autograd runs as late as it can (see above), and
     the :class:`Pending` that the layer taking ``x`` hands its input-gradient all-reduce to."""
+    global _late
+    if _late is None or _late[0] != os.getpid():    # (a forked child has no such thread)
+        _late = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="fastpar-late-node"))
     pending = Pending()
-    return _late.submit(WaitGrad.apply, x, pending).result(), pending
+    return _late[1].submit(WaitGrad.apply, x, pending).result(), pending
 
 
 def _needs(ctx) -> tuple[bool, bool]:
