@@ -764,7 +764,8 @@ def test_ranks_beyond_the_cores_measure_in_turns():
 
 def test_interleaved_micro_batches_in_the_model():
     """``interleave=2``: two micro-batches' activations (and logits) held at once, the
-    blocks' forward all-reduces hidden behind the other micro-batch's forward; offered by the
+    blocks' forward all-reduces hidden behind the other micro-batch's forward and the column
+    layers' backward ones behind its backward; offered by the
     search only where the trainer accepts it."""
     work, cluster = _work(64), Cluster(8, 8, BUILTIN["a100-80gb"])
     one = ParallelConfig(tp=8, pp=1, dp=1, micro_batch_size=4)
@@ -782,6 +783,12 @@ def test_interleaved_micro_batches_in_the_model():
     exposed = cost.exposed(lc.tp_comm_f, lc.gemm_f, cost.tp_pieces(shape, cluster.hardware,
                                                                   cost.FASTPAR))
     assert f1 - f2 == pytest.approx(GPT.n_layers * (exposed - max(0.0, exposed - lc.f)))
+    # and each column's input-gradient all-reduce behind the other micro-batch's backward
+    b1 = planner._stage_costs(work, cluster, one, cost.FASTPAR, False)[0][0][1]
+    b2 = planner._stage_costs(work, cluster, two, cost.FASTPAR, False)[0][0][1]
+    back = cost.exposed(lc.tp_comm_b, lc.gemm_b + lc.w, cost.tp_pieces(
+        shape, cluster.hardware, cost.FASTPAR))
+    assert b1 - b2 == pytest.approx(GPT.n_layers * (back - max(0.0, back - lc.b)))
     assert e2.step_time_s < e1.step_time_s and e2.tp_exposed_s < e1.tp_exposed_s
     offered = [c for c in planner.candidates(work, cluster) if c.interleave == 2]
     assert offered and all(c.tp > 1 and c.pp == 1 and not c.sequence_parallel and
