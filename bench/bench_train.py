@@ -73,6 +73,7 @@ from fastpar.train.trainer import _clip, _param_groups, _wrap, build_model  # no
 
 LAYOUTS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "tp2-sp": dict(tp=2, sequence_parallel=True),
            "tp2-il": dict(tp=2, interleave=2),
+           "tp2-seq": dict(tp=2, fb_overlap=False),
            "pp2": dict(pp=2)}
 
 
@@ -126,7 +127,8 @@ def fastpar_variant(cfg, mesh):
                                 loss_fn=loss_fn(mesh.tp_group))
 
     def step(x, y):
-        loss = forward_backward(chunks, ddp, pipe, x, y, M, mesh, interleave=cfg.interleave)
+        loss = forward_backward(chunks, ddp, pipe, x, y, M, mesh, interleave=cfg.interleave,
+                                fb_overlap=cfg.fb_overlapped(M))
         dist.all_reduce(loss, group=mesh.dp_group)
         _clip(chunks, mesh, cfg.grad_clip, opt)
         opt.step()
@@ -197,8 +199,9 @@ TORCH = {"dp2": torch_dp, "tp2": torch_tp, "tp2-sp": torch_tp, "pp2": torch_pp}
 
 def _peer_layout(name: str) -> str:
     """The layout whose torch step is ``name``'s peer: ``tp2-il`` (fastpar's interleaved
-    micro-batches, an option of the same layout) is measured against torch's ``tp2``."""
-    return name.removesuffix("-il")
+    micro-batches) and ``tp2-seq`` (its micro-batches one after another, ``--no-fb-overlap``),
+    options of the same layout, are measured against torch's ``tp2``."""
+    return name.removesuffix("-il").removesuffix("-seq")
 
 
 def _measure(rank, world_size, a, model):

@@ -36,6 +36,9 @@ BASE = dict(model="small", seq_len=512, micro_batch_size=2, global_batch_size=8,
 LAYOUTS = {
     2: {
         "tp2 sp": dict(tp=2, sequence_parallel=True),
+        # each micro-batch's forward inside the previous one's backward (fb_overlap, on by
+        # default here): one micro-batch's activations and the next one's first half-block
+        "tp2": dict(tp=2),
         # two micro-batches' activations and logits at once (planner.schedule_peaks)
         "tp2 interleave 2": dict(tp=2, interleave=2),
         "pp2 1f1b": dict(pp=2),
@@ -105,7 +108,8 @@ def _measure(rank, world, layouts=None):
                                     activation=_activation(cfg, mesh, chunks, sched))
         for _ in range(2):
             with cfg.train_context("cpu"):
-                forward_backward(chunks, ddp, pipe, x, y, M, mesh, interleave=cfg.interleave)
+                forward_backward(chunks, ddp, pipe, x, y, M, mesh, interleave=cfg.interleave,
+                                 fb_overlap=cfg.fb_overlapped(M))
             _clip(chunks, mesh, cfg.grad_clip, opt)
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -768,7 +768,7 @@ def test_interleaved_micro_batches_in_the_model():
     layers' backward ones behind its backward; offered by the
     search only where the trainer accepts it."""
     work, cluster = _work(64), Cluster(8, 8, BUILTIN["a100-80gb"])
-    one = ParallelConfig(tp=8, pp=1, dp=1, micro_batch_size=4)
+    one = ParallelConfig(tp=8, pp=1, dp=1, micro_batch_size=4, fb_overlap=False)
     two = dataclasses.replace(one, interleave=2)
     m1, m2 = (planner.memory_per_gpu(work, cluster, c) for c in (one, two))
     logits = 4 * 2048 * GPT.padded_vocab / 8 * cluster.hardware.bytes_per_element / 1e9
@@ -795,3 +795,36 @@ def test_interleaved_micro_batches_in_the_model():
                            c.recompute != "full" and c.zero != 3 for c in offered)
     assert {dataclasses.replace(c, interleave=1) for c in offered} <= \
         set(planner.candidates(work, cluster))
+
+
+def test_forward_inside_backward_in_the_model():
+    """``fb_overlap`` (the default): but the first micro-batch's forward and the last one's
+    backward, each forward all-reduce hidden behind the previous micro-batch's backward and
+    each backward one behind the next one's forward; the next micro-batch's first block held
+    next to this one's activations once the logits are freed; nothing where it does not run."""
+    work, cluster = _work(64), Cluster(8, 8, BUILTIN["a100-80gb"])
+    on = ParallelConfig(tp=8, pp=1, dp=1, micro_batch_size=4)
+    off = dataclasses.replace(on, fb_overlap=False)
+    M = on.num_microbatches(work.global_batch)
+    q = (M - 1) / M
+    shape = Shape(GPT, 2048, 4, 8)
+    hw = cluster.hardware
+    lc = cost.layer_cost(shape, hw, "none", cluster.link_gbps(8))
+    pieces = cost.tp_pieces(shape, hw, cost.FASTPAR)
+    (f_on, b_on, _), (f_off, b_off, _) = (
+        planner._stage_costs(work, cluster, c, cost.FASTPAR, False)[0][0] for c in (on, off))
+    fwd = cost.exposed(lc.tp_comm_f, lc.gemm_f, pieces)
+    back = cost.exposed(lc.tp_comm_b, lc.gemm_b + lc.w, pieces)
+    assert f_off - f_on == pytest.approx(GPT.n_layers * q * (fwd - max(0.0, fwd - lc.b)))
+    assert b_off - b_on == pytest.approx(GPT.n_layers * q * (back - max(0.0, back - lc.f)))
+    assert f_off > f_on and b_off > b_on
+    m_on, m_off = (planner.memory_per_gpu(work, cluster, c) for c in (on, off))
+    logits = 4 * 2048 * GPT.padded_vocab / 8 * hw.bytes_per_element / 1e9
+    layer = cost.activation_bytes(shape, "none", cost.FASTPAR, hw.bytes_per_element,
+                                  False) / 1e9
+    assert m_on["activations"] == pytest.approx(
+        max(m_off["activations"], m_off["activations"] - logits + layer))
+    for where in (dict(sequence_parallel=True), dict(pp=2, tp=4), dict(micro_batch_size=64),
+                  dict(tp=1, dp=8)):
+        a, b = (dataclasses.replace(c, **where) for c in (on, off))
+        assert evaluate(work, cluster, a).step_time_s == evaluate(work, cluster, b).step_time_s

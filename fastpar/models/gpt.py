@@ -18,7 +18,8 @@ from .. import kernels
 from ..tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding, copy_to_tp,
                                gather_from_sp, vocab_parallel_cross_entropy)
 from ..tensor_parallel import mark_partial_grads
-from ..tensor_parallel.overlap import deferred_reductions
+from ..tensor_parallel.overlap import deferred_reductions, filling
+from ..mesh.profiling import span
 from ..context_parallel import positions
 from ..mesh.groups import group_rank, group_size
 from .config import GPTConfig
@@ -225,15 +226,16 @@ class GPT(nn.Module):
         z = self._head_out(x).transpose(0, 1)                         # (B, S, Vp/tp), a view
         return token_loss(z, targets, self.tp_group, self.config.vocab_size)
 
-    def check_interleave(self) -> None:
-        """Raise unless :meth:`interleaved` can run this model: no full recompute (its
-        checkpointed blocks run whole), no dropout in training, and no hook on the model or a
-        block (it calls the blocks' :meth:`~ParallelTransformerLayer.steps`, not the blocks,
-        so such hooks, e.g. ZeRO-3's gathers, would not run)."""
+    def check_interleave(self, dropout: bool = False) -> None:
+        """Raise unless :meth:`interleaved` (or :meth:`forward_steps`) can run this model: no
+        full recompute (its checkpointed blocks run whole), no dropout in training (unless
+        ``dropout``: the micro-batches' forwards still run one after another), and no hook on
+        the model or a block (it calls the blocks' :meth:`~ParallelTransformerLayer.steps`, not
+        the blocks, so such hooks, e.g. ZeRO-3's gathers, would not run)."""
         if self.recompute == "full":
             raise ValueError("interleaved micro-batches need recompute 'none' or 'selective', "
                              "not 'full' (a checkpointed block runs whole)")
-        if self.config.dropout and self.training:
+        if self.config.dropout and self.training and not dropout:
             raise ValueError(f"interleaved micro-batches with dropout={self.config.dropout}: "
                              f"the masks would be drawn in another order than one "
                              f"micro-batch after another")
@@ -259,6 +261,21 @@ class GPT(nn.Module):
                 x = yield from layer.steps(x, rope, selective)
             return x
         return [self._exit(x, t) for x, t in zip(interleave([run(x) for x in xs]), targets)]
+
+    def forward_steps(self, x, targets=None) -> "ForwardSteps":
+        """``self(x, targets)`` run a step at a time, from wherever the caller likes (the
+        previous micro-batch's backward: :func:`overlap_forward_backward`): each step ends
+        after a row-parallel projection with its all-reduce left in flight. The same ops in
+        the same order as ``forward``, so the same numbers."""
+        self.check_interleave(dropout=True)
+        selective = self.recompute == "selective" and self.training
+
+        def run():
+            h, rope = self._enter(x)
+            for layer in self.layers.values():
+                h = yield from layer.steps(h, rope, selective)
+            return self._exit(h, targets)
+        return ForwardSteps(run(), x.device.type)
 
     def _positions(self, local_len: int) -> torch.Tensor:
         """The true positions of this CP rank's ``local_len`` tokens of each sequence."""
@@ -303,6 +320,71 @@ def interleave(runs: list) -> list:
                     out[k] = done.value
                     live.remove(k)
     return out
+
+
+class ForwardSteps:
+    """A micro-batch's forward (:meth:`GPT.forward_steps`), one step per call. A step first
+    waits the all-reduce the previous one left in flight, then runs inside
+    ``deferred_reductions(late_grads=False)`` with grad on and the autocast state of the
+    forward's creator, whatever the caller's (autograd turns grad off in a backward, and may
+    run it on another thread)."""
+
+    def __init__(self, run, device_type: str):
+        self.run, self.works, self.done, self.result = run, [], False, None
+        self.device_type = device_type
+        self.autocast = (torch.is_autocast_enabled(device_type),
+                         torch.get_autocast_dtype(device_type))
+        self.steps = 0
+
+    def __call__(self) -> None:
+        """One step; nothing once the forward is done."""
+        if self.done:
+            return
+        for work in self.works:
+            work.wait()
+        self.works.clear()
+        with torch.enable_grad(), torch.autocast(self.device_type, self.autocast[1],
+                                                 enabled=self.autocast[0]), \
+                deferred_reductions(self.works, late_grads=False):
+            try:
+                next(self.run)
+                self.steps += 1
+            except StopIteration as end:
+                self.done, self.result = True, end.value
+
+    def finish(self):
+        """The rest of the steps; returns the forward's result (the loss)."""
+        while not self.done:
+            self()
+        return self.result
+
+
+def overlap_forward_backward(model: GPT, xs, ys, divisor: int = 1, before_backward=None):
+    """Forward and backward of the micro-batches ``xs``, ``ys`` one after another, each
+    micro-batch's forward run inside the previous one's backward: a step of it wherever a
+    column linear's backward has its input-gradient all-reduce in flight
+    (:func:`~fastpar.tensor_parallel.overlap.filling`), and each step's own row all-reduce
+    travelling while that backward computes on. The activations held stay about one
+    micro-batch's: the backward frees its blocks from the top while the forward fills from the
+    bottom. Each loss is divided by ``divisor`` before its backward; returns the sum of the
+    divided losses, detached. ``before_backward(i)`` is called before micro-batch i's backward
+    (e.g. to turn the data-parallel sync on for the last one). The same numbers as
+    ``for x, y in zip(xs, ys): (model(x, y) / divisor).backward()``."""
+    total, prev = None, None
+    for i in range(len(xs) + 1):
+        nxt = model.forward_steps(xs[i], ys[i]) if i < len(xs) else None
+        if prev is not None:
+            if before_backward is not None:
+                before_backward(i - 1)
+            with span("backward of micro-batch", i - 1, *(("with the forward of micro-batch",
+                                                           i, "inside") if nxt else ())):
+                with filling(nxt) if nxt is not None else contextlib.nullcontext():
+                    prev.backward()
+        if nxt is not None:
+            with span("forward of micro-batch", i, "(the rest)"):
+                prev = nxt.finish() / divisor
+            total = prev.detach() if total is None else total + prev.detach()
+    return total
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor, tp_group=None,

@@ -42,6 +42,12 @@ class ParallelConfig:
                                         # by block, so one's TP all-reduces travel while the
                                         # next one computes (tp > 1, no SP or pipeline); their
                                         # activations are all held until backward (1: off)
+    fb_overlap: bool = True             # run each micro-batch's forward inside the previous
+                                        # one's backward, so the forward's TP all-reduces and
+                                        # the backward's travel under each other's compute, at
+                                        # one micro-batch's activations (where it applies: tp >
+                                        # 1 without SP, pp, cp, full recompute, ZeRO-3 or
+                                        # --interleave, 2 or more micro-batches per step)
 
     def num_microbatches(self, global_batch: int, dp: int | None = None) -> int:
         return global_batch // (self.micro_batch_size * (dp or self.dp))
@@ -100,6 +106,14 @@ class ParallelConfig:
                    self.virtual_stages)
         self._check_interleave(self.num_microbatches(global_batch, dp), model.dropout)
         return lay
+
+    def fb_overlapped(self, micro_batches: int) -> bool:
+        """Whether steps run each micro-batch's forward inside the previous one's backward
+        (``fb_overlap``, where the layout has TP all-reduces for it to hide and runs its
+        micro-batches one after another)."""
+        return (self.fb_overlap and self.tp > 1 and not self.sequence_parallel
+                and self.pp == 1 and self.cp == 1 and self.recompute != "full"
+                and self.zero != 3 and self.interleave == 1 and micro_batches >= 2)
 
     def _check_interleave(self, micro_batches: int, dropout: float) -> None:
         """Interleaved micro-batches hide the TP all-reduces of the blocks' forwards; where

@@ -120,6 +120,15 @@ def _stage_costs(work, cluster, cfg, feat, split):
     others = interleaved(cfg, work) - 1
     exp_f = max(0.0, exp_f - others * lc.f)
     exp_b = max(0.0, exp_b - others * lc.b)
+    # Forward inside backward (fastpar.models.gpt.overlap_forward_backward): but the first
+    # micro-batch's forward and the last one's backward, a forward all-reduce travels while the
+    # previous micro-batch computes its backward, a backward one while the next computes its
+    # forward.
+    M = cfg.num_microbatches(work.global_batch)
+    if cfg.pp == 1 and cfg.fb_overlapped(M):
+        q = (M - 1) / M
+        exp_f = (1 - q) * exp_f + q * max(0.0, exp_f - lc.b)
+        exp_b = (1 - q) * exp_b + q * max(0.0, exp_b - lc.f)
     layer = (lc.f + exp_f + lc.cp_exposed_f, lc.b + exp_b + lc.cp_exposed_b, lc.w)
     if split:   # fastpar/pipeline/backward.py: the row linears' (o, down) weight GEMMs run in B
         mats = cost._linears(shape)
@@ -371,6 +380,11 @@ def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> li
             # of the interleaved micro-batches' before their one backward, the gradient once.
             logits = shape.tokens * m.padded_vocab / t * E
             acts += interleaved(cfg, work) * (cost.norm_bytes(shape, E, ref) + logits) + logits
+            if pp == 1 and cfg.fb_overlapped(cfg.num_microbatches(work.global_batch)):
+                # The next micro-batch's forward starts in the head's backward, once the loss
+                # has freed the logits it saved: its embedding output and first half-block (at
+                # most a layer) next to all of this micro-batch's.
+                acts = max(acts, acts - logits + per_layer)
             if shape.sp and t > 1 and (cfg.recompute == "none" or not feat.tp_overlap):
                 # the head keeps its gathered input (fastpar.models.gpt: gathered again only
                 # under recompute)

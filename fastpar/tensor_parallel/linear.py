@@ -23,7 +23,7 @@ from ..mesh.groups import group_rank, group_size
 from ..mesh.layout import require_positive
 from .mappings import (check_divisible, copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp,
                        reduce_scatter_to_sp, scatter_to_tp, _gather)
-from .overlap import ColumnLinearOverlap, RowLinearOverlap, defers, wait_grad_later
+from .overlap import ColumnLinearOverlap, RowLinearOverlap, defers_grads, wait_grad_later
 from .sharding import mark_partial_grads
 
 
@@ -221,7 +221,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.overlap:
             rows = x.reshape(-1, x.shape[-1])        # (S*B, in); a sequence shard under SP
             pending = None
-            if defers() and not self.sequence_parallel and rows.requires_grad:
+            if defers_grads() and not self.sequence_parallel and rows.requires_grad:
                 rows, pending = wait_grad_later(rows)   # interleaved micro-batches
             y = ColumnLinearOverlap.apply(rows, weight, self.tp_group,
                                           self.sequence_parallel, self.chunks, self._weight_id(),

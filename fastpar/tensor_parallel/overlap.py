@@ -37,10 +37,15 @@ def row_chunks(chunks: int, rows: int, cols: int, itemsize: int) -> int:
 # Where a row-parallel forward (no SP) leaves its all-reduce in flight: the works list of the
 # innermost deferred_reductions, or None (the all-reduce is waited inside the op, as usual).
 _deferred: list | None = None
+# Whether a column linear called inside it leaves its backward's all-reduce to a WaitGrad.
+_late_grads = False
+# What a column linear's backward (no SP) runs while its input-gradient all-reduce is in flight:
+# the innermost filling()'s function, or None (only its own weight-gradient GEMM).
+_filler = None
 
 
 @contextlib.contextmanager
-def deferred_reductions(works: list):
+def deferred_reductions(works: list, late_grads: bool = True):
     """Inside, a :class:`RowParallelLinear` without SP whose output its caller reads only
     later (``skip_bias_add``, or no bias) starts its output's all-reduce and returns at once; the
     work is appended to ``works``, and whoever reads that output waits it first; and a
@@ -48,19 +53,50 @@ def deferred_reductions(works: list):
     flight for a :class:`WaitGrad` that autograd runs late (see :func:`wait_grad_later`). This is
     what lets the trainer interleave micro-batches (``fastpar.models.gpt.interleave``): one
     micro-batch's reduction travels while the next one computes, in the forward and in the
-    backward. Not under torch.compile."""
-    global _deferred
-    outer, _deferred = _deferred, works
+    backward. Not under torch.compile. ``late_grads=False``: the forward's all-reduces only
+    (the backward waits its own, as outside)."""
+    global _deferred, _late_grads
+    outer, _deferred, outer_late, _late_grads = _deferred, works, _late_grads, late_grads
     try:
         yield works
     finally:
-        _deferred = outer
+        _deferred, _late_grads = outer, outer_late
+
+
+@contextlib.contextmanager
+def filling(fn):
+    """Inside, the backward of a column linear without SP starts its input-gradient all-reduce,
+    computes its weight gradient, then calls ``fn()`` before it waits: work that does not
+    depend on this backward (the next micro-batch's forward, a step at a time:
+    ``fastpar.models.gpt.overlap_forward_backward``) runs while the all-reduce travels. ``fn``
+    runs with the filler unset (nothing it calls fills in turn)."""
+    global _filler
+    outer, _filler = _filler, fn
+    try:
+        yield
+    finally:
+        _filler = outer
+
+
+def _fill() -> None:
+    global _filler
+    fn, _filler = _filler, None
+    try:
+        fn()
+    finally:
+        _filler = fn
 
 
 def defers() -> bool:
     """Whether a linear layer called now may leave its all-reduce in flight (inside
     :func:`deferred_reductions`, not compiling)."""
     return _deferred is not None and not torch.compiler.is_compiling()
+
+
+def defers_grads() -> bool:
+    """Whether a column linear called now leaves its backward's all-reduce to a late
+    :class:`WaitGrad` (inside :func:`deferred_reductions` with ``late_grads``)."""
+    return _late_grads and defers()
 
 
 class Pending:
@@ -151,6 +187,18 @@ class ColumnLinearOverlap(torch.autograd.Function):
             with span("tp column backward: start the input-grad all-reduce"):
                 ctx.pending.work = collectives.all_reduce(gx, group=ctx.group, async_op=True)
             gw = g.t() @ x if need_w else None
+            return gx, gw, None, None, None, None, None, None
+        if _filler is not None and need_x and not ctx.sp and not torch.compiler.is_compiling():
+            # A forward of another micro-batch runs here, while the all-reduce travels.
+            g = g.contiguous()
+            gx = g @ w
+            with span("tp column backward: start the input-grad all-reduce"):
+                work = collectives.all_reduce(gx, group=ctx.group, async_op=True)
+            gw = g.t() @ x if need_w else None
+            with span("tp column backward: the next micro-batch's forward under the all-reduce"):
+                _fill()
+            with span("tp column backward: wait for the input-grad all-reduce"):
+                work.wait()
             return gx, gw, None, None, None, None, None, None
         chunks = row_chunks(ctx.chunks, g.shape[0], x.shape[1], g.element_size())
         # The GEMMs read g (rows, out/tp) row-major. For the output head g is the loss's

@@ -131,6 +131,11 @@ class TrainConfig(ParallelConfig):
         if self.compile:
             self._check_compile(mc)
 
+    def fb_overlapped(self, micro_batches: int) -> bool:
+        """As :meth:`ParallelConfig.fb_overlapped`, and not compiled (a compiled block runs
+        whole)."""
+        return not self.compile and super().fb_overlapped(micro_batches)
+
     def _check_compile(self, mc: GPTConfig) -> None:
         """What a compiled block cannot do: draw a dropout seed on the host (a graph break), or
         split its backward into input and weight halves (it computes both in one piece)."""

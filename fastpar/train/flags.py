@@ -49,8 +49,10 @@ def add_flags(parser, cls, names=None, unset: bool = False, skip=()) -> None:
         kind = [t for t in typing.get_args(hints[name]) if t is not type(None)] or [hints[name]]
         value = None if unset and kind != [bool] else defaults[name]
         text = helps.get(name, "").replace("%", "%%")
-        if kind == [bool]:
-            parser.add_argument(flag(name), action="store_true", default=value, help=text)
+        if kind == [bool]:      # on by default: --name / --no-name
+            parser.add_argument(flag(name), default=value, help=text,
+                                action=argparse.BooleanOptionalAction if defaults[name] is True
+                                else "store_true")
         else:
             parser.add_argument(flag(name), type=kind[0], default=value, help=text)
 
@@ -62,6 +64,9 @@ def flags_of(cfg, names, defaults, always=()) -> list[str]:
     for name in names:
         value = getattr(cfg, name)
         if name not in always and value == getattr(defaults, name):
+            continue
+        if value is False and getattr(defaults, name) is True:
+            out.append(flag("no_" + name))
             continue
         out += [flag(name)] if value is True else [] if value is False else \
             [flag(name), str(value)]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..data_parallel import DataParallel
 from ..mesh import collectives
 from ..mesh.profiling import span
-from ..models.gpt import token_loss
+from ..models.gpt import overlap_forward_backward, token_loss
 from ..tensor_parallel import partial_grad_params, reduce_replicated_grads
 
 
@@ -29,7 +29,7 @@ def loss_fn(tp_group):
 
 
 def forward_backward(chunks, ddp, pipe, x, y, M: int, mesh, overlap: bool = True,
-                     interleave: int = 1) -> torch.Tensor:
+                     interleave: int = 1, fb_overlap: bool = False) -> torch.Tensor:
     """Forward and backward of one global batch share; returns this DP rank's mean loss.
 
     Under a pipeline with ``overlap``, each chunk's last backward (its last B, and its last W
@@ -41,10 +41,19 @@ def forward_backward(chunks, ddp, pipe, x, y, M: int, mesh, overlap: bool = True
     gradients (:func:`fastpar.tensor_parallel.reduce_replicated_grads`).
 
     ``interleave`` (no pipeline): micro-batches run forward this many at a time, interleaved
-    block by block (:meth:`fastpar.models.GPT.interleaved`), then backward together."""
+    block by block (:meth:`fastpar.models.GPT.interleaved`), then backward together.
+    ``fb_overlap`` (no pipeline, ``interleave`` 1, 2 or more micro-batches): each micro-batch's
+    forward runs inside the previous one's backward
+    (:func:`fastpar.models.gpt.overlap_forward_backward`; ``TrainConfig.fb_overlapped`` says
+    where the trainer asks for it)."""
     grads = replicated_grads_of(ddp, chunks)
-    loss = _accumulate(chunks[0], ddp, x, y, M, mesh, interleave) if pipe is None else \
-        _pipeline(ddp, pipe, x, y, mesh, overlap)
+    if pipe is None and fb_overlap and interleave == 1 and M >= 2:
+        sync = (lambda i: ddp.set_requires_gradient_sync(i == M - 1)) if ddp is not None \
+            else None
+        loss = overlap_forward_backward(chunks[0], x.chunk(M), y.chunk(M), M, sync)
+    else:
+        loss = _accumulate(chunks[0], ddp, x, y, M, mesh, interleave) if pipe is None else \
+            _pipeline(ddp, pipe, x, y, mesh, overlap)
     reduce_replicated_grads(chunks, mesh.tp_group, grads)
     return loss
 

@@ -336,7 +336,8 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     with wd.region(step, "forward and backward", ("tp", "cp", "pp", "dp")), \
             cfg.train_context(mesh.device.type), span("step", step):
         loss = forward_backward(run.chunks, run.ddp, run.pipe, x, y, run.micro_batches, mesh,
-                                interleave=run.cfg.interleave)
+                                interleave=run.cfg.interleave,
+                                fb_overlap=run.cfg.fb_overlapped(run.micro_batches))
     faults.poison(run.fault, step, mesh.rank, loss, run.chunks)
     with wd.region(step, "the loss all-reduce", ("dp", "cp")):
         collectives.all_reduce(loss, group=mesh.dp_cp_group)
