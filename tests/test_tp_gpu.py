@@ -229,3 +229,47 @@ def test_zero3_meta_build_gathers_on_a_side_stream_and_frees(one_rank):
         assert held3 <= 13 * n and held3 <= held1 - 3 * n, (held1, held3, n)
     print(f"ZeRO-3 vs ZeRO-1 after 3 steps, max relative difference {max(errs):.1e}; "
           f"held between steps {held3 / 2**20:.1f} vs {held1 / 2**20:.1f} MiB")
+
+
+def test_forward_steps_inside_a_column_backward_under_bf16_autocast(one_rank):
+    """``fb_overlap``'s device side: a micro-batch's forward steps run inside a column
+    linear's backward (on a GPU: autograd's device thread, grad off, no autocast of its own)
+    with the autocast and grad mode they were created under, and give that forward's loss and
+    gradients."""
+    import threading
+
+    from fastpar.models import GPT, GPTConfig
+    from fastpar.tensor_parallel.overlap import ColumnLinearOverlap, filling
+    r, group, dev = one_rank, one_rank.group, one_rank.dev
+    cfg = GPTConfig(vocab_size=512, n_layers=2, d_model=r.D // 4, n_heads=4, max_seq_len=r.S)
+    torch.manual_seed(3)
+    model = GPT(cfg, device=dev)
+    x = torch.randint(0, cfg.vocab_size, (2, r.S), device=dev)
+    y = torch.randint(0, cfg.vocab_size, (2, r.S), device=dev)
+    with torch.autocast(r.kind, dtype=torch.bfloat16):
+        ref = model(x, y)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(r.kind, dtype=torch.bfloat16):
+        steps = model.forward_steps(x, y)           # created under autocast, run outside it
+    seen = []
+
+    def fill():
+        seen.append((threading.get_ident(), torch.is_autocast_enabled(r.kind)))
+        steps()
+    a = torch.randn(64, 32, device=dev, requires_grad=True)
+    w = torch.randn(16, 32, device=dev)
+    for _ in range(2 * cfg.n_layers + 2):           # a step per column backward, and one more
+        with filling(fill):
+            ColumnLinearOverlap.apply(a, w, group, False, 1, id(w)).sum().backward()
+    assert steps.done and len(seen) == 2 * cfg.n_layers + 2
+    loss = steps.result
+    assert loss.requires_grad and rel(loss, ref) <= 1e-6, (loss, ref)
+    loss.backward()                 # (attention's backward may accumulate in another order)
+    worst = max(rel(p.grad, want[n]) for n, p in model.named_parameters())
+    r.sync()
+    assert worst <= TOL, worst
+    where = "another thread" if seen[0][0] != threading.get_ident() else "the caller's thread"
+    print(f"{len(seen)} forward steps inside column backwards on {where}, autocast "
+          f"{'on' if seen[0][1] else 'off'} around them; loss {loss.item():.4f} equal")

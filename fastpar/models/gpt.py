@@ -334,7 +334,6 @@ class ForwardSteps:
         self.device_type = device_type
         self.autocast = (torch.is_autocast_enabled(device_type),
                          torch.get_autocast_dtype(device_type))
-        self.steps = 0
 
     def __call__(self) -> None:
         """One step; nothing once the forward is done."""
@@ -348,7 +347,6 @@ class ForwardSteps:
                 deferred_reductions(self.works, late_grads=False):
             try:
                 next(self.run)
-                self.steps += 1
             except StopIteration as end:
                 self.done, self.result = True, end.value
 
