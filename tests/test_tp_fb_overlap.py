@@ -132,11 +132,12 @@ def _progress(rank, world_size):
             overlap.collectives.all_reduce = probe.real
         fwd = [r for r in probe.issued if r["forward"]]
         bwd = [r for r in probe.issued if not r["forward"]]
-        # both micro-batches' forwards: 4 blocks x 2 row all-reduces left in flight (micro-batch
-        # 0's waited at its next step: nothing to overlap before the first backward);
-        # micro-batch 0's backward: the head's and 4 x 2 column input-gradient ones, each with
-        # a forward step of micro-batch 1 run under it. Each waited exactly once.
-        assert len(fwd) == 16 and len(bwd) == 9, (len(fwd), len(bwd))
+        # both micro-batches' forwards: the embedding's and 4 blocks x 2 row all-reduces left
+        # in flight (micro-batch 0's waited at its next step: nothing to overlap before the
+        # first backward); micro-batch 0's backward: the head's and 4 x 2 column
+        # input-gradient ones, each with a forward step of micro-batch 1 run under it. Each
+        # waited exactly once.
+        assert len(fwd) == 18 and len(bwd) == 9, (len(fwd), len(bwd))
         assert all(r["waits"] == 1 for r in probe.issued), probe.issued
         if rank == lead:
             first += 1

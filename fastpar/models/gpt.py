@@ -146,10 +146,11 @@ class GPT(nn.Module):
         if self.config.rotary:
             self.rope_cos, self.rope_sin = rotary_tables(self.config, device)
 
-    def embed_tokens(self, tokens, start: int = 0):
+    def embed_tokens(self, tokens, start: int = 0, looked_up=None):
         """(B, S) ids at positions ``start`` .. start + S - 1 -> (S, B, D) hidden, or
-        (S/tp, B, D) under sequence parallelism."""
-        x = self.embed(tokens.t().contiguous())
+        (S/tp, B, D) under sequence parallelism. ``looked_up``: the embedding's output for
+        ``tokens``, already computed."""
+        x = self.embed(tokens.t().contiguous()) if looked_up is None else looked_up
         if not self.config.rotary:
             S = tokens.shape[1]
             pos = self.pos_embed.weight[start:start + S] if self.cp_group is None else \
@@ -202,18 +203,22 @@ class GPT(nn.Module):
                 x = layer(x, rope, self.recompute == "selective" and self.training)
         return self._exit(x, targets)
 
-    def _enter(self, x):
-        """The embedding (on the first stage) and the rotary rows of these tokens."""
+    def _enter(self, x, looked_up=None):
+        """The embedding (on the first stage) and the rotary rows of these tokens;
+        ``looked_up`` as in :meth:`embed_tokens`."""
         if self.pre_process:
-            if x.dim() != 2 or x.shape[1] > self.config.max_seq_len:
-                raise ValueError(f"GPT: tokens must be (B, S) with S <= max_seq_len="
-                                 f"{self.config.max_seq_len}, got {tuple(x.shape)}")
-            x = self.embed_tokens(x)
+            self._check_tokens(x)
+            x = self.embed_tokens(x, looked_up=looked_up)
         rope = (self.rope_cos, self.rope_sin) if self.config.rotary else None
         if rope is not None and self.cp_group is not None:     # the rows of the true positions
             S = x.shape[0] * (group_size(self.tp_group) if self.sp else 1)
             rope = tuple(t[self._positions(S)] for t in rope)
         return x, rope
+
+    def _check_tokens(self, x) -> None:
+        if x.dim() != 2 or x.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"GPT: tokens must be (B, S) with S <= max_seq_len="
+                             f"{self.config.max_seq_len}, got {tuple(x.shape)}")
 
     def _exit(self, x, targets):
         """The last stage's logits or loss from the blocks' output; else that output."""
@@ -265,13 +270,18 @@ class GPT(nn.Module):
     def forward_steps(self, x, targets=None) -> "ForwardSteps":
         """``self(x, targets)`` run a step at a time, from wherever the caller likes (the
         previous micro-batch's backward: :func:`overlap_forward_backward`): each step ends
-        after a row-parallel projection with its all-reduce left in flight. The same ops in
-        the same order as ``forward``, so the same numbers."""
+        after the embedding or a row-parallel projection, with its all-reduce left in flight.
+        The same ops in the same order as ``forward``, so the same numbers."""
         self.check_interleave(dropout=True)
         selective = self.recompute == "selective" and self.training
 
         def run():
-            h, rope = self._enter(x)
+            looked_up = None
+            if self.pre_process:            # the embedding's all-reduce left in flight too
+                self._check_tokens(x)
+                looked_up = self.embed(x.t().contiguous(), defer=True)
+                yield
+            h, rope = self._enter(x, looked_up)
             for layer in self.layers.values():
                 h = yield from layer.steps(h, rope, selective)
             return self._exit(h, targets)

@@ -23,6 +23,7 @@ from torch import nn
 from ..mesh.groups import all_gather_tensor
 from fastpar.tensor_parallel.mappings import (
     Group, group_rank, group_size, reduce_from_tp, reduce_scatter_to_sp)
+from . import overlap
 from .linear import TPSharded
 
 
@@ -85,8 +86,10 @@ class VocabParallelEmbedding(TPSharded):
         all_gather_tensor(out, w, group=self.tp_group)  # shards in group-rank order
         return out
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids (S, B) or (T,), any shape without SP -> (..., D); under SP (S/tp, ..., D)."""
+    def forward(self, ids: torch.Tensor, defer: bool = False) -> torch.Tensor:
+        """ids (S, B) or (T,), any shape without SP -> (..., D); under SP (S/tp, ..., D).
+        ``defer`` (no SP, inside ``overlap.deferred_reductions``): the output's all-reduce is
+        left in flight in its works; the caller reads the output only after waiting them."""
         self._check(ids)
         if ids.dtype not in (torch.int32, torch.int64):
             ids = ids.long()
@@ -97,6 +100,8 @@ class VocabParallelEmbedding(TPSharded):
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0)  # (..., D)
         if self.sequence_parallel:
             return reduce_scatter_to_sp(out, self.tp_group)
+        if defer and overlap.defers():
+            return overlap.ReduceLater.apply(out, self.tp_group)
         return reduce_from_tp(out, self.tp_group)
 
     def _check(self, ids: torch.Tensor) -> None:

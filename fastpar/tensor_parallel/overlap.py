@@ -99,6 +99,22 @@ def defers_grads() -> bool:
     return _late_grads and defers()
 
 
+class ReduceLater(torch.autograd.Function):
+    """Forward: start ``x``'s all-reduce over ``group`` in place and leave it in flight, in the
+    works of :func:`deferred_reductions` (whoever reads ``x`` waits it first). Backward:
+    identity, as Megatron's reduce-from-TP."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.mark_dirty(x)
+        _deferred.append(collectives.all_reduce(x, group=group, async_op=True))
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
 class Pending:
     """The input-gradient all-reduce a column linear's backward leaves in flight, waited by the
     :class:`WaitGrad` in front of it."""
