@@ -16,7 +16,10 @@ variants, or the run stops.
                 on all but the last micro-batch;
                 no buffer sync per forward: its only buffers are the constant rotary tables)
   fastpar tp2   ``build_model`` with the TP group (Column/RowParallelLinear, vocab-parallel
-                embedding, head and cross-entropy)
+                embedding, head and cross-entropy), each micro-batch's forward inside the
+                previous one's backward (the trainer's default, ``fb_overlap``)
+  fastpar tp2-seq  the same, one micro-batch after another (``--no-fb-overlap``)
+  fastpar tp2-il   the same, two micro-batches interleaved (``--interleave 2``)
   fastpar tp2-sp  the same with sequence parallelism (Megatron's 6 all-gathers + 4
                 reduce-scatters per layer)
   torch   tp2[-sp]  the installed torchtitan 0.3.0 (bench/titan_real.py): its Llama3 with the
