@@ -5,7 +5,6 @@ collectives; each backward all-reduce in flight while the next micro-batch's for
 and each forward one while the backward computes; about one micro-batch's activations; where
 the trainer turns it on."""
 import gc
-import time
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from fastpar.testing import run_ranks
 from fastpar.train import TrainConfig
 from fastpar.train.flags import flags_of
 from test_model import _params, _shard
-from test_tp_interleave import CONFIGS, _batches, _grads
+from test_tp_interleave import CONFIGS, _batches, _grads, probing, progress
 from wire import WireRecorder
 
 
@@ -82,74 +81,20 @@ def test_forward_inside_backward_equals_one_after_another(case):
     assert all(run_ranks(_equal, tp, *case.values(), timeout=180))
 
 
-class _Probe:
-    """Wraps ``collectives.all_reduce`` as the deferred paths call it (``async_op=True``):
-    per work, forward or backward, whether it had finished right after issue and when
-    waited, how many such all-reduces were issued in between, and the forward steps run."""
-
-    def __init__(self):
-        self.issued, self.real = [], overlap.collectives.all_reduce
-
-    def __call__(self, tensor, *args, **kwargs):
-        work = self.real(tensor, *args, **kwargs)
-        if not kwargs.get("async_op"):
-            return work
-        rec = {"forward": overlap._deferred is not None, "at_issue": work.is_completed(),
-               "at_wait": None, "waits": 0}
-        self.issued.append(rec)
-        issued = self.issued
-
-        class Work:
-            def wait(self):
-                if not rec["waits"]:
-                    rec["at_wait"] = work.is_completed()
-                    rec["issued_since"] = len(issued) - issued.index(rec) - 1
-                rec["waits"] += 1
-                return work.wait()
-        return Work()
-
-
-LEAD_S, MAX_RUNS = 0.1, 12
+def _fb_once(model, xs, ys):
+    with probing() as probe:
+        overlap_forward_backward(model, xs, ys, 2)
+    fwd = [r for r in probe.issued if r["forward"]]
+    # both micro-batches' forwards: the embedding's and 4 blocks x 2 row all-reduces left in
+    # flight (micro-batch 0's waited at its next step: nothing to overlap before the first
+    # backward); micro-batch 0's backward: the head's and 4 x 2 column input-gradient ones,
+    # each with a forward step of micro-batch 1 run under it
+    assert len(fwd) == 18 and len(probe.issued) - len(fwd) == 9, probe.issued
+    return probe.issued
 
 
 def _progress(rank, world_size):
-    cfg = GPTConfig(vocab_size=96, n_layers=4, d_model=256, n_heads=4, max_seq_len=128)
-    torch.manual_seed(0)
-    model = GPT(cfg, tp_group=dist.group.WORLD)
-    xs, ys = _batches(cfg, n=2, b=4, s=128)
-    pending = first = 0
-    finished = {"forward": False, "backward": False}
-    for run in range(MAX_RUNS):
-        lead = run % world_size
-        dist.barrier()
-        if rank != lead:
-            time.sleep(LEAD_S)
-        probe = _Probe()
-        overlap.collectives.all_reduce = probe
-        try:
-            overlap_forward_backward(model, xs, ys, 2)
-        finally:
-            overlap.collectives.all_reduce = probe.real
-        fwd = [r for r in probe.issued if r["forward"]]
-        bwd = [r for r in probe.issued if not r["forward"]]
-        # both micro-batches' forwards: the embedding's and 4 blocks x 2 row all-reduces left
-        # in flight (micro-batch 0's waited at its next step: nothing to overlap before the
-        # first backward); micro-batch 0's backward: the head's and 4 x 2 column
-        # input-gradient ones, each with a forward step of micro-batch 1 run under it. Each
-        # waited exactly once.
-        assert len(fwd) == 18 and len(bwd) == 9, (len(fwd), len(bwd))
-        assert all(r["waits"] == 1 for r in probe.issued), probe.issued
-        if rank == lead:
-            first += 1
-            pending += not bwd[0]["at_issue"]
-        for key, recs in (("forward", fwd), ("backward", bwd)):
-            finished[key] |= any(r["at_wait"] and not r["at_issue"] and r["issued_since"]
-                                 for r in recs)
-        everyone = [None] * world_size
-        dist.all_gather_object(everyone, all(finished.values()))
-        if run >= world_size - 1 and all(everyone):
-            break
-    return pending, first, finished
+    return progress(rank, world_size, _fb_once)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -2,6 +2,7 @@
 gradients as one micro-batch after another and as the single-process model, at tp 2 and 4; the
 same collectives; each row-parallel all-reduce left in flight while the other micro-batch
 computes, and seen to finish there; bad combinations refused."""
+import contextlib
 import time
 
 import pytest
@@ -71,9 +72,10 @@ def test_interleaved_equals_one_after_another_and_the_full_model(tp, name, recom
 
 
 class _Probe:
-    """Wraps ``collectives.all_reduce`` as the row linears call it when deferred: records, per
-    work, whether it had finished right after issue and at the moment it is waited, and how
-    many all-reduces were issued in between (another micro-batch's blocks computed)."""
+    """Wraps ``collectives.all_reduce`` as the row linears call it when deferred (and the column
+    linears' backward): records, per work, forward or backward, whether it had finished right
+    after issue and at the moment it is waited, and how many all-reduces were issued in between
+    (another micro-batch's blocks computed)."""
 
     def __init__(self):
         self.issued, self.real = [], overlap.collectives.all_reduce
@@ -82,7 +84,8 @@ class _Probe:
         work = self.real(tensor, *args, **kwargs)
         if not kwargs.get("async_op"):          # the module's other callers (the loss's)
             return work
-        rec = {"at_issue": work.is_completed(), "at_wait": None, "waits": 0}
+        rec = {"forward": overlap._deferred is not None,    # a row's, or a column's backward
+               "at_issue": work.is_completed(), "at_wait": None, "waits": 0}
         self.issued.append(rec)
         issued = self.issued
 
@@ -99,7 +102,24 @@ class _Probe:
 LEAD_S, MAX_RUNS = 0.1, 12
 
 
-def _progress(rank, world_size):
+@contextlib.contextmanager
+def probing():
+    """A :class:`_Probe` in place of the overlap module's all-reduce while inside."""
+    probe = _Probe()
+    overlap.collectives.all_reduce = probe
+    try:
+        yield probe
+    finally:
+        overlap.collectives.all_reduce = probe.real
+
+
+def progress(rank, world_size, run_once):
+    """``run_once(model, xs, ys)`` (2 micro-batches; returns the probe records in issue order,
+    each checked waited once) again and again, each rank in turn starting on time and its
+    peers ``LEAD_S`` later, until every rank has led once and, in the forward and in the
+    backward, some wait has found its all-reduce finished with another all-reduce issued since
+    (the other micro-batch computed in between). Returns (runs whose first all-reduce was not
+    finished at issue on the leading rank, runs led, the two found-finished flags)."""
     cfg = GPTConfig(vocab_size=96, n_layers=4, d_model=256, n_heads=4, max_seq_len=128)
     torch.manual_seed(0)
     model = GPT(cfg, tp_group=dist.group.WORLD)
@@ -111,35 +131,36 @@ def _progress(rank, world_size):
         dist.barrier()
         if rank != lead:
             time.sleep(LEAD_S)
-        probe = _Probe()
-        overlap.collectives.all_reduce = probe
-        try:
-            losses = model.interleaved(xs, ys)
-        finally:
-            overlap.collectives.all_reduce = probe.real
-        back = _Probe()
-        overlap.collectives.all_reduce = back
-        try:
-            sum(losses).backward()
-        finally:
-            overlap.collectives.all_reduce = back.real
-        # 2 micro-batches x 4 blocks x 2 branches, every one waited exactly once; in the
-        # backward the same for the column linears' input grads
-        assert len(probe.issued) == 16 and all(r["waits"] == 1 for r in probe.issued)
-        assert len(back.issued) == 16 and all(r["waits"] == 1 for r in back.issued), back.issued
+        records = run_once(model, xs, ys)
+        assert all(r["waits"] == 1 for r in records), records
         if rank == lead:    # its first all-reduce was issued before any peer had started
             first += 1
-            pending += not probe.issued[0]["at_issue"]
-        # finished while the other micro-batch computed (its block ran and issued its own
-        # all-reduce in between): the wait found it done
-        for key, p in (("forward", probe), ("backward", back)):
+            pending += not records[0]["at_issue"]
+        for key in finished:
             finished[key] |= any(r["at_wait"] and not r["at_issue"] and r["issued_since"]
-                                 for r in p.issued)
+                                 for r in records if r["forward"] == (key == "forward"))
         everyone = [None] * world_size
         dist.all_gather_object(everyone, all(finished.values()))
         if run >= world_size - 1 and all(everyone):
             break
     return pending, first, finished
+
+
+def _interleaved_once(model, xs, ys):
+    with probing() as probe:
+        losses = model.interleaved(xs, ys)
+    with probing() as back:
+        sum(losses).backward()
+    # 2 micro-batches x 4 blocks x 2 branches; in the backward the same for the column
+    # linears' input grads
+    assert len(probe.issued) == 16 and len(back.issued) == 16, (probe.issued, back.issued)
+    assert all(r["forward"] for r in probe.issued) and not any(r["forward"]
+                                                               for r in back.issued)
+    return probe.issued + back.issued
+
+
+def _progress(rank, world_size):
+    return progress(rank, world_size, _interleaved_once)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
