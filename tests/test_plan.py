@@ -828,3 +828,20 @@ def test_forward_inside_backward_in_the_model():
                   dict(tp=1, dp=8)):
         a, b = (dataclasses.replace(c, **where) for c in (on, off))
         assert evaluate(work, cluster, a).step_time_s == evaluate(work, cluster, b).step_time_s
+
+
+@pytest.mark.parametrize("moe", [dict(n_experts=4, moe_top_k=2, moe_ffn=192),
+                                 dict(n_experts=4, moe_top_k=2, moe_ffn=192,
+                                      moe_shared_experts=1),
+                                 dict(n_experts=8, moe_top_k=1, moe_ffn=64)],
+                         ids=["top2", "shared", "top1"])
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_moe_activation_bytes_match_what_autograd_saves(moe, mode, recompute):
+    """A mixture-of-experts layer (dropless): the rows gathered by expert, each expert's
+    SwiGLU, the outputs and their weighed copy, the routing's indices and weights, as
+    autograd keeps them."""
+    model = _TINY.replace(**moe)
+    E = 2 if mode == "bf16" else 4
+    want = cost.activation_bytes(Shape(model, 96, 3), recompute, Features(), E, reference=True)
+    assert want / (96 * 3) == pytest.approx(_saved_layer_bytes(model, mode, recompute), rel=0.01)

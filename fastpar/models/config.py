@@ -28,6 +28,16 @@ class GPTConfig:
     norm_eps: float = 1e-5
     pad_vocab_to: int = 128          # the vocabulary is padded to a multiple of this (for TP)
     init_seed: int = 0               # every module's weights come from (init_seed, its position)
+    n_experts: int = 0               # experts in each block's MLP (mixture of experts); 0: dense
+    moe_top_k: int = 2               # experts each token goes to
+    moe_ffn: int | None = None       # an expert's inner size; None = ffn_dim
+    moe_shared_experts: int = 0      # shared experts: one dense SwiGLU of this many experts' size
+    moe_shared_gate: bool = False    # scale the shared experts' output by sigmoid(x w) (Qwen2-MoE)
+    moe_capacity_factor: float = 0.0  # an expert takes at most this x its fair share; 0: dropless
+    moe_aux_loss: float = 0.01       # the load-balancing auxiliary loss's coefficient
+    moe_norm_topk: bool = True       # renormalise the top-k router weights to sum to 1 (Mixtral)
+    moe_bias_rate: float = 0.0       # auxiliary-loss-free balancing: the router bias's step per
+                                     # optimizer step (DeepSeek-V3); 0: off
 
     def __post_init__(self):
         require_positive({k: getattr(self, k) for k in ("vocab_size", "n_layers", "d_model",
@@ -48,6 +58,20 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: rotary needs an even head_dim, got {self.head_dim}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig: dropout={self.dropout} must be in [0, 1)")
+        if self.n_experts:      # (0: dense)
+            bad = {k: getattr(self, k) for k, ok in (
+                ("n_experts", self.n_experts >= 2),
+                ("moe_top_k", 1 <= self.moe_top_k <= self.n_experts),
+                ("moe_ffn", self.moe_ffn is None or self.moe_ffn >= 1),
+                ("moe_shared_experts", self.moe_shared_experts >= 0),
+                ("moe_capacity_factor", self.moe_capacity_factor >= 0),
+                ("moe_aux_loss", self.moe_aux_loss >= 0),
+                ("moe_bias_rate", self.moe_bias_rate >= 0),
+                ("activation", self.activation == "swiglu")) if not ok}
+            if bad:
+                raise ValueError(f"GPTConfig: mixture of experts with {bad}: needs n_experts >= "
+                                 f"2, 1 <= moe_top_k <= n_experts, moe_ffn >= 1, the "
+                                 f"moe_ counts and rates >= 0 and activation 'swiglu'")
 
     @property
     def kv_heads(self) -> int:
@@ -64,6 +88,11 @@ class GPTConfig:
         if self.activation == "gelu":
             return 4 * self.d_model
         return 64 * ((8 * self.d_model // 3 + 63) // 64)   # swiglu: ~8/3 d, a multiple of 64
+
+    @property
+    def expert_ffn(self) -> int:
+        """An expert's inner size (MoE)."""
+        return self.moe_ffn or self.ffn_dim
 
     @property
     def padded_vocab(self) -> int:
@@ -83,6 +112,10 @@ class GPTConfig:
         d, f, hd = self.d_model, self.ffn_dim, self.head_dim
         attn = d * (self.n_heads * hd) * 2 + d * (self.kv_heads * hd) * 2
         mlp = d * f * (3 if self.activation == "swiglu" else 2)
+        if self.n_experts:      # every expert, the shared ones, the router (and its gate)
+            ef = self.expert_ffn
+            mlp = 3 * d * ef * (self.n_experts + self.moe_shared_experts) + \
+                d * (self.n_experts + self.moe_shared_gate)
         return attn + mlp + 2 * d
 
     def num_params(self) -> int:
@@ -98,9 +131,13 @@ class GPTConfig:
         part: the attention projections, attention's core (QK^T and PV over every key, as
         Megatron counts it) and the MLP."""
         h, d, a, g, f = self.d_model, self.head_dim, self.n_heads, self.kv_heads, self.ffn_dim
+        mlp = 2.0 * tokens * h * f * (3 if self.activation == "swiglu" else 2)
+        if self.n_experts:      # each token through top_k experts and the shared ones; router
+            mlp = 2.0 * tokens * h * (3 * self.expert_ffn * (self.moe_top_k +
+                                                             self.moe_shared_experts)
+                                      + self.n_experts)
         return {"qkvo": 2.0 * tokens * h * (2 * a * d + 2 * g * d),
-                "core": 4.0 * tokens * seq_len * a * d,
-                "mlp": 2.0 * tokens * h * f * (3 if self.activation == "swiglu" else 2)}
+                "core": 4.0 * tokens * seq_len * a * d, "mlp": mlp}
 
     def train_flops(self, seq_len: int, tokens: int = 1, recompute: str = "none") -> float:
         """FLOPs of forward and backward (3x the forward) of ``tokens`` tokens through the
@@ -132,6 +169,10 @@ PRESETS: dict[str, GPTConfig] = {
     # Trains on a CPU in minutes: byte vocabulary, no dropout.
     "tiny": GPTConfig(vocab_size=256, n_layers=4, d_model=128, n_heads=4, max_seq_len=256),
     "small": GPTConfig(vocab_size=256, n_layers=8, d_model=256, n_heads=8, max_seq_len=512),
+    # tiny with a mixture of 4 experts of half the MLP's size, 2 per token (the same active
+    # FLOPs as tiny)
+    "tiny-moe": GPTConfig(vocab_size=256, n_layers=4, d_model=128, n_heads=4, max_seq_len=256,
+                          n_experts=4, moe_top_k=2, moe_ffn=192),
     "gpt2-124m": GPTConfig(vocab_size=50257, n_layers=12, d_model=768, n_heads=12,
                            max_seq_len=1024, norm="layernorm", activation="gelu", rotary=False,
                            tie_embeddings=True, bias=True),

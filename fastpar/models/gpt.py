@@ -52,6 +52,10 @@ class GPT(nn.Module):
         # Context parallelism: the tokens given are this rank's two chunks of each sequence
         # (fastpar.context_parallel.shard_sequence), each at its true position.
         self.cp_group = cp_group if group_size(cp_group) > 1 else None
+        if self.cp_group is not None and config.n_experts:
+            raise ValueError(f"GPT: mixture of experts (n_experts={config.n_experts}) with "
+                             f"context parallelism is not supported yet (the router's balance "
+                             f"statistics would be each rank's half of the sequences)")
         if self.cp_group is not None and config.dropout:
             raise ValueError(f"GPT: dropout={config.dropout} with context parallelism is not "
                              "supported (the masks would not be the single-process ones)")
@@ -118,8 +122,10 @@ class GPT(nn.Module):
                                              cp_group=self.cp_group,
                                              regather_input=self.recompute == "selective",
                                              **kw).to(device)
-                for proj in (m.attn.o, m.mlp.down):
-                    proj.weight.mul_((2 * config.n_layers) ** -0.5)
+                for w in (m.attn.o.weight, *([m.mlp.experts.down] + (
+                        [m.mlp.shared.down] if m.mlp.shared is not None else [])
+                        if config.n_experts else [m.mlp.down.weight])):
+                    w.mul_((2 * config.n_layers) ** -0.5)
         return m
 
     @torch.no_grad()

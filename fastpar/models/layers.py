@@ -16,6 +16,7 @@ from ..context_parallel import ring_attention
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, mark_partial_grads
 from ..mesh.groups import group_rank, group_size
 from .config import GPTConfig
+from .moe import MoE
 
 
 class Norm(nn.Module):
@@ -157,7 +158,18 @@ class ParallelTransformerLayer(nn.Module):
         self.norm1, self.norm2 = Norm(config, **kw), Norm(config, **kw)
         self.attn = ParallelAttention(config, overlap=overlap, cp_group=cp_group,
                                       regather_input=regather_input, **kw)
-        self.mlp = ParallelMLP(config, overlap=overlap, regather_input=regather_input, **kw)
+        if config.n_experts:
+            if group_size(tp_group) > 1:
+                raise ValueError(f"mixture of experts (n_experts={config.n_experts}) with tp="
+                                 f"{group_size(tp_group)} is not supported yet: use tp=1")
+            self.mlp = MoE(config.d_model, config.n_experts, config.moe_top_k,
+                           config.expert_ffn, n_shared=config.moe_shared_experts,
+                           shared_gate=config.moe_shared_gate,
+                           capacity_factor=config.moe_capacity_factor,
+                           aux_loss_coef=config.moe_aux_loss, norm_topk=config.moe_norm_topk,
+                           bias_update_rate=config.moe_bias_rate)
+        else:
+            self.mlp = ParallelMLP(config, overlap=overlap, regather_input=regather_input, **kw)
         self.dropout = config.dropout
         self.shard = group_rank(tp_group) if sequence_parallel else 0
 

@@ -91,6 +91,10 @@ class ParallelConfig:
         if self.cp > 1:
             check_seq_len(seq_len, self.cp)
         model.check_tp(self.tp)
+        if model.n_experts and (self.tp > 1 or self.cp > 1):
+            raise ValueError(f"mixture of experts (n_experts={model.n_experts}) with tp="
+                             f"{self.tp}, cp={self.cp} is not supported yet: its experts run "
+                             f"with tp=1 and cp=1 (dp and pp are supported)")
         if model.n_layers < self.pp * self.virtual_stages:
             raise ValueError(f"the model has {model.n_layers} layers, fewer than pp x virtual "
                              f"stages = {self.pp} x {self.virtual_stages}")

@@ -446,12 +446,21 @@ def activation_bytes(shape: Shape, recompute: str, feat: Features = FASTPAR,
     # view of the core's output (counted on the real layer by tests/test_plan.py).
     core_out = E * q if feat.flash_attention and recompute != "selective" else 0.0
     attn = norm + qkv + (E * q if reference and not m.rotary else core_out + E * q)
-    if reference:    # swiglu_reference: fp32 gate, silu(gate) and up, and the product cast
-        #              back (down's input); bias_gelu_reference: fp32 x + bias, and gelu(...)
-        C = REFERENCE_COMPUTE_BYTES
-        act = (3 * C + E) * f if m.activation == "swiglu" else (C + E) * f
-    else:            # the fused kernels: their inputs (up and gate, or fc1's output) and down's
-        act = E * f * (3 if m.activation == "swiglu" else 2)
+    def swiglu(f):
+        if reference:    # swiglu_reference: fp32 gate, silu(gate) and up, and the product cast
+            #              back (down's input); bias_gelu_reference: fp32 x + bias, gelu(...)
+            C = REFERENCE_COMPUTE_BYTES
+            return (3 * C + E) * f if m.activation == "swiglu" else (C + E) * f
+        return E * f * (3 if m.activation == "swiglu" else 2)   # the fused kernels' inputs
+    if m.n_experts:     # fastpar/models/moe.py, tp = 1
+        k = m.moe_top_k
+        act = (swiglu(T * k * m.expert_ffn) + swiglu(T * m.moe_shared_experts * m.expert_ffn)
+               + E * 3 * T * k * m.d_model     # the rows gathered by expert, the experts'
+               #                                 outputs, those outputs weighed (index_add's)
+               + T * (E * k + 16 * k + 4 * m.n_experts))   # their weights; the chosen experts
+        #                                   and the sorted rows' tokens (int64); fp32 router
+    else:
+        act = swiglu(f)
     mlp = norm + act
     if shape.sp and t > 1 and not regathers(recompute, feat):
         # qkv and fc1 keep their gathered inputs (tp times the shard the norm wrote)

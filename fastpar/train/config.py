@@ -139,6 +139,10 @@ class TrainConfig(ParallelConfig):
     def _check_compile(self, mc: GPTConfig) -> None:
         """What a compiled block cannot do: draw a dropout seed on the host (a graph break), or
         split its backward into input and weight halves (it computes both in one piece)."""
+        if mc.n_experts:
+            raise ValueError(f"--compile with a mixture of experts (n_experts={mc.n_experts}) "
+                             f"is not supported: its experts read their token counts on the "
+                             f"host (a graph break)")
         if mc.dropout:
             raise ValueError(f"--compile needs a model without dropout (dropout={mc.dropout}: "
                              "each mask's seed is drawn on the host, a graph break per block)")

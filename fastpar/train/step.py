@@ -20,6 +20,7 @@ from ..data_parallel import DataParallel
 from ..mesh import collectives
 from ..mesh.profiling import span
 from ..models.gpt import overlap_forward_backward, token_loss
+from ..models.moe import aux_scale
 from ..tensor_parallel import partial_grad_params, reduce_replicated_grads
 
 
@@ -47,6 +48,13 @@ def forward_backward(chunks, ddp, pipe, x, y, M: int, mesh, overlap: bool = True
     (:func:`fastpar.models.gpt.overlap_forward_backward`; ``TrainConfig.fb_overlapped`` says
     where the trainer asks for it)."""
     grads = replicated_grads_of(ddp, chunks)
+    with aux_scale(1.0 / M):    # an MoE auxiliary loss weighs as the micro-batch's loss
+        loss = _step(chunks, ddp, pipe, x, y, M, mesh, overlap, interleave, fb_overlap)
+    reduce_replicated_grads(chunks, mesh.tp_group, grads)
+    return loss
+
+
+def _step(chunks, ddp, pipe, x, y, M, mesh, overlap, interleave, fb_overlap):
     if pipe is None and fb_overlap and interleave == 1 and M >= 2:
         sync = (lambda i: ddp.set_requires_gradient_sync(i == M - 1)) if ddp is not None \
             else None
@@ -54,7 +62,6 @@ def forward_backward(chunks, ddp, pipe, x, y, M: int, mesh, overlap: bool = True
     else:
         loss = _accumulate(chunks[0], ddp, x, y, M, mesh, interleave) if pipe is None else \
             _pipeline(ddp, pipe, x, y, mesh, overlap)
-    reduce_replicated_grads(chunks, mesh.tp_group, grads)
     return loss
 
 

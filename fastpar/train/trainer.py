@@ -58,6 +58,7 @@ from .outdir import check_out, nothing_to_resume, prepare_out, resolve_out
 from .run_record import check_changes, legacy_record, run_record, write_run_files
 from .lr_schedule import lr_at
 from .step import evaluate, forward_backward, loss_fn
+from ..models.moe import update_biases
 from .sample import print_sample
 from .profiler import StepProfiler
 
@@ -351,6 +352,7 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     with wd.region(step, "the optimizer step", ("dp",)), span("optimizer step"):
         opt.step(found_inf=bad)     # ZeRO-1 all-gathers the updated shards here
     opt.zero_grad(set_to_none=True)
+    update_biases(run.chunks, mesh.dp_cp_group)     # MoE's loss-free balancing, if on
     return loss, norm, bad, lr
 
 

@@ -1,0 +1,233 @@
+"""Mixture of experts: a top-k router and SwiGLU experts, in place of a block's MLP.
+
+Tokens are rows ``(T, D)`` (the block's ``(S, B, D)`` flattened). The router scores every expert
+in fp32 (softmax of ``x W_r^T``), picks each token's ``top_k`` and weighs their outputs by the
+picked probabilities (renormalised over the ``top_k`` when ``norm_topk``, as Mixtral does). Two ways
+to balance the load, usable together:
+
+- the auxiliary loss of Switch / GShard as Mixtral defines it, ``E * sum_e (tokens to e / T) *
+  (mean router probability of e)``, times ``aux_loss_coef``, added to the training loss through
+  the backward (:class:`AuxLoss`: the model's outputs are unchanged; Megatron's way), per
+  micro-batch, scaled by 1 / M as the training loss is (:func:`aux_scale`);
+- the auxiliary-loss-free bias of DeepSeek-V3: a per-expert bias added to the scores for the
+  choice only (not the weights), moved after each optimizer step by ``bias_update_rate`` towards
+  the experts that got fewer tokens than the mean (:func:`update_biases`: the counts summed over
+  the data-parallel ranks first, so every replica steps alike).
+
+Dropless by default: every expert takes all the tokens routed to it. With ``capacity_factor`` > 0
+an expert takes at most ``ceil(capacity_factor * T * top_k / E)`` tokens, the first ones in token
+order; the others' assignments are dropped (their weight lost, as in Switch) and counted.
+
+Optional shared experts (DeepSeek, Qwen-MoE): one dense SwiGLU MLP every token goes through, its
+output added, optionally scaled by ``sigmoid(x w_g)`` (Qwen2-MoE's shared-expert gate).
+
+The experts' GEMMs run per expert on the rows sorted by expert (torch's reference of a grouped
+GEMM): this reads the per-expert counts on the host, one sync per MoE layer and forward.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import kernels
+
+
+# What the auxiliary loss's gradient is multiplied by besides its coefficient: the step's 1 / M
+# for M micro-batches, as the training loss of each micro-batch is divided by M
+# (:func:`aux_scale`; Megatron's MoEAuxLossAutoScaler.set_loss_scale).
+_aux_scale = 1.0
+
+
+@contextlib.contextmanager
+def aux_scale(scale: float):
+    """Inside, each auxiliary loss enters the backward times ``scale`` (and its coefficient)."""
+    global _aux_scale
+    outer, _aux_scale = _aux_scale, scale
+    try:
+        yield
+    finally:
+        _aux_scale = outer
+
+
+def moe_layers(modules) -> list:
+    """The :class:`MoE` layers of ``modules`` (e.g. the pipeline chunks), in order."""
+    return [m for mod in modules for m in mod.modules() if isinstance(m, MoE)]
+
+
+@torch.no_grad()
+def update_biases(modules, group=None) -> None:
+    """:meth:`MoE.update_bias` for every MoE layer of ``modules`` with the loss-free bias on,
+    from the tokens each expert got since the last call summed over ``group`` (the data- and
+    context-parallel ranks: every replica then takes the same step) in one all-reduce."""
+    layers = [m for m in moe_layers(modules) if m.bias_update_rate and m._load is not None]
+    if not layers:
+        return
+    load = torch.stack([m._load for m in layers]).float()
+    if group is not None and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(load, group=group)
+    for m, mine in zip(layers, load):
+        m._load = mine
+        m.update_bias()
+
+
+class AuxLoss(torch.autograd.Function):
+    """Identity on ``y``; its backward also gives ``aux`` the gradient ``scale``: the auxiliary
+    loss joins the training loss's backward without changing what the model returns."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale: float):
+        ctx.scale = scale
+        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype,
+                             device=g.device), None
+
+
+def _init_linear_(w: torch.Tensor) -> None:
+    nn.init.kaiming_uniform_(w, a=math.sqrt(5))     # nn.Linear's
+
+
+class Router(nn.Module):
+    """Top-k softmax router over ``n_experts``; ``bias`` (a buffer) only steers the choice."""
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int, norm_topk: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"Router: top_k={top_k} must be in [1, n_experts={n_experts}]")
+        self.n_experts, self.top_k, self.norm_topk = n_experts, top_k, norm_topk
+        self.weight = nn.Parameter(torch.empty(n_experts, d_model, device=device, dtype=dtype))
+        _init_linear_(self.weight)
+        self.register_buffer("bias", torch.zeros(n_experts, device=device), persistent=True)
+
+    def forward(self, x: torch.Tensor):
+        """x (T, D) -> (probs (T, E) fp32, experts (T, k), weights (T, k) fp32)."""
+        probs = F.linear(x, self.weight).float().softmax(-1)
+        experts = (probs + self.bias).topk(self.top_k, dim=-1).indices   # the bias: choice only
+        weights = probs.gather(-1, experts)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return probs, experts, weights
+
+
+class Experts(nn.Module):
+    """``n`` SwiGLU experts, their weights stacked: ``gate_up`` (n, 2F, D) (gate rows, then up
+    rows), ``down`` (n, D, F)."""
+
+    def __init__(self, n: int, d_model: int, ffn: int, device=None, dtype=None):
+        super().__init__()
+        self.n, self.ffn = n, ffn
+        self.gate_up = nn.Parameter(torch.empty(n, 2 * ffn, d_model, device=device, dtype=dtype))
+        self.down = nn.Parameter(torch.empty(n, d_model, ffn, device=device, dtype=dtype))
+        for e in range(n):
+            _init_linear_(self.gate_up.data[e, :ffn])
+            _init_linear_(self.gate_up.data[e, ffn:])
+            _init_linear_(self.down.data[e])
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``rows`` sorted by expert, ``counts[e]`` of them for expert e -> the experts'
+        outputs, in the same order."""
+        outs = []
+        for e, part in enumerate(rows.split(counts)):
+            if not counts[e]:
+                continue
+            gate, up = F.linear(part, self.gate_up[e]).chunk(2, dim=-1)
+            outs.append(F.linear(kernels.swiglu(gate, up), self.down[e]))
+        return torch.cat(outs) if outs else rows.new_zeros((0, rows.shape[-1]))
+
+
+class MoE(nn.Module):
+    """The MoE layer of a block: router, experts, optional shared experts. Returns
+    ``(output, None)`` like the dense MLP (the None: no bias left for the caller to add).
+
+    ``stats`` after each forward (detached, on the device, no host sync): ``tokens`` per expert
+    (assignments kept), ``dropped`` assignments, ``aux`` loss (before its coefficient)."""
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int, ffn: int, *,
+                 n_shared: int = 0, shared_gate: bool = False, capacity_factor: float = 0.0,
+                 aux_loss_coef: float = 0.0, norm_topk: bool = True,
+                 bias_update_rate: float = 0.0, device=None, dtype=None):
+        super().__init__()
+        if n_experts < 2:
+            raise ValueError(f"MoE: n_experts={n_experts} must be at least 2")
+        if capacity_factor < 0 or aux_loss_coef < 0 or bias_update_rate < 0:
+            raise ValueError(f"MoE: capacity_factor={capacity_factor}, aux_loss_coef="
+                             f"{aux_loss_coef} and bias_update_rate={bias_update_rate} must be "
+                             f">= 0")
+        self.router = Router(d_model, n_experts, top_k, norm_topk, device, dtype)
+        self.experts = Experts(n_experts, d_model, ffn, device, dtype)
+        self.shared = Experts(1, d_model, n_shared * ffn, device, dtype) if n_shared else None
+        self.shared_gate = nn.Parameter(torch.empty(1, d_model, device=device, dtype=dtype)) \
+            if n_shared and shared_gate else None
+        if self.shared_gate is not None:
+            _init_linear_(self.shared_gate)
+        self.capacity_factor, self.aux_loss_coef = capacity_factor, aux_loss_coef
+        self.bias_update_rate = bias_update_rate
+        self.stats: dict[str, torch.Tensor] = {}
+        self._load = None       # tokens per expert since the last update_bias
+
+    @property
+    def n_experts(self) -> int:
+        return self.router.n_experts
+
+    def capacity(self, tokens: int) -> int | None:
+        """Assignments an expert takes at most for ``tokens`` tokens; None when dropless."""
+        if not self.capacity_factor:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.router.top_k / self.n_experts)
+
+    def forward(self, x: torch.Tensor):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])                            # (T, D)
+        T, E, k = x.shape[0], self.n_experts, self.router.top_k
+        probs, experts, weights = self.router(x)
+        flat = experts.reshape(-1)                              # (T*k,) token-major
+        keep = None
+        cap = self.capacity(T)
+        if cap is not None:     # the first `cap` assignments of each expert, in token order
+            onehot = F.one_hot(flat, E)
+            rank = (onehot.cumsum(0) * onehot).sum(-1) - 1      # place within its expert
+            keep = rank < cap
+        order = flat.argsort(stable=True)                       # by expert, then token order
+        tokens = torch.bincount(flat, minlength=E)
+        if keep is not None:
+            order = order[keep[order]]
+            kept = torch.bincount(flat[keep], minlength=E)
+        else:
+            kept = tokens
+        src = order // k                                        # each sorted row's token
+        rows = self.experts(x[src], kept.tolist())              # one host sync
+        w = weights.reshape(-1)[order].to(rows.dtype)
+        y = torch.zeros_like(x).index_add_(0, src, rows * w[:, None])
+        if self.shared is not None:
+            s = self.shared(x, [T])
+            if self.shared_gate is not None:
+                s = s * torch.sigmoid(F.linear(x, self.shared_gate))
+            y = y + s
+        aux = E * (tokens.to(probs.dtype) / T * probs.mean(0)).sum()
+        self.stats = {"tokens": kept.detach(), "dropped": (tokens - kept).sum().detach(),
+                      "aux": aux.detach()}
+        if self.bias_update_rate:
+            self._load = kept.detach() if self._load is None else self._load + kept.detach()
+        if self.training and self.aux_loss_coef and torch.is_grad_enabled():
+            y = AuxLoss.apply(y, aux, self.aux_loss_coef * _aux_scale)
+        return y.view(shape), None
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """The auxiliary-loss-free step (DeepSeek-V3): each expert's bias moves by
+        ``bias_update_rate`` up if it got fewer tokens than the mean since the last call, down
+        if more. Call after the optimizer step."""
+        if not self.bias_update_rate or self._load is None:
+            return
+        load = self._load.float()
+        self.router.bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        self._load = None

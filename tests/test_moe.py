@@ -1,0 +1,252 @@
+"""The mixture-of-experts layer (``fastpar.models.moe``) on one rank: equal to transformers'
+Mixtral and Qwen2-MoE blocks (outputs, auxiliary loss, every gradient); capacity drops the
+latest assignments per expert and counts them; the auxiliary loss reaches the router through
+the backward; the loss-free bias steers the choice, not the weights, towards balance; in the GPT;
+bad settings refused."""
+import pytest
+import torch
+
+from fastpar.models import GPT, GPTConfig
+from fastpar.models.moe import MoE
+
+transformers = pytest.importorskip("transformers")
+
+
+def _from_hf(hf, moe, gate_up_names, down_name, shared=None):
+    """Copy an HF sparse-MoE block's weights into ``moe``."""
+    F = moe.experts.ffn
+    with torch.no_grad():
+        moe.router.weight.copy_(hf.gate.weight)
+        for e, ex in enumerate(hf.experts):
+            gate, up = (getattr(ex, n).weight for n in gate_up_names)
+            moe.experts.gate_up[e, :F].copy_(gate)
+            moe.experts.gate_up[e, F:].copy_(up)
+            moe.experts.down[e].copy_(getattr(ex, down_name).weight)
+        if shared is not None:
+            Fs = moe.shared.ffn
+            moe.shared.gate_up[0, :Fs].copy_(shared.gate_proj.weight)
+            moe.shared.gate_up[0, Fs:].copy_(shared.up_proj.weight)
+            moe.shared.down[0].copy_(shared.down_proj.weight)
+            moe.shared_gate.copy_(hf.shared_expert_gate.weight)
+
+
+def _grads_close(pairs, tol=1e-5):
+    for name, a, b in pairs:
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=name)
+
+
+def test_equals_transformers_mixtral_block():
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import (MixtralSparseMoeBlock,
+                                                              load_balancing_loss_func)
+    torch.manual_seed(0)
+    cfg = MixtralConfig(hidden_size=64, intermediate_size=96, num_local_experts=8,
+                        num_experts_per_tok=2)
+    hf = MixtralSparseMoeBlock(cfg)
+    moe = MoE(64, 8, 2, 96)
+    _from_hf(hf, moe, ("w1", "w3"), "w2")
+    x = torch.randn(3, 10, 64)
+    want, logits = hf(x)
+    got, bias = moe(x)
+    assert bias is None
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(moe.stats["aux"], load_balancing_loss_func((logits,), 8, 2),
+                               atol=1e-6, rtol=1e-6)
+    assert moe.stats["tokens"].sum() == 30 * 2 and moe.stats["dropped"] == 0
+    (got.square().sum()).backward()
+    (want.square().sum()).backward()
+    _grads_close([("router", moe.router.weight.grad, hf.gate.weight.grad)] +
+                 [(f"w2 {e}", moe.experts.down.grad[e], ex.w2.weight.grad)
+                  for e, ex in enumerate(hf.experts)] +
+                 [(f"w1 {e}", moe.experts.gate_up.grad[e, :96], ex.w1.weight.grad)
+                  for e, ex in enumerate(hf.experts)])
+
+
+def test_equals_transformers_qwen2_moe_block_with_its_shared_expert():
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    torch.manual_seed(1)
+    for norm in (False, True):
+        cfg = Qwen2MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=6,
+                             num_experts_per_tok=3, shared_expert_intermediate_size=64,
+                             norm_topk_prob=norm)
+        hf = Qwen2MoeSparseMoeBlock(cfg)
+        moe = MoE(64, 6, 3, 32, n_shared=2, shared_gate=True, norm_topk=norm)
+        _from_hf(hf, moe, ("gate_proj", "up_proj"), "down_proj", hf.shared_expert)
+        x = torch.randn(2, 12, 64)
+        want, _ = hf(x)
+        got, _ = moe(x)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        got.sum().backward()
+        want.sum().backward()
+        _grads_close([("gate", moe.shared_gate.grad, hf.shared_expert_gate.weight.grad),
+                      ("router", moe.router.weight.grad, hf.gate.weight.grad),
+                      ("shared down", moe.shared.down.grad[0],
+                       hf.shared_expert.down_proj.weight.grad)])
+
+
+def _per_token(moe, x, cap=None):
+    """The layer one token and one choice at a time; with ``cap``, an expert takes the first
+    ``cap`` assignments in (token, choice) order."""
+    probs, experts, weights = moe.router(x)
+    taken = [0] * moe.n_experts
+    out, dropped = torch.zeros_like(x), 0
+    for t in range(x.shape[0]):
+        for j in range(experts.shape[1]):
+            e = int(experts[t, j])
+            if cap is not None and taken[e] >= cap:
+                dropped += 1
+                continue
+            taken[e] += 1
+            out[t] += weights[t, j] * moe.experts(x[t:t + 1], [1 if i == e else 0
+                                                               for i in range(moe.n_experts)])[0]
+    return out, dropped, taken
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.5, 1.0])
+def test_capacity_drops_each_experts_latest_assignments_and_counts_them(capacity_factor):
+    torch.manual_seed(2)
+    moe = MoE(32, 4, 2, 24, capacity_factor=capacity_factor)
+    with torch.no_grad():
+        moe.router.weight[0] += 0.5          # a favourite expert, so that capacity bites
+    x = torch.randn(40, 32)
+    got, _ = moe(x)
+    cap = moe.capacity(40)
+    want, dropped, taken = _per_token(moe, x, cap)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert moe.stats["dropped"].item() == dropped
+    assert moe.stats["tokens"].tolist() == taken
+    if capacity_factor == 0.5:
+        assert cap == 10 and dropped > 0
+
+
+def test_the_aux_loss_reaches_the_router_through_the_backward():
+    """Training: the returned output is the plain one, and one backward of the main loss gives
+    the router the gradient of main + coef * aux."""
+    torch.manual_seed(3)
+    moe = MoE(32, 4, 2, 24, aux_loss_coef=0.1)
+    x = torch.randn(20, 32)
+    y, _ = moe(x)
+    y.square().mean().backward()
+    got = moe.router.weight.grad.clone()
+    moe.zero_grad()
+    moe.aux_loss_coef = 0.0                 # the same forward, the aux loss added by hand
+    y2, _ = moe(x)
+    torch.testing.assert_close(y, y2)
+    probs = torch.nn.functional.linear(x, moe.router.weight).float().softmax(-1)
+    aux = 4 * (moe.stats["tokens"].float() / 20 * probs.mean(0)).sum()
+    (y2.square().mean() + 0.1 * aux).backward()
+    torch.testing.assert_close(got, moe.router.weight.grad)
+    moe.zero_grad()
+    moe(x)[0].square().mean().backward()    # without it: another gradient (the test can tell)
+    assert (got - moe.router.weight.grad).abs().max() > 1e-4
+
+
+def test_the_loss_free_bias_steers_the_choice_towards_balance_not_the_weights():
+    torch.manual_seed(4)
+    moe = MoE(32, 4, 1, 24, bias_update_rate=0.05, norm_topk=False)
+    with torch.no_grad():
+        moe.router.weight[0] += 1.0         # expert 0 takes most tokens
+    x = torch.randn(256, 32)
+    moe(x)
+    first = moe.stats["tokens"].clone()
+    before = moe.router(x)
+    for _ in range(40):
+        moe(x)
+        moe.update_bias()
+    probs, experts, weights = moe.router(x)
+    moe(x)
+    last = moe.stats["tokens"]
+    assert last.max() - last.min() < first.max() - first.min(), (first, last)
+    assert moe.router.bias[0] < 0
+    # the weights are the router's probabilities of the chosen experts, bias or not
+    torch.testing.assert_close(weights, probs.gather(-1, experts))
+    torch.testing.assert_close(probs, before[0])
+
+
+def test_in_the_gpt():
+    cfg = GPTConfig(vocab_size=96, n_layers=2, d_model=64, n_heads=4, max_seq_len=32,
+                    n_experts=4, moe_top_k=2, moe_ffn=48, moe_shared_experts=1)
+    model = GPT(cfg)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), GPT(cfg).parameters()))
+    x, y = torch.randint(0, 96, (2, 32)), torch.randint(0, 96, (2, 32))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(15):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert model.layers["0"].mlp.stats["tokens"].sum() == 64 * 2
+    dense = cfg.replace(n_experts=0)
+    flops = cfg.layer_flops(32, 64)["mlp"]
+    assert flops == 2.0 * 64 * 64 * (3 * 48 * 3 + 4) != dense.layer_flops(32, 64)["mlp"]
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(n_experts=1), "n_experts"),
+    (dict(n_experts=4, moe_top_k=5), "moe_top_k"),
+    (dict(n_experts=4, activation="gelu"), "activation"),
+    (dict(n_experts=4, moe_capacity_factor=-1.0), "moe_capacity_factor"),
+    (dict(n_experts=-2), "'n_experts': -2"),
+])
+def test_bad_settings_are_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        GPTConfig(vocab_size=96, n_layers=2, d_model=64, n_heads=4, **bad)
+
+
+def _train(rank, world_size, kwargs, preset):
+    from fastpar.models import config
+    from fastpar.train import TrainConfig, train
+
+    config.PRESETS["tiny-moe"] = config.PRESETS["tiny-moe"].replace(**preset)
+    return [r["loss"] for r in train(TrainConfig(**kwargs))]
+
+
+MOE_RUN = dict(model="tiny-moe", seq_len=32, global_batch_size=8, micro_batch_size=2, steps=8,
+               warmup_steps=2, log_every=100, sample_tokens=0)
+MOE_PRESET = dict(moe_aux_loss=0.05, moe_bias_rate=0.01, moe_shared_experts=1,
+                  moe_capacity_factor=1.5)
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    from fastpar.testing import run_ranks
+    out = str(tmp_path_factory.mktemp("moe-ref"))
+    return run_ranks(_train, 1, dict(MOE_RUN, out=out), MOE_PRESET, init_pg=False,
+                     timeout=240)[0]
+
+
+@pytest.mark.parametrize("name, world, layout", [
+    ("dp2", 2, dict(dp=2)),
+    ("pp2", 2, dict(pp=2)),
+    ("dp2 zero1", 2, dict(dp=2, zero=1)),
+])
+def test_the_trainers_loss_curve_equals_the_single_process(name, world, layout, moe_reference,
+                                                           tmp_path):
+    """With the auxiliary loss (per micro-batch, weighed 1 / M as its loss), the loss-free bias
+    (the counts summed over the dp ranks before each step), a shared expert and a capacity
+    that drops: every layout's curve is the single process's."""
+    from fastpar.testing import run_ranks
+    got = run_ranks(_train, world, dict(MOE_RUN, out=str(tmp_path), **layout), MOE_PRESET,
+                    init_pg=False, timeout=240)[0]
+    assert len(got) == len(moe_reference) == MOE_RUN["steps"]
+    for step, (a, b) in enumerate(zip(got, moe_reference), 1):
+        assert abs(a - b) <= 1e-5 * b, f"{name} step {step}: {a} vs {b}"
+    assert moe_reference[-1] < moe_reference[0]
+
+
+def test_layouts_it_cannot_run_are_refused_before_anything_is_built():
+    from fastpar.models.parallel_config import ParallelConfig
+    from fastpar.train import TrainConfig
+    moe = GPTConfig(vocab_size=96, n_layers=2, d_model=64, n_heads=4, max_seq_len=32,
+                    n_experts=4)
+    ParallelConfig(dp=2, micro_batch_size=1).check(moe, 2, 4, 32)
+    for bad, world in ((dict(tp=2), 2), (dict(cp=2), 2)):
+        with pytest.raises(ValueError, match="mixture of experts .* not supported yet"):
+            ParallelConfig(micro_batch_size=1, **bad).check(moe, world, 4, 32)
+    with pytest.raises(ValueError, match="--compile with a mixture of experts"):
+        TrainConfig(model="tiny-moe", compile=True).check_layout(1)
