@@ -245,7 +245,7 @@ def test_layouts_it_cannot_run_are_refused_before_anything_is_built():
     moe = GPTConfig(vocab_size=96, n_layers=2, d_model=64, n_heads=4, max_seq_len=32,
                     n_experts=4)
     ParallelConfig(dp=2, micro_batch_size=1).check(moe, 2, 4, 32)
-    for bad, world in ((dict(tp=2), 2), (dict(cp=2), 2)):
+    for bad, world in ((dict(tp=2), 2), (dict(cp=2), 2), (dict(dp=2, zero=3), 2)):
         with pytest.raises(ValueError, match="mixture of experts .* not supported yet"):
             ParallelConfig(micro_batch_size=1, **bad).check(moe, world, 4, 32)
     with pytest.raises(ValueError, match="--compile with a mixture of experts"):

@@ -91,10 +91,11 @@ class ParallelConfig:
         if self.cp > 1:
             check_seq_len(seq_len, self.cp)
         model.check_tp(self.tp)
-        if model.n_experts and (self.tp > 1 or self.cp > 1):
+        if model.n_experts and (self.tp > 1 or self.cp > 1 or self.zero == 3):
             raise ValueError(f"mixture of experts (n_experts={model.n_experts}) with tp="
-                             f"{self.tp}, cp={self.cp} is not supported yet: its experts run "
-                             f"with tp=1 and cp=1 (dp and pp are supported)")
+                             f"{self.tp}, cp={self.cp}, zero={self.zero} is not supported yet: "
+                             f"its experts run with tp=1, cp=1 and zero 0, 1 or 2 (dp and pp "
+                             f"are supported)")
         if model.n_layers < self.pp * self.virtual_stages:
             raise ValueError(f"the model has {model.n_layers} layers, fewer than pp x virtual "
                              f"stages = {self.pp} x {self.virtual_stages}")
