@@ -34,6 +34,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import kernels
+from ..mesh import collectives
+from ..mesh.groups import group_rank, group_size
 
 
 # What the auxiliary loss's gradient is multiplied by besides its coefficient: the step's 1 / M
@@ -119,22 +121,29 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """``n`` SwiGLU experts, their weights stacked: ``gate_up`` (n, 2F, D) (gate rows, then up
-    rows), ``down`` (n, D, F)."""
+    """SwiGLU experts ``first`` .. ``first + n - 1`` of ``total``, their weights stacked:
+    ``gate_up`` (n, 2F, D) (gate rows, then up rows), ``down`` (n, D, F). Each expert is drawn
+    as in a stack of all ``total`` (the others' draws made and dropped), so expert parallelism's
+    shards are the slices of the whole."""
 
-    def __init__(self, n: int, d_model: int, ffn: int, device=None, dtype=None):
+    def __init__(self, n: int, d_model: int, ffn: int, device=None, dtype=None, *,
+                 first: int = 0, total: int | None = None):
         super().__init__()
-        self.n, self.ffn = n, ffn
+        total = n if total is None else total
+        self.n, self.ffn, self.first, self.total = n, ffn, first, total
         self.gate_up = nn.Parameter(torch.empty(n, 2 * ffn, d_model, device=device, dtype=dtype))
         self.down = nn.Parameter(torch.empty(n, d_model, ffn, device=device, dtype=dtype))
-        for e in range(n):
-            _init_linear_(self.gate_up.data[e, :ffn])
-            _init_linear_(self.gate_up.data[e, ffn:])
-            _init_linear_(self.down.data[e])
+        gu, dn = (torch.empty_like(w[0]) for w in (self.gate_up, self.down))
+        for e in range(total):
+            for w in (gu[:ffn], gu[ffn:], dn):
+                _init_linear_(w)
+            if first <= e < first + n:
+                self.gate_up.data[e - first].copy_(gu)
+                self.down.data[e - first].copy_(dn)
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``rows`` sorted by expert, ``counts[e]`` of them for expert e -> the experts'
-        outputs, in the same order."""
+        """``rows`` sorted by expert, ``counts[e]`` of them for (local) expert e -> the
+        experts' outputs, in the same order."""
         outs = []
         for e, part in enumerate(rows.split(counts)):
             if not counts[e]:
@@ -143,6 +152,87 @@ class Experts(nn.Module):
             outs.append(F.linear(kernels.swiglu(gate, up), self.down[e]))
         return torch.cat(outs) if outs else rows.new_zeros((0, rows.shape[-1]))
 
+
+def _a2a(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group):
+    """Start an all-to-all of ``inp`` rows (``in_splits[p]`` to rank p) into ``out``."""
+    return collectives.all_to_all_single(out, inp, out_splits, in_splits, group=group,
+                                         async_op=True)
+
+
+class _Chunk:
+    """One chunk of a layer's tokens under expert parallelism: the rows it sends each rank
+    (``send``) and receives from each (``recv``), the per-local-expert counts of what it
+    receives, and the permutation from the received (source-major) order to expert-major."""
+
+    def __init__(self, send: list[int], recv: list[list[int]], device):
+        P, El = len(recv), len(recv[0])
+        self.send, self.recv = send, [sum(r) for r in recv]
+        self.counts = [sum(recv[p][e] for p in range(P)) for e in range(El)]
+        lens = torch.tensor([n for r in recv for n in r], device=device)   # (p, e) segments
+        seg = torch.repeat_interleave(torch.arange(P * El, device=device), lens)
+        self.perm = ((seg % El) * P + seg // El).argsort(stable=True)     # to (e, p) order
+
+
+class _ExpertParallel(torch.autograd.Function):
+    """``rows`` (sorted by chunk, then expert) -> the experts' outputs for them, the experts
+    spread over ``group``: each chunk's rows go to the ranks holding their experts by one
+    all-to-all and come back by another. Every chunk's dispatch is started at once; chunk c's
+    experts compute while the later chunks' dispatches and the earlier ones' returns travel
+    (one chunk: nothing to hide behind). The backward runs the same pipeline the other way:
+    chunk c's gradients are sent back while chunk c + 1's expert backward computes. Each
+    chunk's expert graph is built in the forward and differentiated in the backward
+    (``torch.autograd.grad``): the parameters' gradients are this function's, accumulated by
+    autograd as any other (data-parallel hooks fire as usual)."""
+
+    @staticmethod
+    def forward(ctx, rows, experts, chunks, group, grad, *params):
+        ctx.chunks, ctx.group, ctx.params = chunks, group, params
+        D, sent = rows.shape[1], rows.split([sum(c.send) for c in chunks])
+        got = [rows.new_empty((sum(c.recv), D)) for c in chunks]
+        works = [_a2a(r, x, c.recv, c.send, group) for r, x, c in zip(got, sent, chunks)]
+        ins, outs, back, returns = [], [], [], []
+        for c, chunk in enumerate(chunks):
+            works[c].wait()
+            with torch.set_grad_enabled(grad):
+                x = got[c][chunk.perm].detach().requires_grad_(grad)
+                y = experts(x, chunk.counts)
+            ins.append(x)
+            outs.append(y)
+            y_src = torch.empty_like(y)
+            y_src[chunk.perm] = y.detach()
+            back.append(y.new_empty((sum(chunk.send), D)))
+            returns.append(_a2a(back[c], y_src, chunk.send, chunk.recv, group))
+        for w in returns:
+            w.wait()
+        ctx.ins, ctx.outs = (ins, outs) if grad else (None, None)
+        return torch.cat(back)
+
+    @staticmethod
+    def backward(ctx, g):
+        chunks, group, params = ctx.chunks, ctx.group, ctx.params
+        D, sent = g.shape[1], g.contiguous().split([sum(c.send) for c in chunks])
+        got = [g.new_empty((sum(c.recv), D)) for c in chunks]
+        works = [_a2a(r, x, c.recv, c.send, group) for r, x, c in zip(got, sent, chunks)]
+        back, returns, pgrads = [], [], [None] * len(params)
+        for c, chunk in enumerate(chunks):
+            works[c].wait()
+            x, y = ctx.ins[c], ctx.outs[c]
+            if y.requires_grad:
+                gx, *gp = torch.autograd.grad(y, (x, *params), got[c][chunk.perm].to(y.dtype),
+                                              allow_unused=True)
+                pgrads = [b if a is None else a if b is None else a + b
+                          for a, b in zip(pgrads, gp)]
+            else:                           # no rows came to this rank's experts
+                gx = torch.zeros_like(x)
+            gx_src = torch.empty_like(gx)
+            gx_src[chunk.perm] = gx
+            back.append(gx.new_empty((sum(chunk.send), D)))
+            returns.append(_a2a(back[c], gx_src, chunk.send, chunk.recv, group))
+        for w in returns:
+            w.wait()
+        ctx.ins = ctx.outs = None
+        pgrads = [torch.zeros_like(p) if gp is None else gp for p, gp in zip(params, pgrads)]
+        return (torch.cat(back), None, None, None, None, *pgrads)
 
 class MoE(nn.Module):
     """The MoE layer of a block: router, experts, optional shared experts. Returns
@@ -154,16 +244,25 @@ class MoE(nn.Module):
     def __init__(self, d_model: int, n_experts: int, top_k: int, ffn: int, *,
                  n_shared: int = 0, shared_gate: bool = False, capacity_factor: float = 0.0,
                  aux_loss_coef: float = 0.0, norm_topk: bool = True,
-                 bias_update_rate: float = 0.0, device=None, dtype=None):
+                 bias_update_rate: float = 0.0, ep_group=None, ep_chunks: int = 2,
+                 device=None, dtype=None):
         super().__init__()
-        if n_experts < 2:
-            raise ValueError(f"MoE: n_experts={n_experts} must be at least 2")
+        ep = group_size(ep_group)
+        if n_experts < 2 or n_experts % ep or ep_chunks < 1:
+            raise ValueError(f"MoE: n_experts={n_experts} must be at least 2 and a multiple of "
+                             f"the expert-parallel size {ep}, ep_chunks={ep_chunks} >= 1")
         if capacity_factor < 0 or aux_loss_coef < 0 or bias_update_rate < 0:
             raise ValueError(f"MoE: capacity_factor={capacity_factor}, aux_loss_coef="
                              f"{aux_loss_coef} and bias_update_rate={bias_update_rate} must be "
                              f">= 0")
         self.router = Router(d_model, n_experts, top_k, norm_topk, device, dtype)
-        self.experts = Experts(n_experts, d_model, ffn, device, dtype)
+        # Expert parallelism: this rank holds experts [first, first + n_experts / ep).
+        self.ep_group, self.ep_chunks = (ep_group if ep > 1 else None), ep_chunks
+        local = n_experts // ep
+        self.experts = Experts(local, d_model, ffn, device, dtype, first=group_rank(ep_group)
+                               * local if ep > 1 else 0, total=n_experts)
+        for p in self.experts.parameters():     # reduced over their own replicas only
+            p.expert_parallel = ep > 1
         self.shared = Experts(1, d_model, n_shared * ffn, device, dtype) if n_shared else None
         self.shared_gate = nn.Parameter(torch.empty(1, d_model, device=device, dtype=dtype)) \
             if n_shared and shared_gate else None
@@ -196,17 +295,24 @@ class MoE(nn.Module):
             onehot = F.one_hot(flat, E)
             rank = (onehot.cumsum(0) * onehot).sum(-1) - 1      # place within its expert
             keep = rank < cap
-        order = flat.argsort(stable=True)                       # by expert, then token order
+        key = flat
+        if self.ep_group is not None:   # sorted by chunk of tokens first
+            chunk = torch.arange(T * k, device=x.device) // k * self.ep_chunks // T
+            key = chunk * E + flat
+        order = key.argsort(stable=True)                        # by expert, then token order
         tokens = torch.bincount(flat, minlength=E)
         if keep is not None:
             order = order[keep[order]]
-            kept = torch.bincount(flat[keep], minlength=E)
-        else:
-            kept = tokens
         src = order // k                                        # each sorted row's token
-        rows = self.experts(x[src], kept.tolist())              # one host sync
+        if self.ep_group is None:
+            kept = torch.bincount(flat[keep], minlength=E) if keep is not None else tokens
+            rows = self.experts(x[src], kept.tolist())          # one host sync
+        else:
+            counts = torch.bincount(key[order], minlength=self.ep_chunks * E)
+            kept = counts.view(-1, E).sum(0)
+            rows = self._dispatch(x[src], counts)
         w = weights.reshape(-1)[order].to(rows.dtype)
-        y = torch.zeros_like(x).index_add_(0, src, rows * w[:, None])
+        y = x.new_zeros(x.shape, dtype=rows.dtype).index_add_(0, src, rows * w[:, None])
         if self.shared is not None:
             s = self.shared(x, [T])
             if self.shared_gate is not None:
@@ -220,6 +326,26 @@ class MoE(nn.Module):
         if self.training and self.aux_loss_coef and torch.is_grad_enabled():
             y = AuxLoss.apply(y, aux, self.aux_loss_coef * _aux_scale)
         return y.view(shape), None
+
+    def _dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: ``rows`` sorted by (chunk, expert), ``counts`` (C * E) of each
+        -> the experts' outputs, from the ranks that hold them. The counts each rank sends
+        every other are exchanged first (one all-to-all) and read on the host with this
+        rank's own (one sync, as without expert parallelism)."""
+        group, P, C = self.ep_group, group_size(self.ep_group), self.ep_chunks
+        El = self.experts.n
+        send = counts.view(C, P, El).transpose(0, 1).contiguous()       # (P, C, El)
+        recv = torch.empty_like(send)
+        collectives.all_to_all_single(recv, send, group=group)
+        host = torch.cat([counts, recv.flatten()]).tolist()             # one host sync
+        mine = [host[i:i + El] for i in range(0, C * P * El, El)]       # [c * P + p]
+        theirs = [host[C * P * El + i:][:El] for i in range(0, P * C * El, El)]  # [p * C + c]
+        chunks = [_Chunk([sum(mine[c * P + p]) for p in range(P)],
+                         [theirs[p * C + c] for p in range(P)], rows.device) for c in range(C)]
+        grad = torch.is_grad_enabled() and (rows.requires_grad or any(
+            p.requires_grad for p in self.experts.parameters()))
+        return _ExpertParallel.apply(rows, self.experts, chunks, group, grad,
+                                     *self.experts.parameters())
 
     @torch.no_grad()
     def update_bias(self) -> None:
