@@ -69,3 +69,59 @@ def test_expert_parallel_equals_one_rank(ep, chunks, kw, autocast):
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="n_experts=8 must be .* ep_chunks=0"):
         MoE(32, 8, 2, 48, ep_chunks=0)
+
+
+def _probe(rank, world_size, chunks, runs):
+    """Runs forward + backward ``runs`` times with every all-to-all of the layer recorded; at
+    each expert computation, the transfers then in flight (issued, not finished, not waited)
+    and how many of them finished while it computed (nothing waited in between)."""
+    torch.manual_seed(0)
+    layer = MoE(256, 4, 2, 512, ep_group=dist.group.WORLD, ep_chunks=chunks)
+    works, seen = [], {"in_flight": 0, "progressed": 0, "computes": 0}
+    real_a2a, real_forward, real_grad = moe_mod._a2a, layer.experts.forward, moe_mod._grad_of
+
+    def a2a(*args, **kwargs):
+        rec = {"work": real_a2a(*args, **kwargs), "waited": False}
+        works.append(rec)
+
+        class Work:
+            def wait(self):
+                rec["waited"] = True
+                return rec["work"].wait()
+        return Work()
+
+    def probed(real):
+        def compute(*args, **kwargs):
+            flying = [r for r in works if not r["waited"] and not r["work"].is_completed()]
+            out = real(*args, **kwargs)
+            seen["computes"] += 1
+            seen["in_flight"] += len(flying)
+            seen["progressed"] += sum(r["work"].is_completed() for r in flying)
+            return out
+        return compute
+
+    moe_mod._a2a, moe_mod._grad_of = a2a, probed(real_grad)
+    layer.experts.forward = probed(real_forward)
+    try:
+        for run in range(runs):
+            x = torch.randn(2048, 2, 256, requires_grad=True)
+            layer(x)[0].square().sum().backward()
+            stats = [None] * world_size
+            dist.all_gather_object(stats, seen["progressed"])
+            if sum(stats) and chunks > 1:
+                break
+    finally:
+        moe_mod._a2a, moe_mod._grad_of = real_a2a, real_grad
+    return seen
+
+
+def test_dispatch_travels_while_experts_compute():
+    """Two chunks: some all-to-all in flight when an expert computation (forward or backward)
+    starts finishes before it ends, nothing having waited for it (the transfer progressed
+    during compute). One chunk: no transfer is ever in flight while the experts compute
+    (blocking dispatch)."""
+    seen = run_ranks(_probe, 2, 2, 8, timeout=120)
+    assert sum(s["progressed"] for s in seen) > 0, seen
+    assert all(s["in_flight"] > 0 for s in seen), seen
+    seen = run_ranks(_probe, 2, 1, 2, timeout=120)
+    assert all(s["in_flight"] == 0 and s["computes"] == 4 for s in seen), seen

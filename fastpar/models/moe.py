@@ -159,6 +159,11 @@ def _a2a(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group):
                                          async_op=True)
 
 
+def _grad_of(y, inputs, g):
+    """The backward of one chunk's experts: the gradients of ``inputs`` (None: unused)."""
+    return torch.autograd.grad(y, inputs, g, allow_unused=True)
+
+
 class _Chunk:
     """One chunk of a layer's tokens under expert parallelism: the rows it sends each rank
     (``send``) and receives from each (``recv``), the per-local-expert counts of what it
@@ -218,8 +223,7 @@ class _ExpertParallel(torch.autograd.Function):
             works[c].wait()
             x, y = ctx.ins[c], ctx.outs[c]
             if y.requires_grad:
-                gx, *gp = torch.autograd.grad(y, (x, *params), got[c][chunk.perm].to(y.dtype),
-                                              allow_unused=True)
+                gx, *gp = _grad_of(y, (x, *params), got[c][chunk.perm].to(y.dtype))
                 pgrads = [b if a is None else a if b is None else a + b
                           for a, b in zip(pgrads, gp)]
             else:                           # no rows came to this rank's experts
