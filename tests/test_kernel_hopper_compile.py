@@ -19,6 +19,7 @@ import tempfile
 import pytest
 
 HIDDEN, FFN, VOCAB, HEAD_DIM, HEADS = 8192, 28672, 128256, 128, 64
+EXPERTS = 128                             # groups of the grouped GEMM (its BLOCK_G)
 MAX_SHARED = 232448                       # bytes of shared memory per block on H100 / H200
 WORKERS = 2
 WIDE_HIDDEN = (16384, 65536)              # norm rows that must be walked in chunks, not spilled
@@ -28,14 +29,15 @@ def _specs():
     """(name, JITFunction, constexprs, compile options) for every kernel."""
     import importlib
 
+    import torch
     import triton
     from fastpar.kernels.launch import elementwise_blocks, row_blocks, warps_for
 
     # The op modules (fastpar.kernels.<op> as an attribute is the op's function).
-    (bias_dropout_add, bias_gelu, cross_entropy, layer_norm, rms_norm, rotary,
+    (bias_dropout_add, bias_gelu, cross_entropy, grouped_gemm, layer_norm, rms_norm, rotary,
      swiglu) = (importlib.import_module(f"fastpar.kernels.{op}") for op in (
-        "bias_dropout_add", "bias_gelu", "cross_entropy", "layer_norm", "rms_norm", "rotary",
-        "swiglu"))
+        "bias_dropout_add", "bias_gelu", "cross_entropy", "grouped_gemm", "layer_norm",
+        "rms_norm", "rotary", "swiglu"))
 
     def norms(hidden, suffix=""):
         """The norm kernels at the blocks their launchers pick for rows of ``hidden``."""
@@ -54,6 +56,9 @@ def _specs():
     bv = cross_entropy._block_v(VOCAB, None)
     r2 = HEAD_DIM // 4                    # partial rotary: half of each head is rotated
     bh = min(triton.next_power_of_2(HEADS), 2048 // r2)
+    gm, gn, gk, gw, gs = grouped_gemm.blocks(torch.bfloat16)
+    gmm = dict(FP32=False, BLOCK_M=gm, BLOCK_N=gn, BLOCK_K=gk, BLOCK_G=EXPERTS)
+    gopts = dict(num_warps=gw, num_stages=gs)
     specs = norms(HIDDEN) + [s for h in WIDE_HIDDEN for s in norms(h, f"_h{h}")] + [
         ("swiglu_fwd", swiglu._swiglu_fwd_kernel, elem, dict(num_warps=ew)),
         ("swiglu_bwd", swiglu._swiglu_bwd_kernel, elem, dict(num_warps=ew)),
@@ -75,6 +80,10 @@ def _specs():
          dict(num_warps=warps_for(bv))),
         ("cross_entropy_bwd", cross_entropy._cross_entropy_bwd_kernel, dict(BLOCK_V=bv),
          dict(num_warps=warps_for(bv))),
+        ("grouped_mm_fwd", grouped_gemm._grouped_mm_kernel, dict(gmm, W_T=True), gopts),
+        ("grouped_mm_dx", grouped_gemm._grouped_mm_kernel, dict(gmm, W_T=False), gopts),
+        ("grouped_mm_dw", grouped_gemm._grouped_mm_dw_kernel,
+         dict(FP32=False, BLOCK_N=gn, BLOCK_R=gk, BLOCK_G=EXPERTS), gopts),
     ]
     return specs
 
@@ -88,9 +97,10 @@ def _compile(kernel, constexprs, options):
 
     pointer = {"rstd_ptr": "fp32", "mean_ptr": "fp32", "dw_part_ptr": "fp32",
                "db_part_ptr": "fp32", "max_ptr": "fp32", "sumexp_ptr": "fp32", "zt_ptr": "fp32",
-               "logsum_ptr": "fp32", "dloss_ptr": "fp32", "stats_ptr": "fp32", "t_ptr": "i64"}
+               "logsum_ptr": "fp32", "dloss_ptr": "fp32", "stats_ptr": "fp32", "t_ptr": "i64",
+               "counts_ptr": "i64"}
     scalar = {"eps": "fp32", "scale": "fp32", "seed": "i64", "offset": "i64"}
-    sizes = {"M", "N", "V", "D", "H", "T", "R2"}
+    sizes = {"M", "N", "K", "V", "D", "H", "T", "R2"}
     signature, attrs = {}, {}
     for i, p in enumerate(kernel.params):
         if p.is_constexpr or p.name in constexprs:
@@ -171,7 +181,8 @@ def test_every_kernel_compiles_for_hopper(compiled):
     expected = {"rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd", "swiglu_fwd",
                 "swiglu_bwd", "bias_gelu_fwd_tanh", "bias_gelu_bwd_erf", "bias_gelu_bwd_tanh_no_bias",
                 "bias_dropout_add_fwd",
-                "bias_dropout_add_bwd", "rotary_fwd", "cross_entropy_fwd", "cross_entropy_bwd"}
+                "bias_dropout_add_bwd", "rotary_fwd", "cross_entropy_fwd", "cross_entropy_bwd",
+                "grouped_mm_fwd", "grouped_mm_dx", "grouped_mm_dw"}
     assert expected <= set(compiled), expected - set(compiled)
 
 

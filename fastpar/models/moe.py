@@ -21,8 +21,10 @@ order; the others' assignments are dropped (their weight lost, as in Switch) and
 Optional shared experts (DeepSeek, Qwen-MoE): one dense SwiGLU MLP every token goes through, its
 output added, optionally scaled by ``sigmoid(x w_g)`` (Qwen2-MoE's shared-expert gate).
 
-The experts' GEMMs run per expert on the rows sorted by expert (torch's reference of a grouped
-GEMM): this reads the per-expert counts on the host, one sync per MoE layer and forward.
+The experts' GEMMs are grouped GEMMs over the rows sorted by expert (fastpar's Triton kernel on
+CUDA, one launch for all experts; a loop of matmuls elsewhere). The per-expert counts are read on
+the host once per MoE layer and forward (they size the buffers; under expert parallelism, the
+all-to-all's splits).
 """
 from __future__ import annotations
 
@@ -143,14 +145,22 @@ class Experts(nn.Module):
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``rows`` sorted by expert, ``counts[e]`` of them for (local) expert e -> the
-        experts' outputs, in the same order."""
-        outs = []
-        for e, part in enumerate(rows.split(counts)):
-            if not counts[e]:
-                continue
-            gate, up = F.linear(part, self.gate_up[e]).chunk(2, dim=-1)
-            outs.append(F.linear(kernels.swiglu(gate, up), self.down[e]))
-        return torch.cat(outs) if outs else rows.new_zeros((0, rows.shape[-1]))
+        experts' outputs, in the same order: two grouped GEMMs (one launch each for all the
+        experts, :func:`fastpar.kernels.grouped_mm`) around the SwiGLU."""
+        counts = torch.tensor(counts, dtype=torch.int64).to(rows.device, non_blocking=True)
+        gate, up = _grouped(rows, self.gate_up, counts).chunk(2, dim=-1)
+        return _grouped(kernels.swiglu(gate, up), self.down, counts)
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """:func:`fastpar.kernels.grouped_mm` in autocast's dtype where it is on (as F.linear)."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        dtype = torch.get_autocast_dtype(kind)
+        x, w = x.to(dtype), w.to(dtype)
+    elif x.dtype != w.dtype:
+        x = x.to(w.dtype)
+    return kernels.grouped_mm(x, w, counts)
 
 
 def _a2a(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group):
