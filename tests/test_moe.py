@@ -224,6 +224,11 @@ def moe_reference(tmp_path_factory):
     ("dp2", 2, dict(dp=2)),
     ("pp2", 2, dict(pp=2)),
     ("dp2 zero1", 2, dict(dp=2, zero=1)),
+    ("dp2 ep2", 2, dict(dp=2, ep=2)),
+    ("dp2 ep2 blocking", 2, dict(dp=2, ep=2, ep_overlap=False)),
+    ("dp4 ep2", 4, dict(dp=4, ep=2)),
+    ("dp4 ep4", 4, dict(dp=4, ep=4)),
+    ("dp2 pp2 ep2", 4, dict(dp=2, pp=2, ep=2)),
 ])
 def test_the_trainers_loss_curve_equals_the_single_process(name, world, layout, moe_reference,
                                                            tmp_path):
@@ -234,8 +239,12 @@ def test_the_trainers_loss_curve_equals_the_single_process(name, world, layout, 
     got = run_ranks(_train, world, dict(MOE_RUN, out=str(tmp_path), **layout), MOE_PRESET,
                     init_pg=False, timeout=240)[0]
     assert len(got) == len(moe_reference) == MOE_RUN["steps"]
+    # Under ep the experts' gradients are summed in another order (the all-to-all's backward,
+    # then the expert-data-parallel group): fp32 rounding, grown by Adam over 8 steps to ~5e-5
+    # of the loss at dp4 (a wrong scale or a lost gradient moves it by 1e-2 from step 2).
+    tol = 1e-4 if "ep" in layout else 1e-5
     for step, (a, b) in enumerate(zip(got, moe_reference), 1):
-        assert abs(a - b) <= 1e-5 * b, f"{name} step {step}: {a} vs {b}"
+        assert abs(a - b) <= tol * b, f"{name} step {step}: {a} vs {b}"
     assert moe_reference[-1] < moe_reference[0]
 
 

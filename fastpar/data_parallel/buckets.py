@@ -37,32 +37,36 @@ class BucketSpec:
 
 def assign_buckets(params: Sequence[tuple[int, torch.dtype]], cap_bytes: int, pad_to: int = 1,
                    reduce_dtype: torch.dtype | None = None,
-                   first_cap_bytes: int | None = None) -> list[BucketSpec]:
+                   first_cap_bytes: int | None = None,
+                   kinds: Sequence | None = None) -> list[BucketSpec]:
     """Split parameters, given as ``(numel, dtype)`` in registration order, into buckets.
 
     A bucket closes once it holds ``cap_bytes`` (counted in elements of ``reduce_dtype``, or of
     the parameter's dtype); the first bucket of each dtype closes at ``first_cap_bytes`` if given.
     ``pad_to`` rounds every flat buffer up so it splits into that many equal shards.
-    Deterministic: the same input always gives the same buckets.
+    Deterministic: the same input always gives the same buckets. ``kinds`` (one per
+    parameter): parameters of different kinds never share a bucket (as different dtypes),
+    e.g. the experts of expert parallelism, reduced over another group.
     """
     if cap_bytes <= 0:
         raise ValueError(f"cap_bytes={cap_bytes} must be > 0")
     require_positive({"pad_to": pad_to})
     n = len(params)
-    open_: dict[torch.dtype, list[int]] = {}
-    nbytes: dict[torch.dtype, int] = {}
-    done: dict[torch.dtype, int] = {}              # buckets closed so far, per dtype
+    open_: dict[tuple, list[int]] = {}
+    nbytes: dict[tuple, int] = {}
+    done: dict[tuple, int] = {}                    # buckets closed so far, per dtype and kind
     closed: list[list[int]] = []
     for i in reversed(range(n)):
         numel, dtype = params[i]
-        if dtype not in open_:
-            open_[dtype], nbytes[dtype] = [], 0
-        open_[dtype].append(i)
-        nbytes[dtype] += numel * (reduce_dtype or dtype).itemsize
-        cap = first_cap_bytes if first_cap_bytes and not done.get(dtype) else cap_bytes
-        if nbytes[dtype] >= cap:
-            closed.append(open_.pop(dtype))
-            done[dtype] = done.get(dtype, 0) + 1
+        key = (dtype, None if kinds is None else kinds[i])
+        if key not in open_:
+            open_[key], nbytes[key] = [], 0
+        open_[key].append(i)
+        nbytes[key] += numel * (reduce_dtype or dtype).itemsize
+        cap = first_cap_bytes if first_cap_bytes and not done.get(key) else cap_bytes
+        if nbytes[key] >= cap:
+            closed.append(open_.pop(key))
+            done[key] = done.get(key, 0) + 1
     closed += open_.values()
     # A bucket is ready when its last parameter is, i.e. at reverse position n - 1 - index.
     closed.sort(key=lambda idx: n - 1 - idx[-1])

@@ -109,12 +109,15 @@ def check_same_params(module: nn.Module, group: Group, device) -> None:
 
 
 @torch.no_grad()
-def broadcast_state(module: nn.Module, group: Group, params: bool = True) -> None:
+def broadcast_state(module: nn.Module, group: Group, params: bool = True, skip=(),
+                    only=None) -> None:
     """Copy dp rank 0's parameters (unless not ``params``) and buffers to every rank: one packed
-    broadcast per dtype."""
+    broadcast per dtype. ``skip``: ids of parameters left out; ``only``: ids of the only
+    parameters sent (and no buffers)."""
     src = dist.get_global_rank(group, 0)
-    tensors = ([p.detach() for p in module.parameters()] if params else []) + \
-        list(module.buffers())
+    tensors = ([p.detach() for p in module.parameters() if id(p) not in skip and
+                (only is None or id(p) in only)] if params else []) + \
+        (list(module.buffers()) if only is None else [])
     if not tensors:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

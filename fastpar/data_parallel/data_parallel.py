@@ -35,11 +35,13 @@ _FIRST_BUCKET_BYTES = 2**20
 def bucket_specs(params: list[tuple[int, torch.dtype]], dp_size: int,
                  bucket_cap_mb: float | None = None, reduce_dtype: torch.dtype | None = None,
                  main_grads: bool = False,
-                 unit_of: list[int | None] | None = None) -> list[BucketSpec]:
+                 unit_of: list[int | None] | None = None,
+                 kinds: list | None = None) -> list[BucketSpec]:
     """The buckets :class:`DataParallel` makes for parameters given as ``(numel, dtype)`` in
     registration order (each flat buffer padded to ``dp_size`` equal ZeRO shards): what a dry
     run counts without building the wrapper. ``unit_of`` (each parameter's unit, or None):
-    one bucket per unit and dtype instead of size-capped ones."""
+    one bucket per unit and dtype instead of size-capped ones. ``kinds``: parameters of
+    different kinds (expert-parallel or not) never share a bucket."""
     if unit_of is not None:
         return unit_buckets(params, unit_of, pad_to=dp_size)
     # torch DDP's rule: the 1 MiB first bucket only with the default cap (25 MiB).
@@ -48,7 +50,7 @@ def bucket_specs(params: list[tuple[int, torch.dtype]], dp_size: int,
     # Buckets close by the bytes that travel (the main gradients are fp32).
     wire = reduce_dtype or (torch.float32 if main_grads else None)
     return assign_buckets(params, int(bucket_cap_mb * 2**20), pad_to=dp_size, reduce_dtype=wire,
-                          first_cap_bytes=int((first_mb or bucket_cap_mb) * 2**20))
+                          first_cap_bytes=int((first_mb or bucket_cap_mb) * 2**20), kinds=kinds)
 
 
 def unit_index(module: nn.Module, units, params) -> list[int | None] | None:
@@ -117,6 +119,13 @@ class DataParallel(nn.Module):
             gives each rank its shards with ``materialize`` (an init function, run a unit at a
             time) or ``load_shards`` (a reader of each parameter's flat ranges, e.g. a
             checkpoint's): no rank ever holds the whole model. Its buffers must be real.
+        expert_group: expert parallelism: the parameters marked ``p.expert_parallel`` (an MoE
+            layer's experts, :class:`fastpar.models.moe.MoE` with an ``ep_group``) differ
+            between the ranks of an expert-parallel group; their gradients (already summed over
+            that group by the all-to-all's backward) are summed over ``expert_group``, the
+            ranks holding the same experts, in buckets of their own, and divided by the dp
+            size as the others. Broadcast at construction over ``expert_group`` only. Not with
+            ZeRO sharding, ``find_unused_parameters`` or HSDP (yet).
 
     The constructor checks its arguments locally (``ValueError``), then compares the parameter
     shapes across the group with one small collective and broadcasts dp rank 0's parameters and
@@ -126,10 +135,18 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, *, dp_group=None, bucket_cap_mb: float | None = None,
                  overlap: bool = True, reduce_dtype: torch.dtype | None = None,
                  main_grads: bool = False, find_unused_parameters: bool = False,
-                 units: list[nn.Module] | None = None, replicate_group=None, device=None):
+                 units: list[nn.Module] | None = None, replicate_group=None, device=None,
+                 expert_group=None):
         super().__init__()
         check_options(module, bucket_cap_mb, reduce_dtype)
         group = resolve_group(dp_group)
+        experts = {id(p) for p in module.parameters() if getattr(p, "expert_parallel", False)}
+        if experts and (expert_group is None and group_size(group) > 1 or find_unused_parameters
+                        or replicate_group is not None or units is not None):
+            raise ValueError(f"DataParallel: {len(experts)} expert-parallel parameters need "
+                             f"expert_group= (the ranks holding the same experts), and are not "
+                             f"supported with find_unused_parameters, replicate_group (HSDP) "
+                             f"or units (ZeRO-3) yet")
         if replicate_group is not None:
             if not isinstance(replicate_group, dist.ProcessGroup):
                 raise ValueError(f"replicate_group must be a ProcessGroup or None, got "
@@ -158,7 +175,9 @@ class DataParallel(nn.Module):
         for g in (replicate_group, group):
             if group_size(g) > 1:
                 check_same_params(module, g, device)
-                broadcast_state(module, g, params=not self.deferred_init)
+                broadcast_state(module, g, params=not self.deferred_init, skip=experts)
+        if experts and group_size(expert_group) > 1:
+            broadcast_state(module, expert_group, params=True, only=experts)
         self.module = module
         self.dp_group, self.dp_size, self.dp_rank = group, group_size(group), group_rank(group)
         self.bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
@@ -167,7 +186,7 @@ class DataParallel(nn.Module):
         params = [p for _, p in named]
         self.bucket_specs: list[BucketSpec] = bucket_specs(
             [(p.numel(), p.dtype) for p in params], self.dp_size, bucket_cap_mb, reduce_dtype,
-            self.main_grads, unit_of)
+            self.main_grads, unit_of, [id(p) in experts for p in params] if experts else None)
         self.units = list(units) if units is not None else None
         # Each bucket's unit (an index into ``units``; None: the root).
         self.bucket_units = [unit_of[s.indices[0]] if unit_of is not None else None
@@ -178,8 +197,10 @@ class DataParallel(nn.Module):
                                     find_unused=find_unused_parameters, events=self.events,
                                     device=device, main_grads=self.main_grads,
                                     lazy=units is not None,
-                                    replicate_group=replicate_group)
-        self.replicate_group = replicate_group
+                                    replicate_group=replicate_group,
+                                    bucket_groups=[expert_group if id(params[s.indices[0]]) in
+                                                   experts else None for s in self.bucket_specs])
+        self.replicate_group, self.expert_group = replicate_group, expert_group
 
     def forward(self, *args, **kwargs):
         self._reducer.finish()        # a deferred reduction must land before the next step

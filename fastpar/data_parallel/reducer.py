@@ -175,8 +175,10 @@ class GradReducer:
     def __init__(self, params: list[nn.Parameter], names: list[str], specs: list[BucketSpec],
                  group, world: int, *, reduce_dtype, overlap: bool, find_unused: bool,
                  events: extension.EventLog, device: torch.device, main_grads: bool = False,
-                 lazy: bool = False, replicate_group=None):
+                 lazy: bool = False, replicate_group=None, bucket_groups=None):
         self.params, self.names, self.group, self.world = params, names, group, world
+        # Expert parallelism: a bucket's own group (its experts' replicas), None: ``group``.
+        self.bucket_groups = bucket_groups or [None] * len(specs)
         # HSDP: the reduction over ``group`` is followed by an all-reduce of its result over the
         # replicas (the same shard on other groups); the mean is over both.
         self.replicate_group = replicate_group
@@ -237,6 +239,9 @@ class GradReducer:
         ``release`` (ZeRO-2) free the whole gradients once reduced."""
         if self.in_flight:
             raise RuntimeError("cannot switch to sharded reduction while a reduction is running")
+        if any(g is not None for g in self.bucket_groups):
+            raise ValueError("ZeRO sharding of expert-parallel parameters is not supported yet: "
+                             "use zero=0 with expert parallelism")
         self.release_grads = bool(release)
         for bucket in self.buckets:
             if release:             # until the first backward, whole gradients are not needed
@@ -312,7 +317,9 @@ class GradReducer:
                 bucket.work = reduce_scatter_async(bucket.shard, bucket.buffer, self.group,
                                                    bucket.scratch)
             else:
-                bucket.work = all_reduce_async(bucket.buffer, self.group)
+                group = self.bucket_groups[b]
+                bucket.work = all_reduce_async(bucket.buffer, self.group if group is None
+                                               else group)
             if group_size(self.replicate_group) > 1:
                 bucket.work = then_all_reduce(bucket.work, bucket.shard if self.sharded else
                                               bucket.buffer, self.replicate_group,

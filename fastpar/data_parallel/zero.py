@@ -477,14 +477,16 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, groups=(),
-                        counted=None) -> torch.Tensor:
+                        counted=None, ep_group=None) -> torch.Tensor:
         """Clip the mean gradient by its global norm; returns that norm (before clipping) as
         a 0-dim tensor, computed and applied on the device (no host sync).
 
         Call after backward, before :meth:`step`. The shards are reduced over the dp group and
         then over each of ``groups`` (e.g. the tp and pp groups of a 3D layout); ``counted(p)``
         says whether this rank counts parameter ``p`` (e.g. parameters replicated over TP only
-        on tp rank 0). Without them the norm is that of this model replica.
+        on tp rank 0). Without them the norm is that of this model replica. ``ep_group``:
+        the expert-parallel parameters' part is first summed over it (each rank holds other
+        experts; the rest of the model is the same on all of them).
         """
         if self.overlap_step:
             raise RuntimeError("clip_grad_norm_ cannot run with overlap_step=True: each bucket "
@@ -492,16 +494,25 @@ class DistributedOptimizer:
                                "exists; build the DistributedOptimizer with overlap_step=False "
                                "to clip")
         self._prepare_grads()
+        params = self._reducer.params
         keep = [pc.param not in self._reducer.unused and
-                (counted is None or counted(self._reducer.params[pc.param]))
-                for pc in self._pieces]
-        grads = [g for g, k in zip(self._piece_grads, keep) if k]
+                (counted is None or counted(params[pc.param])) for pc in self._pieces]
+        expert = [getattr(params[pc.param], "expert_parallel", False) and ep_group is not None
+                  for pc in self._pieces]
         inf = norm_type == float("inf")
-        local = torch.zeros((), dtype=torch.float32, device=self._master[0].device)
-        if grads:
-            norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
-            local = norms.max() if inf else norms.pow(norm_type).sum()
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+
+        def norm(which):
+            grads = [g for g, k, e in zip(self._piece_grads, keep, expert) if k and e == which]
+            if not grads:
+                return torch.zeros((), dtype=torch.float32, device=self._master[0].device)
+            norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
+            return norms.max() if inf else norms.pow(norm_type).sum()
+        local = norm(False)
+        if any(expert):
+            mine = norm(True)
+            collectives.all_reduce(mine, op=op, group=ep_group)
+            local = torch.maximum(local, mine) if inf else local + mine
         dp = [self.model.dp_group] if self._world > 1 and self.shard else []
         for group in dp + list(groups):
             collectives.all_reduce(local, op=op, group=group)

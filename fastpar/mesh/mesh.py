@@ -35,6 +35,10 @@ class Mesh:
     dp_group: dist.ProcessGroup = field(repr=False)
     cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     dp_cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    # Expert parallelism (:func:`ep_groups`): the ranks splitting the experts, and those
+    # holding the same experts; None without it.
+    ep_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    expert_dp_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.dp_cp_group is None:
@@ -253,15 +257,35 @@ def hsdp_groups(mesh: Mesh, shard: int, timeout: float | timedelta = 600.0):
     dp = mesh.dp_size
     if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1 or dp % shard:
         raise ValueError(f"--dp-shard={shard!r} must be a divisor of dp={dp}")
+    return _blocks(mesh, shard * mesh.cp_size, timeout)
+
+
+def _blocks(mesh: Mesh, size: int, timeout) -> tuple:
+    """This rank's block of ``size`` consecutive ranks of its dp x cp group, and the ranks at
+    its place in every block: two new groups (every rank creates every group, in order)."""
     timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
     options = group_options(dist.get_backend())
-    mine, size = {}, shard * mesh.cp_size
+    mine = {}
     for ranks in mesh.layout.groups("dp-cp" if mesh.cp_size > 1 else "dp"):
         blocks = [ranks[i:i + size] for i in range(0, len(ranks), size)]
-        for kind, groups in (("shard", blocks), ("replicate",
+        for kind, groups in (("block", blocks), ("across",
                                                 [ranks[j::size] for j in range(size)])):
             for g in groups:
                 group = dist.new_group(g, timeout=timeout, pg_options=options)
                 if mesh.rank in g:
                     mine[kind] = group
-    return mine["shard"], mine["replicate"]
+    return mine["block"], mine["across"]
+
+
+def ep_groups(mesh: Mesh, ep: int, timeout: float | timedelta = 600.0):
+    """Expert parallelism's two groups inside this rank's dp x cp group: ``(ep_group,
+    expert_dp_group)``. The ep group is ``ep`` consecutive ranks (with the tp-cp-dp-pp order
+    the nearest ones: the all-to-alls stay inside a node where they can), each holding
+    ``n_experts / ep`` of every MoE layer's experts; the ranks at the same place of every ep
+    group hold the same experts and sum their gradients (Megatron's expert-data-parallel
+    group). ``ep`` must divide dp x cp (checked before any collective)."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or \
+            (mesh.dp_size * mesh.cp_size) % ep:
+        raise ValueError(f"--ep={ep!r} must be a divisor of dp x cp = {mesh.dp_size} x "
+                         f"{mesh.cp_size}")
+    return _blocks(mesh, ep, timeout)

@@ -152,7 +152,7 @@ class ParallelTransformerLayer(nn.Module):
     unsharded mask."""
 
     def __init__(self, config: GPTConfig, tp_group=None, sequence_parallel=False, overlap=True,
-                 cp_group=None, regather_input=False):
+                 cp_group=None, regather_input=False, ep_group=None, ep_chunks=2):
         super().__init__()
         kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
         self.norm1, self.norm2 = Norm(config, **kw), Norm(config, **kw)
@@ -167,7 +167,8 @@ class ParallelTransformerLayer(nn.Module):
                            shared_gate=config.moe_shared_gate,
                            capacity_factor=config.moe_capacity_factor,
                            aux_loss_coef=config.moe_aux_loss, norm_topk=config.moe_norm_topk,
-                           bias_update_rate=config.moe_bias_rate)
+                           bias_update_rate=config.moe_bias_rate, ep_group=ep_group,
+                           ep_chunks=ep_chunks)
         else:
             self.mlp = ParallelMLP(config, overlap=overlap, regather_input=regather_input, **kw)
         self.dropout = config.dropout

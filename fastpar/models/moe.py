@@ -133,6 +133,8 @@ class Experts(nn.Module):
         super().__init__()
         total = n if total is None else total
         self.n, self.ffn, self.first, self.total = n, ffn, first, total
+        # Checkpoints (fastpar.tensor_parallel.sharding.shard_specs): the experts held, of total.
+        self.expert_slice = (first, first + n) if n < total else None
         self.gate_up = nn.Parameter(torch.empty(n, 2 * ffn, d_model, device=device, dtype=dtype))
         self.down = nn.Parameter(torch.empty(n, d_model, ffn, device=device, dtype=dtype))
         gu, dn = (torch.empty_like(w[0]) for w in (self.gate_up, self.down))

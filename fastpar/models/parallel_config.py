@@ -48,6 +48,12 @@ class ParallelConfig:
                                         # one micro-batch's activations (where it applies: tp >
                                         # 1 without SP, pp, cp, full recompute, ZeRO-3 or
                                         # --interleave, 2 or more micro-batches per step)
+    ep: int = 1                         # expert-parallel size: each MoE layer's experts split
+                                        # over groups of this many data-parallel ranks, tokens
+                                        # sent to them by all-to-all (1: every rank all experts)
+    ep_overlap: bool = True             # dispatch each MoE layer's tokens in two chunks, one's
+                                        # all-to-all travelling while the other's experts
+                                        # compute (off: one blocking all-to-all each way)
 
     def num_microbatches(self, global_batch: int, dp: int | None = None) -> int:
         return global_batch // (self.micro_batch_size * (dp or self.dp))
@@ -55,7 +61,8 @@ class ParallelConfig:
     def check_fields(self, flags: bool = False) -> None:
         """The checks that need no model or world: sizes >= 1, known schedule and recompute."""
         require_positive({k: getattr(self, k) for k in ("tp", "pp", "cp", "virtual_stages",
-                                                        "micro_batch_size", "interleave")},
+                                                        "micro_batch_size", "interleave",
+                                                        "ep")},
                          flags=flags)
         if self.dp is not None:
             require_positive({"dp": self.dp}, flags=flags)
@@ -96,6 +103,18 @@ class ParallelConfig:
                              f"{self.tp}, cp={self.cp}, zero={self.zero} is not supported yet: "
                              f"its experts run with tp=1, cp=1 and zero 0, 1 or 2 (dp and pp "
                              f"are supported)")
+        if self.ep > 1:
+            bad = [why for wrong, why in (
+                (not model.n_experts, "the model has no experts (n_experts=0)"),
+                (model.n_experts % self.ep, f"n_experts={model.n_experts} is not a multiple "
+                                            f"of ep={self.ep}"),
+                ((dp * self.cp) % self.ep, f"ep={self.ep} does not divide dp x cp = "
+                                           f"{dp} x {self.cp}"),
+                (self.zero > 0, f"zero={self.zero} (the experts' ZeRO shards are not "
+                                f"supported yet: use --zero 0)"))
+                   if wrong]
+            if bad:
+                raise ValueError(f"--ep={self.ep}: " + "; ".join(bad))
         if model.n_layers < self.pp * self.virtual_stages:
             raise ValueError(f"the model has {model.n_layers} layers, fewer than pp x virtual "
                              f"stages = {self.pp} x {self.virtual_stages}")

@@ -86,6 +86,8 @@ def shard_specs(modules: list[nn.Module], tp_size: int, tp_rank: int,
         for mname, module in root.named_modules():
             dims = getattr(module, "tp_shard_dims", {})      # see tp_params
             named = bool(dims) and getattr(module, "parts", (("", 0),))[0][0] != ""
+            # Expert parallelism: a stack of experts [start, stop) of ``total`` (dim 0).
+            experts = getattr(module, "expert_slice", None)
             for pname, p in module.named_parameters(recurse=False):
                 if only is not None and id(p) not in only:
                     continue
@@ -104,5 +106,7 @@ def shard_specs(modules: list[nn.Module], tp_size: int, tp_rank: int,
                     if dim is not None:
                         start, stop = t.shape[dim] * tp_rank, t.shape[dim] * (tp_rank + 1)
                         shape[dim] *= tp_size
+                    elif experts is not None:
+                        dim, (start, stop), shape[0] = 0, experts, module.total
                     out[name] = ShardSpec(t, shape, dim, start, stop, p, part_rows)
     return out

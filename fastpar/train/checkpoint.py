@@ -29,6 +29,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..models.config import GPTConfig
+from ..mesh.groups import group_rank, group_size
 from ..tensor_parallel.sharding import shard_specs
 
 _OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -87,6 +88,16 @@ def _snapshot(modules, optimizer, mesh, rank_tensors, cpu) -> dict[str, dict | s
                            cpu)
         files[f"model_tp{tp}_pp{pp}.safetensors"] = tensors
         files[f"index_tp{tp}_pp{pp}.json"] = json.dumps(index)
+    elif zero is None and group_size(getattr(mesh, "ep_group", None)) > 1 and \
+            group_rank(mesh.expert_dp_group) == 0:  # the other experts of the first replicas
+        tensors, index = {}, {}
+        for name, (t, shape, dim, start, stop, p, rows) in specs.items():
+            if getattr(p, "expert_parallel", False):
+                _whole_tensors(tensors, index, name, t, shape, dim, start, stop, optimizer, p,
+                               rows, cpu)
+        e = group_rank(mesh.ep_group)
+        files[f"model_tp{tp}_pp{pp}_ep{e}.safetensors"] = tensors
+        files[f"index_tp{tp}_pp{pp}_ep{e}.json"] = json.dumps(index)
     files[f"rng_rank{rank}.safetensors"] = {"cpu": torch.get_rng_state()}
     if rank_tensors:
         files[f"rank{rank}.safetensors"] = {k: cpu(v) for k, v in rank_tensors.items()}

@@ -37,7 +37,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices as _
 import fastpar
 from ..context_parallel import shard_sequence
 from ..data_parallel import DataParallel, DistributedOptimizer
-from ..mesh import Layout, Mesh, hsdp_groups
+from ..mesh import Layout, Mesh, ep_groups, hsdp_groups
 from ..mesh.profiling import span
 from ..mesh import collectives
 from ..mesh.watchdog import CollectiveTimeoutError, Watchdog, group_timeout
@@ -71,7 +71,8 @@ def build_model(cfg: TrainConfig, mesh, device=None) -> list[GPT]:
     mc = cfg.model_config
     make = functools.partial(GPT, mc, tp_group=mesh.tp_group, recompute=cfg.recompute,
                              sequence_parallel=cfg.sequence_parallel,
-                             device=device or mesh.device, cp_group=mesh.cp_group)
+                             device=device or mesh.device, cp_group=mesh.cp_group,
+                             ep_group=mesh.ep_group, ep_overlap=cfg.ep_overlap)
     chunks = build_stages(make, mesh.pp_rank, mesh.pp_size, cfg.virtual_stages,
                           num_blocks=mc.n_layers, layer_costs=mc.piece_flops(cfg.seq_len))
     if device is not None:
@@ -130,7 +131,8 @@ def _wrap(cfg: TrainConfig, chunks, mesh):
         shard, replicate = hsdp_groups(mesh, cfg.dp_shard, group_timeout(cfg.timeout))
         groups = dict(dp_group=shard, replicate_group=replicate)
     ddp = DataParallel(nn.ModuleList(chunks), main_grads=mixed, reduce_dtype=reduce_dtype,
-                       units=units, device=mesh.device, **groups)
+                       units=units, device=mesh.device, expert_group=mesh.expert_dp_group,
+                       **groups)
     # Fused AdamW: one kernel per parameter group, and it skips a non-finite step on the device.
     kernel = dict(fused=True) if mesh.device.type in _fused_devices() else dict(foreach=True)
     return ddp, DistributedOptimizer(ddp, torch.optim.AdamW, _param_groups(chunks, cfg.weight_decay),
@@ -170,7 +172,8 @@ def _clip(chunks, mesh, max_norm: float, opt: DistributedOptimizer) -> torch.Ten
     sharded = {id(p) for p, split in tp_params(chunks) if split}
     return opt.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"),
                                groups=[mesh.tp_group, mesh.pp_group],
-                               counted=lambda p: id(p) in sharded or mesh.tp_rank == 0)
+                               counted=lambda p: id(p) in sharded or mesh.tp_rank == 0,
+                               ep_group=mesh.ep_group)
 
 
 def _init_from(path, chunks, mesh, say) -> None:
@@ -271,6 +274,8 @@ def setup(cfg: TrainConfig, layout: Layout | None = None) -> Run:
     if torch.cuda.is_available():
         trace.mkdir(parents=True, exist_ok=True)
     mesh = fastpar.init(layout=lay, timeout=group_timeout(cfg.timeout), nccl_trace=str(trace / "rank_"))
+    if cfg.ep > 1:      # the experts split over ep data-parallel ranks
+        mesh.ep_group, mesh.expert_dp_group = ep_groups(mesh, cfg.ep, group_timeout(cfg.timeout))
     torch.manual_seed(cfg.seed)
     sharded3 = fully_sharded(cfg, mesh)
     chunks = build_model(cfg, mesh, "meta" if sharded3 else None)
