@@ -125,3 +125,69 @@ def test_dispatch_travels_while_experts_compute():
     assert all(s["in_flight"] > 0 for s in seen), seen
     seen = run_ranks(_probe, 2, 1, 2, timeout=120)
     assert all(s["in_flight"] == 0 and s["computes"] == 4 for s in seen), seen
+
+
+MOE_CFG = dict(vocab_size=64, n_layers=2, d_model=32, n_heads=4, max_seq_len=8, pad_vocab_to=64,
+               n_experts=4, moe_top_k=2, moe_ffn=24)
+
+
+def _ep_model(ep, seed=0):
+    import fastpar
+    from fastpar.data_parallel import DataParallel
+    from fastpar.mesh import ep_groups
+    from fastpar.models import GPT, GPTConfig
+    mesh = fastpar.init(dp=dist.get_world_size() if dist.is_initialized() else None)
+    if ep > 1:
+        mesh.ep_group, mesh.expert_dp_group = ep_groups(mesh, ep)
+    model = GPT(GPTConfig(**MOE_CFG, init_seed=seed), ep_group=mesh.ep_group)
+    ddp = DataParallel(model, dp_group=mesh.dp_group, expert_group=mesh.expert_dp_group)
+    return mesh, model, ddp
+
+
+def _ep_save(rank, world_size, out, ep):
+    from fastpar.train.checkpoint import latest_checkpoint
+    from fastpar.train.checkpoint_writer import save_checkpoint
+    mesh, model, ddp = _ep_model(ep)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(rank))
+    ddp(tokens[:, :-1], tokens[:, 1:]).backward()
+    opt.step()
+    save_checkpoint(out, 1, [model], opt, mesh, {"config": MOE_CFG, "data_step": 1})
+    return {n: (p.detach().clone(), opt.state[p]["exp_avg"].clone())
+            for n, p in model.named_parameters()}, model.layers["0"].mlp.experts.first, \
+        sorted(f.name for f in latest_checkpoint(out).glob("model_*"))
+
+
+def _ep_load(rank, world_size, out, ep):
+    from fastpar.train.checkpoint import latest_checkpoint, load_checkpoint
+    mesh, model, _ = _ep_model(ep, seed=5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    load_checkpoint(latest_checkpoint(out), [model], opt, mesh)
+    return {n: (p.detach().clone(), opt.state[p]["exp_avg"].clone())
+            for n, p in model.named_parameters()}, model.layers["0"].mlp.experts.first
+
+
+def test_checkpoint_saved_at_one_ep_loads_at_another(tmp_path):
+    """Saved at dp4 ep2 (each expert slice written once: the first replica's file and the
+    other ep rank's experts file), loaded into one process and at dp4 ep4: every rank's
+    experts and their optimizer state are the slices of the whole, the rest equal."""
+    from fastpar.models import GPT, GPTConfig
+    from fastpar.train.checkpoint import latest_checkpoint, load_checkpoint
+    saved = run_ranks(_ep_save, 4, str(tmp_path), 2, init_pg=False, timeout=120)
+    assert saved[0][2] == ["model_tp0_pp0.safetensors", "model_tp0_pp0_ep1.safetensors"]
+    one = GPT(GPTConfig(**MOE_CFG, init_seed=3))
+    opt = torch.optim.AdamW(one.parameters(), lr=1e-2)
+    load_checkpoint(latest_checkpoint(tmp_path), [one], opt, None)
+
+    def check(ranks):
+        for got, first in ranks:
+            for n, p in one.named_parameters():
+                want, moment = p.detach(), opt.state[p]["exp_avg"]
+                if ".experts." in n:
+                    k = got[n][0].shape[0]
+                    want, moment = want[first:first + k], moment[first:first + k]
+                assert torch.equal(got[n][0], want) and torch.equal(got[n][1], moment), n
+    check([(s[0], s[1]) for s in saved])
+    loaded = run_ranks(_ep_load, 4, str(tmp_path), 4, init_pg=False, timeout=120)
+    assert [first for _, first in loaded] == [0, 1, 2, 3]
+    check(loaded)
