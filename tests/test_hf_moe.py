@@ -4,6 +4,7 @@ greedy tokens, export back to what transformers loads (the same tensors, bit for
 by the ZeRO-3 reader and the ``--init-from`` checks, and what fastpar cannot represent is one
 clear error."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,3 +190,26 @@ def test_what_the_formats_cannot_hold_is_refused_on_export():
         qwen.layers["0"].attn.o.bias[0] = 1.0           # Qwen2-MoE's o_proj has no bias
     with pytest.raises(ValueError, match="layers.0.attn.o.bias is not zero"):
         hf_state_dict(qwen)
+
+
+def _ep_logits(rank, world_size, path):
+    import torch.distributed as dist
+    model = GPT(config_from_hf(json.loads((Path(path) / "config.json").read_text())),
+                ep_group=dist.group.WORLD).eval()
+    load_hf(path, [model])
+    with torch.no_grad():
+        return model(_tokens())[..., :VOCAB], model.layers["0"].mlp.experts.first
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_import_at_ep2_matches_transformers(tmp_path, kind):
+    """Each of two expert-parallel ranks reads only its half of the experts; the logits (the
+    tokens dispatched to the rank holding their experts) equal transformers' within 1e-5."""
+    from fastpar.testing import run_ranks
+    ref = _save(kind, tmp_path / "hf", True)
+    with torch.no_grad():
+        want = ref(_tokens()).logits
+    got = run_ranks(_ep_logits, 2, str(tmp_path / "hf"), timeout=90)
+    assert [first for _, first in got] == [0, 2 if kind == "mixtral" else 3]
+    for logits, _ in got:
+        torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
