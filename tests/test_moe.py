@@ -198,12 +198,13 @@ def test_bad_settings_are_refused(bad, match):
         GPTConfig(vocab_size=96, n_layers=2, d_model=64, n_heads=4, **bad)
 
 
-def _train(rank, world_size, kwargs, preset):
+def _train(rank, world_size, kwargs, preset, rows=False):
     from fastpar.models import config
     from fastpar.train import TrainConfig, train
 
     config.PRESETS["tiny-moe"] = config.PRESETS["tiny-moe"].replace(**preset)
-    return [r["loss"] for r in train(TrainConfig(**kwargs))]
+    out = train(TrainConfig(**kwargs))
+    return out if rows else [r["loss"] for r in out]
 
 
 MOE_RUN = dict(model="tiny-moe", seq_len=32, global_batch_size=8, micro_batch_size=2, steps=8,
@@ -246,6 +247,23 @@ def test_the_trainers_loss_curve_equals_the_single_process(name, world, layout, 
     for step, (a, b) in enumerate(zip(got, moe_reference), 1):
         assert abs(a - b) <= tol * b, f"{name} step {step}: {a} vs {b}"
     assert moe_reference[-1] < moe_reference[0]
+
+
+def test_router_statistics_are_in_the_metrics(tmp_path):
+    """Each logged step has the busiest expert's load over the mean (worst layer) and the share
+    of assignments capacity dropped: more drops at a smaller capacity, none when dropless."""
+    from fastpar.testing import run_ranks
+    run = dict(MOE_RUN, steps=2, out=str(tmp_path / "a"))
+    tight = run_ranks(_train, 1, run, dict(MOE_PRESET, moe_capacity_factor=0.5), True,
+                      init_pg=False, timeout=240)[0]
+    run["out"] = str(tmp_path / "b")
+    loose = run_ranks(_train, 1, run, dict(MOE_PRESET, moe_capacity_factor=0.0), True,
+                      init_pg=False, timeout=240)[0]
+    for row in tight + loose:
+        assert row["moe_balance"] >= 1.0
+    assert all(r["moe_dropped"] >= 0.4 for r in tight), tight     # at most half kept
+    assert all(r["moe_dropped"] == 0.0 for r in loose), loose
+    assert any(r["moe_balance"] > 1.0 for r in loose)
 
 
 def test_layouts_it_cannot_run_are_refused_before_anything_is_built():

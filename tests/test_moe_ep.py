@@ -191,3 +191,20 @@ def test_checkpoint_saved_at_one_ep_loads_at_another(tmp_path):
     loaded = run_ranks(_ep_load, 4, str(tmp_path), 4, init_pg=False, timeout=120)
     assert [first for _, first in loaded] == [0, 1, 2, 3]
     check(loaded)
+
+
+@pytest.mark.parametrize("bad, world, words", [
+    (dict(ep=2, zero=1), 2, "zero=1"),
+    (dict(ep=3), 3, "n_experts=4 is not a multiple of ep=3"),
+    (dict(ep=2, pp=2), 2, r"does not divide dp x cp = 1 x 1"),
+])
+def test_layouts_expert_parallelism_cannot_run_are_refused(bad, world, words):
+    from fastpar.models import GPTConfig
+    from fastpar.models.parallel_config import ParallelConfig
+    moe = GPTConfig(**MOE_CFG)
+    ParallelConfig(dp=2, ep=2, micro_batch_size=1).check(moe, 2, 4, 8)
+    with pytest.raises(ValueError, match=words):
+        ParallelConfig(micro_batch_size=1, **bad).check(moe, world, 4, 8)
+    with pytest.raises(ValueError, match="no experts"):
+        ParallelConfig(dp=2, ep=2, micro_batch_size=1).check(
+            GPTConfig(**dict(MOE_CFG, n_experts=0)), 2, 4, 8)

@@ -79,6 +79,23 @@ def update_biases(modules, group=None) -> None:
         m.update_bias()
 
 
+def router_stats(modules) -> dict[str, torch.Tensor]:
+    """The routers' statistics since the last call, over this rank's tokens (device scalars,
+    no host sync; reset): ``moe_balance``, the busiest expert's tokens over the mean, the
+    worst of the layers (1.0: even), and ``moe_dropped``, the share of assignments dropped
+    by capacity. Empty without MoE layers (or before a training forward)."""
+    counts = [m._step_counts for m in moe_layers(modules) if m._step_counts is not None]
+    if not counts:
+        return {}
+    for m in moe_layers(modules):
+        m._step_counts = None
+    c = torch.stack(counts).float()                          # (layers, E + 1)
+    tokens, dropped = c[:, :-1], c[:, -1]
+    balance = (tokens.amax(1) / tokens.mean(1).clamp(min=1e-9)).amax()
+    return {"moe_balance": balance,
+            "moe_dropped": dropped.sum() / (tokens.sum() + dropped.sum()).clamp(min=1.0)}
+
+
 class AuxLoss(torch.autograd.Function):
     """Identity on ``y``; its backward also gives ``aux`` the gradient ``scale``: the auxiliary
     loss joins the training loss's backward without changing what the model returns."""
@@ -288,6 +305,7 @@ class MoE(nn.Module):
         self.bias_update_rate = bias_update_rate
         self.stats: dict[str, torch.Tensor] = {}
         self._load = None       # tokens per expert since the last update_bias
+        self._step_counts = None    # tokens per expert and dropped, since router_stats
 
     @property
     def n_experts(self) -> int:
@@ -339,6 +357,9 @@ class MoE(nn.Module):
                       "aux": aux.detach()}
         if self.bias_update_rate:
             self._load = kept.detach() if self._load is None else self._load + kept.detach()
+        if self.training:       # this step's, for router_stats
+            add = torch.cat([kept.detach(), (tokens - kept).sum().reshape(1).detach()])
+            self._step_counts = add if self._step_counts is None else self._step_counts + add
         if self.training and self.aux_loss_coef and torch.is_grad_enabled():
             y = AuxLoss.apply(y, aux, self.aux_loss_coef * _aux_scale)
         return y.view(shape), None

@@ -54,9 +54,9 @@ class Metrics:
 
     def log(self, step: int, loss: float, lr: float, tokens: int, step_time: float,
             flops_per_step: float, world_size: int, skipped: bool = False,
-            val_loss: float | None = None) -> dict:
+            val_loss: float | None = None, extra: dict | None = None) -> dict:
         row = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens / step_time,
-               "step_time_s": step_time}
+               "step_time_s": step_time, **(extra or {})}
         if skipped:         # a non-finite step: the optimizer did not step
             row["skipped"] = True
         if val_loss is not None:    # the mean loss on the held-out split, after this step

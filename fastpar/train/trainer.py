@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -58,7 +58,7 @@ from .outdir import check_out, nothing_to_resume, prepare_out, resolve_out
 from .run_record import check_changes, legacy_record, run_record, write_run_files
 from .lr_schedule import lr_at
 from .step import evaluate, forward_backward, loss_fn
-from ..models.moe import update_biases
+from ..models.moe import router_stats, update_biases
 from .sample import print_sample
 from .profiler import StepProfiler
 
@@ -243,6 +243,7 @@ class Run:
     profiler: StepProfiler
     fault: faults.Faults | None   # FASTPAR_FAULT's injected faults (tests)
     say: Callable | None          # print on the first rank, else None
+    moe_stats: dict = field(default_factory=dict)   # the last step's router_stats
 
     @property
     def micro_batches(self) -> int:
@@ -358,6 +359,7 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
         opt.step(found_inf=bad)     # ZeRO-1 all-gathers the updated shards here
     opt.zero_grad(set_to_none=True)
     update_biases(run.chunks, mesh.dp_cp_group)     # MoE's loss-free balancing, if on
+    run.moe_stats = router_stats(run.chunks)        # read back with the loss
     return loss, norm, bad, lr
 
 
@@ -383,13 +385,14 @@ def read_back(run: Run, pending: PendingSteps, tokens: int, flops: float) -> lis
     reached the limit, after writing the rows before it), the last one evaluated when due, and
     each written to the metrics exactly as if read right after it ran."""
     rows, done = [], pending.read()
-    for i, (step, (loss, norm, bad), host) in enumerate(done):
+    for i, (step, (loss, norm, bad, *moe), host) in enumerate(done):
         ok = run.guard.settle(step, bool(bad), loss, norm)
         if run.guard.exhausted:
             raise run.guard.error(run.writer.wait() or run.resume_from)
         val = evaluate_hook(run, step) if i == len(done) - 1 else None
         rows.append(run.metrics.log(step, loss, host["lr"], tokens, host["step_time"], flops,
-                                    run.mesh.world_size, skipped=not ok, val_loss=val))
+                                    run.mesh.world_size, skipped=not ok, val_loss=val,
+                                    extra=dict(zip(host["moe"], moe))))
     return rows
 
 
@@ -441,7 +444,9 @@ def train(cfg: TrainConfig, layout: Layout | None = None) -> list[dict]:
         loss, norm, bad, lr = train_step(run, step)
         # The host's time (on a GPU: the device's only summed up to a read; metrics.py).
         step_time = time.perf_counter() - t0    # the evaluation is not part of the step
-        pending.add(step, (loss, norm, bad), lr=lr, step_time=step_time)
+        moe = run.moe_stats
+        pending.add(step, (loss, norm, bad, *moe.values()), lr=lr, step_time=step_time,
+                    moe=list(moe))
         if _read_due(run, step):
             rows += read_back(run, pending, step_tokens, flops)
         checkpoint_hook(run, step, record)
