@@ -277,3 +277,27 @@ def test_layouts_it_cannot_run_are_refused_before_anything_is_built():
             ParallelConfig(micro_batch_size=1, **bad).check(moe, world, 4, 32)
     with pytest.raises(ValueError, match="--compile with a mixture of experts"):
         TrainConfig(model="tiny-moe", compile=True).check_layout(1)
+
+
+def test_the_experts_run_on_the_grouped_gemm_kernel(monkeypatch):
+    """On the Triton path (CUDA; here the interpreter) the experts are two grouped GEMMs: the
+    layer's output and gradients equal the torch path's loop of matmuls."""
+    from fastpar.kernels import grouped_gemm
+    torch.manual_seed(0)
+    moe = MoE(32, 4, 2, 48)
+    x = torch.randn(6, 2, 32)
+    want = moe(x.clone().requires_grad_())[0]
+    want.square().sum().backward()
+    ref = [p.grad.clone() for p in moe.parameters()]
+    moe.zero_grad()
+    calls = []
+    real = grouped_gemm.GroupedMMFunction.apply
+    monkeypatch.setattr(grouped_gemm.GroupedMMFunction, "apply",
+                        lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("FASTPAR_KERNEL_IMPL", "triton")
+    got = moe(x.clone().requires_grad_())[0]
+    got.square().sum().backward()
+    assert len(calls) == 2
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for p, g in zip(moe.parameters(), ref):
+        torch.testing.assert_close(p.grad, g, atol=1e-4, rtol=1e-4)

@@ -166,6 +166,11 @@ class Experts(nn.Module):
         """``rows`` sorted by expert, ``counts[e]`` of them for (local) expert e -> the
         experts' outputs, in the same order: two grouped GEMMs (one launch each for all the
         experts, :func:`fastpar.kernels.grouped_mm`) around the SwiGLU."""
+        if kernels.impl_for(rows, self.gate_up) != "triton":     # torch's: a loop of GEMMs
+            outs = [F.linear(kernels.swiglu(*F.linear(part, self.gate_up[e]).chunk(2, dim=-1)),
+                             self.down[e]) for e, part in enumerate(rows.split(counts))
+                    if counts[e]]
+            return torch.cat(outs) if outs else rows.new_zeros((0, rows.shape[-1]))
         counts = torch.tensor(counts, dtype=torch.int64).to(rows.device, non_blocking=True)
         gate, up = _grouped(rows, self.gate_up, counts).chunk(2, dim=-1)
         return _grouped(kernels.swiglu(gate, up), self.down, counts)
