@@ -16,11 +16,11 @@ from fastpar.models.moe import MoE
 from fastpar.testing import run_ranks
 
 
-def _pair(rank, ep, chunks, **kw):
+def _pair(rank, ep, chunks, group=None, **kw):
     torch.manual_seed(0)
     ref = MoE(32, 8, 2, 48, **kw)
     torch.manual_seed(0)
-    got = MoE(32, 8, 2, 48, ep_group=dist.group.WORLD, ep_chunks=chunks, **kw)
+    got = MoE(32, 8, 2, 48, ep_group=group or dist.group.WORLD, ep_chunks=chunks, **kw)
     with torch.no_grad():           # the same weights: the slice of the whole
         for name, p in got.named_parameters():
             q = ref.get_parameter(name)
@@ -29,8 +29,9 @@ def _pair(rank, ep, chunks, **kw):
     return ref, got
 
 
-def _equal(rank, world_size, chunks, kw, autocast):
-    ref, got = _pair(rank, world_size, chunks, **kw)
+def _equal(rank, world_size, chunks, kw, autocast, group=None):
+    """``group``: the ep group (default: the world's gloo group)."""
+    ref, got = _pair(rank, world_size, chunks, group, **kw)
     torch.manual_seed(10 + rank)                # each rank its own tokens, a different count
     x = torch.randn(5 + 3 * rank, 2, 32)
     xr, xg = x.clone().requires_grad_(), x.clone().requires_grad_()

@@ -167,3 +167,17 @@ def _zero3(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_zero3_runs_under_nccl_rules(world):
     assert run_ranks(_zero3, world, timeout=90) == [True] * world
+
+
+def _moe_dispatch(rank, world_size):
+    from test_moe_ep import _equal
+    group = nccl_rules_group(timeout=20)
+    return _equal(rank, world_size, 2, {}, False, group=group)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_dispatch_runs_under_nccl_rules(world):
+    """Expert parallelism's all-to-alls (the counts, then each chunk's dispatch and return,
+    several in flight at once, both directions) on the NCCL-rules group: the layer equals the
+    single-rank one."""
+    assert run_ranks(_moe_dispatch, world, timeout=120) == [r * 8 // world for r in range(world)]
