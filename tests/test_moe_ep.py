@@ -153,6 +153,8 @@ def _ep_save(rank, world_size, out, ep):
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(rank))
     ddp(tokens[:, :-1], tokens[:, 1:]).backward()
     opt.step()
+    for i, layer in model.layers.items():    # the loss-free bias: a buffer, saved too
+        layer.mlp.router.bias.copy_(torch.arange(4.0) + int(i))
     save_checkpoint(out, 1, [model], opt, mesh, {"config": MOE_CFG, "data_step": 1})
     return {n: (p.detach().clone(), opt.state[p]["exp_avg"].clone())
             for n, p in model.named_parameters()}, model.layers["0"].mlp.experts.first, \
@@ -164,6 +166,8 @@ def _ep_load(rank, world_size, out, ep):
     mesh, model, _ = _ep_model(ep, seed=5)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     load_checkpoint(latest_checkpoint(out), [model], opt, mesh)
+    for i, layer in model.layers.items():
+        assert torch.equal(layer.mlp.router.bias, torch.arange(4.0) + int(i))
     return {n: (p.detach().clone(), opt.state[p]["exp_avg"].clone())
             for n, p in model.named_parameters()}, model.layers["0"].mlp.experts.first
 
@@ -171,7 +175,8 @@ def _ep_load(rank, world_size, out, ep):
 def test_checkpoint_saved_at_one_ep_loads_at_another(tmp_path):
     """Saved at dp4 ep2 (each expert slice written once: the first replica's file and the
     other ep rank's experts file), loaded into one process and at dp4 ep4: every rank's
-    experts and their optimizer state are the slices of the whole, the rest equal."""
+    experts and their optimizer state are the slices of the whole, the rest equal, the
+    routers' loss-free biases restored."""
     from fastpar.models import GPT, GPTConfig
     from fastpar.train.checkpoint import latest_checkpoint, load_checkpoint
     saved = run_ranks(_ep_save, 4, str(tmp_path), 2, init_pg=False, timeout=120)
@@ -179,6 +184,7 @@ def test_checkpoint_saved_at_one_ep_loads_at_another(tmp_path):
     one = GPT(GPTConfig(**MOE_CFG, init_seed=3))
     opt = torch.optim.AdamW(one.parameters(), lr=1e-2)
     load_checkpoint(latest_checkpoint(tmp_path), [one], opt, None)
+    assert torch.equal(one.layers["1"].mlp.router.bias, torch.arange(4.0) + 1)
 
     def check(ranks):
         for got, first in ranks:

@@ -29,6 +29,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..models.config import GPTConfig
+from ..models.moe import Router
 from ..mesh.groups import group_rank, group_size
 from ..tensor_parallel.sharding import shard_specs
 
@@ -70,6 +71,20 @@ def snapshot(modules, optimizer, mesh, rank_tensors: dict | None = None,
         return _snapshot(modules, optimizer, mesh, rank_tensors, cpu)
 
 
+def _state_buffers(modules) -> dict[str, torch.Tensor]:
+    """The buffers a resumed run needs that are not parameters: each MoE router's loss-free
+    bias (the same on every replica), by name (``buffer.layers.<i>.mlp.router.bias``)."""
+    return {f"buffer.{mname}.{bname}": b for root in modules
+            for mname, module in root.named_modules() if isinstance(module, Router)
+            for bname, b in module.named_buffers(recurse=False)}
+
+
+def _add_buffers(tensors, index, modules, cpu) -> None:
+    for name, b in _state_buffers(modules).items():
+        tensors[name] = cpu(b)
+        index[name] = {"shape": list(b.shape), "dim": None, "start": 0, "stop": 0}
+
+
 def _snapshot(modules, optimizer, mesh, rank_tensors, cpu) -> dict[str, dict | str]:
     rank = mesh.rank if mesh is not None else 0
     tp, pp = _coords(mesh)
@@ -79,6 +94,8 @@ def _snapshot(modules, optimizer, mesh, rank_tensors, cpu) -> dict[str, dict | s
     if zero is not None and zero.saves_shards:   # (HSDP: the first replica's shard group)
         d = zero.model.dp_rank
         tensors, index = _shard_tensors(specs, zero, cpu, others=d == 0)
+        if d == 0:
+            _add_buffers(tensors, index, modules, cpu)
         files[f"model_tp{tp}_pp{pp}_dp{d}.safetensors"] = tensors
         files[f"index_tp{tp}_pp{pp}_dp{d}.json"] = json.dumps(index)
     elif zero is None and (mesh is None or mesh.replica_rank == 0):  # one copy of each shard
@@ -86,6 +103,7 @@ def _snapshot(modules, optimizer, mesh, rank_tensors, cpu) -> dict[str, dict | s
         for name, (t, shape, dim, start, stop, p, rows) in specs.items():
             _whole_tensors(tensors, index, name, t, shape, dim, start, stop, optimizer, p, rows,
                            cpu)
+        _add_buffers(tensors, index, modules, cpu)
         files[f"model_tp{tp}_pp{pp}.safetensors"] = tensors
         files[f"index_tp{tp}_pp{pp}.json"] = json.dumps(index)
     elif zero is None and group_size(getattr(mesh, "ep_group", None)) > 1 and \
@@ -554,6 +572,9 @@ def load_checkpoint(path, modules, optimizer, mesh) -> dict:
                 .reshape(()).clone()
         if zero is not None:
             zero.load_state_shards(shard_reader(reader, specs))
+        for name, b in _state_buffers(modules).items():
+            if reader.has(name):            # (a checkpoint from before they were saved: kept)
+                b.copy_(reader.slice(name, list(b.shape), None, 0, 0))
     rng = f"rng_rank{mesh.rank if mesh is not None else 0}.safetensors"
     if (path / rng).exists():
         with _open(path, rng, reader.verify) as st:
