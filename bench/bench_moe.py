@@ -1,0 +1,109 @@
+"""Expert parallelism at ep=2: the MoE dispatch in two chunks (one chunk's all-to-all in flight
+while the other's experts compute) against the same dispatch blocking, and against no dispatch.
+
+    python bench/bench_moe.py [--seq-len 512] [--batch 2] [--rounds 6] [--iters 2]
+    ../shared/tools/shaped-link 1gbit python bench/bench_moe.py --label 1gbit
+    python bench/repeat.py --runs 3 -- ../shared/tools/shaped-link 1gbit \\
+        python bench/bench_moe.py --label 1gbit                      # a table for RESULTS
+
+Two gloo ranks, each with its own batch. The model: 4 blocks, d 256, 8 heads, every MLP a
+mixture of 8 SwiGLU experts of 512, top 2, dropless (``--moe-ffn``, ``--experts``). Each step is
+one rank's forward and backward (every all-to-all of both directions, the count exchange and
+its host read inside the window); no optimizer step and no data-parallel reduction in any
+variant: at ep=1 each would handle twice the experts' parameters, and what is compared is the
+dispatch alone. Measured with
+bench/common.py's ``compare`` (order rotated every round, each variant's ``--iters`` steps one
+timed window after a barrier, the slowest rank's time), against ``blocking``:
+  on              ep=2 as the trainer runs it (``--ep-overlap``): two chunks, each chunk's
+                  experts computing while the other's all-to-all travels, both directions
+  blocking        ep=2 with one chunk (``--no-ep-overlap``): each all-to-all waited before the
+                  experts compute (same numbers): the peer
+  blocking-again  a second ``blocking``: the A/A control
+  no-dispatch     ep=1: every rank holds all 8 experts and computes its own tokens' rows, no
+                  all-to-all (the same expert rows per rank on average): the floor
+``exposed`` = step - no-dispatch; ``hidden`` = 1 - exposed(on) / exposed(blocking).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import fastpar  # noqa: E402
+from fastpar.models import GPT, GPTConfig  # noqa: E402
+from fastpar.testing import run_ranks  # noqa: E402
+
+VARIANTS = ("on", "blocking", "blocking-again", "no-dispatch")
+
+
+def config(a) -> GPTConfig:
+    return GPTConfig(vocab_size=256, n_layers=4, d_model=256, n_heads=8,
+                     max_seq_len=a["seq_len"], n_experts=a["experts"], moe_top_k=2,
+                     moe_ffn=a["moe_ffn"], moe_aux_loss=0.01)
+
+
+class _Variant:
+    def __init__(self, cfg, mesh, kind: str):
+        torch.manual_seed(0)
+        ep = None if kind == "no-dispatch" else mesh.dp_group
+        self.model = GPT(cfg, ep_group=ep, ep_overlap=kind == "on")
+
+    def step(self, x, y) -> None:
+        self.model(x, y).backward()
+        self.model.zero_grad(set_to_none=True)
+
+
+def _rank(rank, world_size, a):
+    torch.set_num_threads(1)                 # 2 ranks on 2 cores
+    mesh = fastpar.init(dp=2)
+    cfg = config(a)
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, cfg.vocab_size, (a["batch"], a["seq_len"] + 1), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    variants = {k: _Variant(cfg, mesh, k) for k in VARIANTS}
+    for k in VARIANTS:                       # warm-up: allocator
+        variants[k].step(x, y)
+    result = common.compare({k: (lambda v=variants[k]: v.step(x, y)) for k in VARIANTS},
+                            "blocking", mesh.device, a["rounds"], a["iters"],
+                            control="blocking-again", barrier=dist.barrier)
+    rows = a["batch"] * a["seq_len"] * 2     # assignments per rank per layer (top 2)
+    return dict(result=result, hop=rows * cfg.d_model * 4 // 2)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--moe-ffn", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--label", default="loopback")
+    args = ap.parse_args(argv)
+    a = dict(seq_len=args.seq_len, batch=args.batch, experts=args.experts,
+             moe_ffn=args.moe_ffn, rounds=args.rounds, iters=args.iters)
+    out = run_ranks(_rank, 2, a, init_pg=False, timeout=1800)[0]
+    result = out["result"]
+    med = result["median"]
+    rows = [dict(variant=k, median_ms=1e3 * med[k], vs_blocking=result["ratio"][k],
+                 paired=result["paired"][k], exposed_ms=1e3 * (med[k] - med["no-dispatch"]))
+            for k in VARIANTS]
+    exposed_on, exposed_blocking = (med[k] - med["no-dispatch"] for k in ("on", "blocking"))
+    rows.append(dict(variant="summary",
+                     hidden=1 - exposed_on / exposed_blocking if exposed_blocking > 0 else None))
+    print(f"{args.label}: MoE GPT (4 blocks, d 256, {args.experts} experts of {args.moe_ffn}, "
+          f"top 2), ep=2, {args.batch} x {args.seq_len} tokens per rank per step; about "
+          f"{out['hop'] / 1e6:.2f} MB per rank per all-to-all per layer (balanced routing)")
+    common.report(f"moe_{args.label}", rows,
+                  ["variant", "median_ms", "vs_blocking", "paired", "exposed_ms", "hidden"],
+                  [{"key": args.label, **result}])
+
+
+if __name__ == "__main__":
+    main()
