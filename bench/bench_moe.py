@@ -14,14 +14,15 @@ variant: at ep=1 each would handle twice the experts' parameters, and what is co
 dispatch alone. Measured with
 bench/common.py's ``compare`` (order rotated every round, each variant's ``--iters`` steps one
 timed window after a barrier, the slowest rank's time), against ``blocking``:
-  on              ep=2 as the trainer runs it (``--ep-overlap``): two chunks, each chunk's
+  on              ep=2 as the trainer runs it (``--ep-chunks 2``): two chunks, each chunk's
                   experts computing while the other's all-to-all travels, both directions
-  blocking        ep=2 with one chunk (``--no-ep-overlap``): each all-to-all waited before the
+  chunks4         the same in four chunks (``--ep-chunks 4``)
+  blocking        ep=2 with one chunk (``--ep-chunks 1``): each all-to-all waited before the
                   experts compute (same numbers): the peer
   blocking-again  a second ``blocking``: the A/A control
   no-dispatch     ep=1: every rank holds all 8 experts and computes its own tokens' rows, no
                   all-to-all (the same expert rows per rank on average): the floor
-``exposed`` = step - no-dispatch; ``hidden`` = 1 - exposed(on) / exposed(blocking).
+``exposed`` = step - no-dispatch; ``hidden`` = 1 - exposed(variant) / exposed(blocking).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ import fastpar  # noqa: E402
 from fastpar.models import GPT, GPTConfig  # noqa: E402
 from fastpar.testing import run_ranks  # noqa: E402
 
-VARIANTS = ("on", "blocking", "blocking-again", "no-dispatch")
+VARIANTS = ("on", "chunks4", "blocking", "blocking-again", "no-dispatch")
 
 
 def config(a) -> GPTConfig:
@@ -52,7 +53,7 @@ class _Variant:
     def __init__(self, cfg, mesh, kind: str):
         torch.manual_seed(0)
         ep = None if kind == "no-dispatch" else mesh.dp_group
-        self.model = GPT(cfg, ep_group=ep, ep_overlap=kind == "on")
+        self.model = GPT(cfg, ep_group=ep, ep_chunks={"on": 2, "chunks4": 4}.get(kind, 1))
 
     def step(self, x, y) -> None:
         self.model(x, y).backward()
@@ -94,9 +95,10 @@ def main(argv=None) -> None:
     rows = [dict(variant=k, median_ms=1e3 * med[k], vs_blocking=result["ratio"][k],
                  paired=result["paired"][k], exposed_ms=1e3 * (med[k] - med["no-dispatch"]))
             for k in VARIANTS]
-    exposed_on, exposed_blocking = (med[k] - med["no-dispatch"] for k in ("on", "blocking"))
-    rows.append(dict(variant="summary",
-                     hidden=1 - exposed_on / exposed_blocking if exposed_blocking > 0 else None))
+    exposed_blocking = med["blocking"] - med["no-dispatch"]
+    for k in ("on", "chunks4"):
+        rows.append(dict(variant=f"hidden ({k})", hidden=1 - (med[k] - med["no-dispatch"]) /
+                         exposed_blocking if exposed_blocking > 0 else None))
     print(f"{args.label}: MoE GPT (4 blocks, d 256, {args.experts} experts of {args.moe_ffn}, "
           f"top 2), ep=2, {args.batch} x {args.seq_len} tokens per rank per step; about "
           f"{out['hop'] / 1e6:.2f} MB per rank per all-to-all per layer (balanced routing)")

@@ -141,3 +141,17 @@ def test_the_command_prints_the_table_and_refuses_what_cannot_fit(capsys):
     assert main(args + ["--seq-len", "400000"]) == 2
     out = capsys.readouterr().out
     assert "does NOT fit" in out
+
+
+def test_expert_parallelism_at_1024_ranks_divides_the_experts():
+    """Mixtral 8x7B's shape on 1,024 ranks (pp4 x dp256), the experts split over ep 8: each
+    role's built parameters (its stage's 1/8 of the experts) and memory are the memory
+    model's, and against ep 1 the experts' share of the weights shrinks eightfold."""
+    kw = dict(model="8x7b", tp=1, pp=4, seq_len=4096, global_batch_size=1024, zero=0,
+              sequence_parallel=False, recompute="full")
+    one, eight = (dry_run(_cfg(**kw, ep=e), 1024, "h100-80gb") for e in (1, 8))
+    _check_against_the_model(eight, 1024, 4, 32)
+    assert eight.layout.endswith("(ep8)") and eight.fits and not one.fits
+    experts = 8 * 3 * 4096 * 14336 * 8      # a stage's 8 layers' experts
+    for a, b in zip(one.roles, eight.roles):
+        assert a.params - b.params == pytest.approx(experts * 7 / 8, rel=1e-6)

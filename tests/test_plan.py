@@ -845,3 +845,38 @@ def test_moe_activation_bytes_match_what_autograd_saves(moe, mode, recompute):
     E = 2 if mode == "bf16" else 4
     want = cost.activation_bytes(Shape(model, 96, 3), recompute, Features(), E, reference=True)
     assert want / (96 * 3) == pytest.approx(_saved_layer_bytes(model, mode, recompute), rel=0.01)
+
+
+def test_expert_parallelism_in_the_model():
+    """An MoE layer's GEMMs are the router's and top_k rows through the experts; ep divides
+    the experts' parameters; each layer pays its dispatch: blocking (one chunk) both
+    all-to-alls of each pass and the count exchange, in C chunks 2 / C of them when the
+    experts compute longer; `fastpar plan` searches ep where the model has experts."""
+    m = get_config("8x7b")
+    shape, hw = Shape(m, 4096, 1), BUILTIN["h100-80gb"]
+    mats = cost._linears(shape)
+    assert mats[4] == (4096, 8, 4096) and mats[5:] == cost.expert_gemms(shape) == \
+        [(8192, 14336, 4096), (8192, 14336, 4096), (8192, 4096, 14336)]
+    assert m.layer_params() - m.layer_params(8) == 3 * 4096 * 14336 * 7
+    link = 400.0
+    rows = 4096 * 2 * 4096 * hw.bytes_per_element
+    one = cost.collective_time("all_to_all", rows, 8, link, hw)
+    counts = cost.collective_time("all_to_all", 8 * 8, 8, link, hw)
+    f1, b1 = cost.ep_alltoall(shape, hw, 8, 1, link)
+    assert f1 == pytest.approx(2 * one + counts) and b1 == pytest.approx(2 * one)
+    f2, b2 = cost.ep_alltoall(shape, hw, 8, 2, link)
+    experts = sum(hw.for_forward().gemm_time(*g) for g in cost.expert_gemms(shape))
+    two = 2 * cost.collective_time("all_to_all", rows / 2, 8, link, hw)
+    assert experts > 2 * two           # compute-bound: the first and the last chunk show
+    counts2 = cost.collective_time("all_to_all", 8 * 8 * 2, 8, link, hw)
+    assert f2 == pytest.approx(two + counts2) and b2 == pytest.approx(two)
+    assert cost.ep_alltoall(shape, hw, 1, 2, link) == (0.0, 0.0)
+    work, cluster = Workload(m, 4096, 512), Cluster(64, 8, hw)
+    base = ParallelConfig(1, 4, 16, 1, 1, "1f1b", "full")
+    blocking, chunked = (evaluate(work, cluster, dataclasses.replace(base, ep=8, ep_chunks=c))
+                         for c in (1, 2))
+    plain = evaluate(work, cluster, base)
+    assert chunked.step_time_s < blocking.step_time_s
+    assert plain.memory_gb_per_gpu - chunked.memory_gb_per_gpu > 50 and not plain.fits
+    best, _ = planner.search(work, cluster, top=3)
+    assert best and all(e.config.ep > 1 for e in best)

@@ -106,15 +106,16 @@ class GPTConfig:
             if value % tp:
                 raise ValueError(f"GPTConfig: {name}={value} is not divisible by tp={tp}")
 
-    def layer_params(self) -> int:
+    def layer_params(self, ep: int = 1) -> int:
         """Parameters of one Transformer block (all TP ranks; weights of the projections and
-        the MLP, and the two norms' scales)."""
+        the MLP, and the two norms' scales); ``ep``: on one expert-parallel rank (its
+        n_experts / ep experts)."""
         d, f, hd = self.d_model, self.ffn_dim, self.head_dim
         attn = d * (self.n_heads * hd) * 2 + d * (self.kv_heads * hd) * 2
         mlp = d * f * (3 if self.activation == "swiglu" else 2)
         if self.n_experts:      # every expert, the shared ones, the router (and its gate)
             ef = self.expert_ffn
-            mlp = 3 * d * ef * (self.n_experts + self.moe_shared_experts) + \
+            mlp = 3 * d * ef * (self.n_experts // ep + self.moe_shared_experts) + \
                 d * (self.n_experts + self.moe_shared_gate)
         return attn + mlp + 2 * d
 
@@ -182,6 +183,9 @@ PRESETS: dict[str, GPTConfig] = {
                     max_seq_len=4096),
     "70b": GPTConfig(vocab_size=32000, n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8,
                      d_ff=28672, max_seq_len=4096),
+    # Mixtral 8x7B's shape: 8 experts of 14336, 2 per token
+    "8x7b": GPTConfig(vocab_size=32000, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8,
+                      d_ff=14336, max_seq_len=4096, n_experts=8, moe_top_k=2),
 }
 
 

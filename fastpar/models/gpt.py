@@ -44,7 +44,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, *, tp_group=None, sequence_parallel=False,
                  overlap=True, layers=None, pre_process=True, post_process=True,
                  recompute="none", device=None, cp_group=None, ep_group=None,
-                 ep_overlap=True):
+                 ep_chunks=2):
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
@@ -66,9 +66,9 @@ class GPT(nn.Module):
         self.config, self.tp_group, self.sp = config, tp_group, sequence_parallel
         self.pre_process, self.post_process, self.recompute = pre_process, post_process, recompute
         self._overlap = overlap
-        # Expert parallelism: each MoE layer's experts split over ep_group (tokens dispatched
-        # in two chunks with ep_overlap, else one).
-        self.ep_group, self._ep_chunks = ep_group, 2 if ep_overlap else 1
+        # Expert parallelism: each MoE layer's experts split over ep_group, its tokens
+        # dispatched in ep_chunks chunks (1: blocking).
+        self.ep_group, self._ep_chunks = ep_group, ep_chunks
         if pre_process:
             self.embed = self._new_piece("embed", device)
             if not config.rotary:

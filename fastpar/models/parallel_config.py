@@ -51,9 +51,9 @@ class ParallelConfig:
     ep: int = 1                         # expert-parallel size: each MoE layer's experts split
                                         # over groups of this many data-parallel ranks, tokens
                                         # sent to them by all-to-all (1: every rank all experts)
-    ep_overlap: bool = True             # dispatch each MoE layer's tokens in two chunks, one's
-                                        # all-to-all travelling while the other's experts
-                                        # compute (off: one blocking all-to-all each way)
+    ep_chunks: int = 2                  # dispatch each MoE layer's tokens in this many chunks,
+                                        # each chunk's all-to-all travelling while another's
+                                        # experts compute (1: one blocking all-to-all each way)
 
     def num_microbatches(self, global_batch: int, dp: int | None = None) -> int:
         return global_batch // (self.micro_batch_size * (dp or self.dp))
@@ -62,7 +62,7 @@ class ParallelConfig:
         """The checks that need no model or world: sizes >= 1, known schedule and recompute."""
         require_positive({k: getattr(self, k) for k in ("tp", "pp", "cp", "virtual_stages",
                                                         "micro_batch_size", "interleave",
-                                                        "ep")},
+                                                        "ep", "ep_chunks")},
                          flags=flags)
         if self.dp is not None:
             require_positive({"dp": self.dp}, flags=flags)

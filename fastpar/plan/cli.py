@@ -14,7 +14,8 @@ from .planner import Cluster, Workload, evaluate, search
 from ..train.config import TrainConfig
 from ..train.flags import add_flags, flags_of
 
-_FIXED = ("virtual_stages", "micro_batch_size", "schedule", "recompute", "cp", "zero")
+_FIXED = ("virtual_stages", "micro_batch_size", "schedule", "recompute", "cp", "zero", "ep",
+          "ep_chunks")
 # The layout fields a plan can pin, as fastpar train names them (dp follows from --gpus).
 LAYOUT_FLAGS = ("tp", "pp") + _FIXED + ("sequence_parallel", "dp_shard")
 
@@ -130,7 +131,8 @@ def describe_layout(cfg: ParallelConfig) -> str:
     words += [f"cp={cfg.cp}"] * (cfg.cp > 1) + [f"v={cfg.virtual_stages}"] * \
         (cfg.virtual_stages > 1) + [f"mbs={cfg.micro_batch_size}"]
     words += [cfg.schedule] * (cfg.pp > 1) + ["sp"] * cfg.sequence_parallel + \
-        [f"zero{cfg.zero}"] * bool(cfg.zero) + [f"hsdp{cfg.dp_shard}"] * bool(cfg.dp_shard)
+        [f"zero{cfg.zero}"] * bool(cfg.zero) + [f"hsdp{cfg.dp_shard}"] * bool(cfg.dp_shard) + \
+        [f"ep={cfg.ep}"] * (cfg.ep > 1)
     return " ".join(words) + f", {cfg.recompute} recompute"
 
 
@@ -163,7 +165,7 @@ def train_command(cfg: ParallelConfig, work: Workload, cluster: Cluster,
 
 _COLUMNS = (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("v", "virtual_stages"),
             ("mbs", "micro_batch_size"), ("schedule", "schedule"), ("recompute", "recompute"),
-            ("sp", "sequence_parallel"), ("zero", "zero"), ("shard", "dp_shard"),
+            ("sp", "sequence_parallel"), ("zero", "zero"), ("shard", "dp_shard"), ("ep", "ep"),
             ("step s", "step_time_s"),
             ("TFLOP/s", "tflops_per_gpu"), ("MFU", "mfu"), ("GB/GPU", "memory_gb_per_gpu"),
             ("bubble", "bubble_fraction"))

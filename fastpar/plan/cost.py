@@ -111,10 +111,49 @@ def _linears(shape: Shape) -> list[tuple[int, int, int]]:
     m, t = shape.model, shape.tp
     h, d, T = m.d_model, m.head_dim, shape.tokens
     mats = [(T, m.n_heads * d // t, h), (T, m.kv_heads * d // t, h), (T, m.kv_heads * d // t, h),
-            (T, h, m.n_heads * d // t), (T, m.ffn_dim // t, h)]
+            (T, h, m.n_heads * d // t)]
+    if m.n_experts:     # the router; the rows each token sends its top_k experts (as one GEMM
+        #                 of all of them, fastpar's grouped GEMM; balanced over ep ranks) and the
+        #                 shared experts' (as one MLP); gate, up, down (tp = 1)
+        R, F, S = T * m.moe_top_k, m.expert_ffn, m.moe_shared_experts * m.expert_ffn
+        shared = [(T, S, h), (T, S, h)] if S else []
+        return mats + [(T, m.n_experts, h), (R, F, h), (R, F, h)] + shared + \
+            ([(T, h, S)] if S else []) + [(R, h, F)]
+    mats.append((T, m.ffn_dim // t, h))
     if m.activation == "swiglu":
         mats.append((T, m.ffn_dim // t, h))
     return mats + [(T, h, m.ffn_dim // t)]
+
+
+def expert_gemms(shape: Shape) -> list[tuple[int, int, int]]:
+    """The routed experts' GEMMs of one MoE layer's forward (:func:`_linears`' last three
+    rows): what an expert-parallel dispatch is pipelined with."""
+    m = shape.model
+    R, F, h = shape.tokens * m.moe_top_k, m.expert_ffn, m.d_model
+    return [(R, F, h), (R, F, h), (R, h, F)] if m.n_experts else []
+
+
+def ep_alltoall(shape: Shape, hw: Hardware, ep: int, chunks: int, link_gbps: float,
+                overlap: bool = True) -> tuple[float, float]:
+    """Exposed seconds of one MoE layer's expert-parallel dispatch, forward and backward
+    (fastpar/models/moe.py ``_ExpertParallel``): per pass, the rows go out and come back (two
+    all-to-alls of the T * top_k rows, (ep - 1) / ep of them leaving the rank, in ``chunks``
+    pieces) pipelined with the experts' GEMMs (:func:`exposed`: with the compute the longer,
+    2 / chunks of the transfer shows); the forward also exchanges the per-expert counts (a
+    small all-to-all the host waits for). ``overlap=False`` (a CPU, where gloo shares the
+    cores): nothing hidden."""
+    if ep <= 1 or not shape.model.n_experts:
+        return 0.0, 0.0
+    m = shape.model
+    rows = shape.tokens * m.moe_top_k * m.d_model * hw.bytes_per_element
+    one = chunks * collective_time("all_to_all", rows / chunks, ep, link_gbps, hw)
+    counts = collective_time("all_to_all", 8 * m.n_experts * chunks, ep, link_gbps, hw)
+    gemms = expert_gemms(shape)
+    f = sum(hw.for_forward().gemm_time(*g) for g in gemms)
+    b = sum(hw.gemm_time(*g) for g in gemms)        # the input gradients' (the weights' after)
+    if not overlap:
+        return 2 * one + counts, 2 * one
+    return exposed(2 * one, f, chunks) + counts, exposed(2 * one, b, chunks)
 
 
 def _core_time(shape: Shape, hw: Hardware, feat: Features) -> float:
@@ -326,14 +365,15 @@ def cp_ring_exposed(shape: Shape, hw: Hardware, link_gbps: float, core_f: float,
 def ring_time(kind: str, nbytes: float, n: int, link_gbps: float, latency_us: float) -> float:
     """Seconds of a ring collective over ``n`` ranks on a tensor of ``nbytes`` (whole tensor).
 
-    all_reduce moves 2 (n-1)/n of it through each rank's link in 2 (n-1) steps; all_gather and
-    reduce_scatter half of that; send moves it once.
+    all_reduce moves 2 (n-1)/n of it through each rank's link in 2 (n-1) steps; all_gather,
+    reduce_scatter and all_to_all (``nbytes``: what one rank holds, (n-1)/n of it leaving)
+    half of that; send moves it once.
     """
     if n <= 1 and kind != "send":
         return 0.0
     steps, share = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n),
                     "all_gather": (n - 1, (n - 1) / n), "reduce_scatter": (n - 1, (n - 1) / n),
-                    "send": (1, 1.0)}[kind]
+                    "all_to_all": (n - 1, (n - 1) / n), "send": (1, 1.0)}[kind]
     return steps * latency_us * 1e-6 + share * nbytes / (link_gbps * 1e9)
 
 

@@ -9,6 +9,7 @@ default ``tp-dp-pp``: TP groups are consecutive ranks (inside a node), DP next, 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import asdict, dataclass, field
 
 from ..kernels.cross_entropy import REFERENCE_CHUNK
@@ -129,6 +130,11 @@ def _stage_costs(work, cluster, cfg, feat, split):
         q = (M - 1) / M
         exp_f = (1 - q) * exp_f + q * max(0.0, exp_f - lc.b)
         exp_b = (1 - q) * exp_b + q * max(0.0, exp_b - lc.f)
+    # Expert parallelism: each MoE layer's dispatch, over ep consecutive dp ranks (tp apart),
+    # pipelined with its experts in ep_chunks chunks (on a CPU gloo shares the cores).
+    ep_f, ep_b = cost.ep_alltoall(shape, hw, cfg.ep, cfg.ep_chunks, cluster.link_gbps(t * cfg.ep),
+                                  overlap=hw.kind != "cpu")
+    exp_f, exp_b = exp_f + ep_f, exp_b + ep_b
     layer = (lc.f + exp_f + lc.cp_exposed_f, lc.b + exp_b + lc.cp_exposed_b, lc.w)
     if split:   # fastpar/pipeline/backward.py: the row linears' (o, down) weight GEMMs run in B
         mats = cost._linears(shape)
@@ -357,7 +363,7 @@ def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> li
     rep = shape.tokens * m.d_model / (t if shape.sp else 1)
     for rank in range(pp):
         mine = [s for s in range(len(ranges)) if s % pp == rank]
-        params = sum(len(ranges[s]) for s in mine) * m.layer_params() / t
+        params = sum(len(ranges[s]) for s in mine) * m.layer_params(cfg.ep) / t
         layers = max(len(ranges[s]) for s in mine)
         # Under a split backward each micro-batch between its B and its W also holds its
         # weights' output gradients: the layers', the embedding's on the first stage, the final
@@ -455,7 +461,7 @@ def _schedule(cfg: ParallelConfig, work: Workload, schedules: dict):
 def _cache_key(cfg: ParallelConfig) -> tuple:
     """What a configuration's per-stage costs depend on (the last item: a split backward)."""
     return (cfg.tp, cfg.pp, cfg.virtual_stages, cfg.micro_batch_size, cfg.recompute,
-            cfg.sequence_parallel, cfg.interleave, cfg.schedule == "zb-h1")
+            cfg.sequence_parallel, cfg.interleave, cfg.ep, cfg.ep_chunks, cfg.schedule == "zb-h1")
 
 
 def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
@@ -609,9 +615,14 @@ def candidates(work: Workload, cluster: Cluster, fixed: dict | None = None):
                                         except ValueError:
                                             pass
                                 # Interleaved pairs of micro-batches where they hide
-                                # something (cfg.check refuses them elsewhere).
-                                for il in ((1, 2) if tp > 1 and pp == 1 else (1,)):
-                                    one = dataclasses.replace(cfg, interleave=il)
+                                # something (cfg.check refuses them elsewhere); the experts
+                                # split over ep dp ranks (the default two chunks).
+                                eps = [e for e in pow2 if e <= dp * cp and
+                                       (dp * cp) % e == 0 and m.n_experts % e == 0] \
+                                    if m.n_experts and zero == 0 else [1]
+                                for il, ep in itertools.product(
+                                        (1, 2) if tp > 1 and pp == 1 else (1,), eps):
+                                    one = dataclasses.replace(cfg, interleave=il, ep=ep)
                                     if any(getattr(one, k) != val for k, val in fixed.items()):
                                         continue
                                     try:

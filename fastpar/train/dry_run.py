@@ -84,6 +84,7 @@ def dry_run(cfg, world_size: int, hardware: str = "h100-80gb") -> DryRunReport:
     built-in profile name or a .json file; one GPU per rank). Raises ValueError (one line) on
     what a launch would refuse before sizing anything."""
     from .. import init
+    from ..mesh import ep_groups
     from .init_from import check_source
     from .trainer import build_model
 
@@ -110,6 +111,8 @@ def dry_run(cfg, world_size: int, hardware: str = "h100-80gb") -> DryRunReport:
         first = lay.rank(pp=p)
         with _fake_world(first, world_size):
             mesh = init(layout=lay)
+            if cfg.ep > 1:
+                mesh.ep_group, mesh.expert_dp_group = ep_groups(mesh, cfg.ep)
             with torch.device("meta"):
                 chunks = build_model(cfg, dataclasses.replace(mesh, device=torch.device("meta")))
         params = [q for c in chunks for q in c.parameters()]
@@ -118,8 +121,9 @@ def dry_run(cfg, world_size: int, hardware: str = "h100-80gb") -> DryRunReport:
         blocks = [layer for c in chunks for layer in c.layers.values()]
         unit_of = unit_index(nn.ModuleList(chunks), blocks, params) if zero3 else None
         shard = planner.shard_size(layout) if cfg.zero else dp    # HSDP: the shard groups
+        experts = [getattr(q, "expert_parallel", False) for q in params]
         specs = bucket_specs([(q.numel(), dtype) for q in params], shard, None, reduce,
-                             mode == "bf16", unit_of)
+                             mode == "bf16", unit_of, experts if any(experts) else None)
         buffered = sum(s.padded_numel for s in specs)
         stepped = buffered // shard if cfg.zero and shard > 1 else n
         row = rows[p]
@@ -147,7 +151,8 @@ def dry_run(cfg, world_size: int, hardware: str = "h100-80gb") -> DryRunReport:
     except ValueError:
         step = None
     fits = max(r.total for r in roles) <= hw.hbm_gb
-    name = f"tp{lay.tp} x cp{lay.cp} x pp{lay.pp} x dp{lay.dp}"
+    name = f"tp{lay.tp} x cp{lay.cp} x pp{lay.pp} x dp{lay.dp}" + \
+        (f" (ep{cfg.ep})" if cfg.ep > 1 else "")
     return DryRunReport(world_size, name, hw.name, hw.hbm_gb, roles, step, fits)
 
 

@@ -72,7 +72,7 @@ def build_model(cfg: TrainConfig, mesh, device=None) -> list[GPT]:
     make = functools.partial(GPT, mc, tp_group=mesh.tp_group, recompute=cfg.recompute,
                              sequence_parallel=cfg.sequence_parallel,
                              device=device or mesh.device, cp_group=mesh.cp_group,
-                             ep_group=mesh.ep_group, ep_overlap=cfg.ep_overlap)
+                             ep_group=mesh.ep_group, ep_chunks=cfg.ep_chunks)
     chunks = build_stages(make, mesh.pp_rank, mesh.pp_size, cfg.virtual_stages,
                           num_blocks=mc.n_layers, layer_costs=mc.piece_flops(cfg.seq_len))
     if device is not None:
