@@ -228,6 +228,8 @@ def moe_reference(tmp_path_factory):
     ("dp2 ep2", 2, dict(dp=2, ep=2)),
     ("dp2 ep2 blocking", 2, dict(dp=2, ep=2, ep_chunks=1)),
     ("dp2 ep2 4 chunks", 2, dict(dp=2, ep=2, ep_chunks=4)),
+    ("dp2 ep2 zero1", 2, dict(dp=2, ep=2, zero=1)),
+    ("dp4 ep2 zero2", 4, dict(dp=4, ep=2, zero=2)),
     ("dp4 ep2", 4, dict(dp=4, ep=2)),
     ("dp4 ep4", 4, dict(dp=4, ep=4)),
     ("dp2 pp2 ep2", 4, dict(dp=2, pp=2, ep=2)),

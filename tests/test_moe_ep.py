@@ -145,13 +145,28 @@ def _ep_model(ep, seed=0):
     return mesh, model, ddp
 
 
-def _ep_save(rank, world_size, out, ep):
+def _optimizer(ddp, model, zero):
+    from fastpar.data_parallel import DistributedOptimizer
+    if not zero:
+        return torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return DistributedOptimizer(ddp, torch.optim.AdamW, [{"params": list(model.parameters())}],
+                                shard=True, stage=zero, lr=1e-2)
+
+
+def _ep_save(rank, world_size, out, ep, zero=0):
     from fastpar.train.checkpoint import latest_checkpoint
     from fastpar.train.checkpoint_writer import save_checkpoint
     mesh, model, ddp = _ep_model(ep)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = _optimizer(ddp, model, zero)
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(rank))
     ddp(tokens[:, :-1], tokens[:, 1:]).backward()
+    if zero:
+        ddp.finish_gradient_sync()
+        opt.step()
+        opt.finish_param_sync()
+        path = save_checkpoint(out, 1, [model], opt, mesh, {"config": MOE_CFG, "data_step": 1})
+        return {n: p.detach().clone() for n, p in model.named_parameters()}, \
+            model.layers["0"].mlp.experts.first, sorted(f.name for f in path.glob("model_*"))
     opt.step()
     for i, layer in model.layers.items():    # the loss-free bias: a buffer, saved too
         layer.mlp.router.bias.copy_(torch.arange(4.0) + int(i))
@@ -161,11 +176,14 @@ def _ep_save(rank, world_size, out, ep):
         sorted(f.name for f in latest_checkpoint(out).glob("model_*"))
 
 
-def _ep_load(rank, world_size, out, ep):
+def _ep_load(rank, world_size, out, ep, zero=0):
     from fastpar.train.checkpoint import latest_checkpoint, load_checkpoint
-    mesh, model, _ = _ep_model(ep, seed=5)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mesh, model, ddp = _ep_model(ep, seed=5)
+    opt = _optimizer(ddp, model, zero)
     load_checkpoint(latest_checkpoint(out), [model], opt, mesh)
+    if zero:
+        return {n: p.detach().clone() for n, p in model.named_parameters()}, \
+            model.layers["0"].mlp.experts.first
     for i, layer in model.layers.items():
         assert torch.equal(layer.mlp.router.bias, torch.arange(4.0) + int(i))
     return {n: (p.detach().clone(), opt.state[p]["exp_avg"].clone())
@@ -201,7 +219,7 @@ def test_checkpoint_saved_at_one_ep_loads_at_another(tmp_path):
 
 
 @pytest.mark.parametrize("bad, world, words", [
-    (dict(ep=2, zero=1), 2, "zero=1"),
+    (dict(ep=2, zero=1, dp_shard=1), 2, "dp_shard=1"),
     (dict(ep=3), 3, "n_experts=4 is not a multiple of ep=3"),
     (dict(ep=2, pp=2), 2, r"does not divide dp x cp = 1 x 1"),
 ])
@@ -215,3 +233,22 @@ def test_layouts_expert_parallelism_cannot_run_are_refused(bad, world, words):
     with pytest.raises(ValueError, match="no experts"):
         ParallelConfig(dp=2, ep=2, micro_batch_size=1).check(
             GPTConfig(**dict(MOE_CFG, n_experts=0)), 2, 4, 8)
+
+
+def test_zero_checkpoint_with_expert_parallelism(tmp_path):
+    """ZeRO-1 at dp4 ep2: the experts' shards cut over their two replicas, every dp rank's
+    shard file; loaded into one process and at dp4 ep4 under ZeRO-2, every rank's weights
+    are the slices of the whole."""
+    from fastpar.models import GPT, GPTConfig
+    from fastpar.train.checkpoint import latest_checkpoint, load_checkpoint
+    saved = run_ranks(_ep_save, 4, str(tmp_path), 2, 1, init_pg=False, timeout=120)
+    assert saved[0][2] == [f"model_tp0_pp0_dp{d}.safetensors" for d in range(4)]
+    one = GPT(GPTConfig(**MOE_CFG, init_seed=3))
+    load_checkpoint(latest_checkpoint(tmp_path), [one], None, None)
+    loaded = run_ranks(_ep_load, 4, str(tmp_path), 4, 2, init_pg=False, timeout=120)
+    for got, first in [s[:2] for s in saved] + loaded:
+        for n, p in one.named_parameters():
+            want = p.detach()
+            if ".experts." in n:
+                want = want[first:first + got[n].shape[0]]
+            assert torch.equal(got[n], want), n

@@ -124,8 +124,9 @@ class DataParallel(nn.Module):
             between the ranks of an expert-parallel group; their gradients (already summed over
             that group by the all-to-all's backward) are summed over ``expert_group``, the
             ranks holding the same experts, in buckets of their own, and divided by the dp
-            size as the others. Broadcast at construction over ``expert_group`` only. Not with
-            ZeRO sharding, ``find_unused_parameters`` or HSDP (yet).
+            size as the others; under ZeRO their shards are cut over ``expert_group``.
+            Broadcast at construction over ``expert_group`` only. Not with
+            ``find_unused_parameters``, HSDP or ZeRO-3 (yet).
 
     The constructor checks its arguments locally (``ValueError``), then compares the parameter
     shapes across the group with one small collective and broadcasts dp rank 0's parameters and
@@ -268,9 +269,9 @@ class DataParallel(nn.Module):
                              "reduction lands, before the partial gradients of the parameters "
                              "replicated over TP are summed (sequence parallelism): build it "
                              "with overlap_step=False")
-        for bucket in reducer.buckets:
+        for b, bucket in enumerate(reducer.buckets):
             flat, spec = reducer.mean_grads(bucket), bucket.spec
-            lo, hi = spec.shard(self.dp_rank, self.dp_size) if reducer.sharded else \
+            lo, hi = spec.shard(*reducer.place(b)[1:]) if reducer.sharded else \
                 (0, spec.padded_numel)
             for p, off, n in zip(bucket.params, spec.offsets, spec.numels):
                 if id(p) not in want:

@@ -43,7 +43,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from .. import extension
-from ..mesh.groups import group_size
+from ..mesh.groups import group_rank, group_size
 from ..mesh.profiling import span
 from .buckets import BucketSpec
 from .comm import (CommStream, all_reduce_async, pairwise, reduce_scatter_async,
@@ -177,7 +177,8 @@ class GradReducer:
                  events: extension.EventLog, device: torch.device, main_grads: bool = False,
                  lazy: bool = False, replicate_group=None, bucket_groups=None):
         self.params, self.names, self.group, self.world = params, names, group, world
-        # Expert parallelism: a bucket's own group (its experts' replicas), None: ``group``.
+        # Expert parallelism: a bucket's own group (its experts' replicas), None: ``group``;
+        # it is also the group the bucket's ZeRO shards are cut over.
         self.bucket_groups = bucket_groups or [None] * len(specs)
         # HSDP: the reduction over ``group`` is followed by an all-reduce of its result over the
         # replicas (the same shard on other groups); the mean is over both.
@@ -215,6 +216,12 @@ class GradReducer:
         for i, p in enumerate(params):
             p.register_post_accumulate_grad_hook(_hook(self, i))
 
+    def place(self, b: int) -> tuple:
+        """``(group, rank, size)`` bucket b is reduced (and its ZeRO shards cut) over."""
+        g = self.bucket_groups[b]
+        return (self.group, group_rank(self.group), self.world) if g is None else \
+            (g, group_rank(g), group_size(g))
+
     def mean_grads(self, bucket: _Bucket) -> torch.Tensor:
         """The flat tensor that holds ``bucket``'s mean gradient after a reduction: this rank's
         shard when sharded, else the main-gradient buffer or the bucket buffer."""
@@ -239,16 +246,14 @@ class GradReducer:
         ``release`` (ZeRO-2) free the whole gradients once reduced."""
         if self.in_flight:
             raise RuntimeError("cannot switch to sharded reduction while a reduction is running")
-        if any(g is not None for g in self.bucket_groups):
-            raise ValueError("ZeRO sharding of expert-parallel parameters is not supported yet: "
-                             "use zero=0 with expert parallelism")
         self.release_grads = bool(release)
-        for bucket in self.buckets:
+        for b, bucket in enumerate(self.buckets):
             if release:             # until the first backward, whole gradients are not needed
                 bucket.release()
-            bucket.shard = bucket.buffer.new_zeros(bucket.spec.padded_numel // self.world)
-            if pairwise(self.group) and self.world > 2:   # the blocks not received into shard
-                bucket.scratch = bucket.buffer.new_empty(bucket.shard.numel() * (self.world - 2))
+            group, _, world = self.place(b)
+            bucket.shard = bucket.buffer.new_zeros(bucket.spec.padded_numel // world)
+            if pairwise(group) and world > 2:   # the blocks not received into shard
+                bucket.scratch = bucket.buffer.new_empty(bucket.shard.numel() * (world - 2))
                 if bucket.released:             # comes and goes with the whole gradients
                     bucket.scratch.untyped_storage().resize_(0)
         self.sharded = True
@@ -314,12 +319,10 @@ class GradReducer:
                 for t in (bucket.shard, bucket.scratch):     # freed since the last launch
                     if t is not None and t.untyped_storage().nbytes() == 0:
                         t.untyped_storage().resize_(t.numel() * t.element_size())
-                bucket.work = reduce_scatter_async(bucket.shard, bucket.buffer, self.group,
-                                                   bucket.scratch)
+                bucket.work = reduce_scatter_async(bucket.shard, bucket.buffer,
+                                                   self.place(b)[0], bucket.scratch)
             else:
-                group = self.bucket_groups[b]
-                bucket.work = all_reduce_async(bucket.buffer, self.group if group is None
-                                               else group)
+                bucket.work = all_reduce_async(bucket.buffer, self.place(b)[0])
             if group_size(self.replicate_group) > 1:
                 bucket.work = then_all_reduce(bucket.work, bucket.shard if self.sharded else
                                               bucket.buffer, self.replicate_group,

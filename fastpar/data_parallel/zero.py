@@ -205,7 +205,8 @@ class DistributedOptimizer:
     # -- layout -------------------------------------------------------------------------------
     def _cut(self, b: int) -> list[_Piece]:
         spec = self._reducer.buckets[b].spec
-        lo, hi = spec.shard(self._rank, self._world) if self.shard else (0, spec.padded_numel)
+        lo, hi = spec.shard(*self._reducer.place(b)[1:]) if self.shard else \
+            (0, spec.padded_numel)
         out = []
         for i, off, n in zip(spec.indices, spec.offsets, spec.numels):
             a, z = max(off, lo), min(off + n, hi)
@@ -234,7 +235,7 @@ class DistributedOptimizer:
         dtype = torch.float32 if bucket.spec.dtype in _LOW else bucket.spec.dtype
         src = self._reducer.mean_grads(bucket)
         if self._in_place[b]:
-            lo, hi = bucket.spec.shard(self._rank, self._world) if self.shard else \
+            lo, hi = bucket.spec.shard(*self._reducer.place(b)[1:]) if self.shard else \
                 (0, bucket.spec.padded_numel)
             master = self._full[b][lo:hi]
         else:
@@ -407,7 +408,7 @@ class DistributedOptimizer:
             return
         with self._gather_stream.issue(), span("zero start all-gather of bucket", b):
             shard = self._master[b].to(self._full[b].dtype)
-            work = all_gather_async(self._full[b], shard, self.model.dp_group)
+            work = all_gather_async(self._full[b], shard, self._reducer.place(b)[0])
         self._gathers[b] = (work, shard)         # the shard must live until the gather ends
 
     @torch.no_grad()
@@ -508,13 +509,17 @@ class DistributedOptimizer:
                 return torch.zeros((), dtype=torch.float32, device=self._master[0].device)
             norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
             return norms.max() if inf else norms.pow(norm_type).sum()
+        sharded = self._world > 1 and self.shard
         local = norm(False)
-        if any(expert):
+        if sharded:         # the dp shards of the rest of the model
+            collectives.all_reduce(local, op=op, group=self.model.dp_group)
+        if any(expert):     # the experts' shards (over their replicas), then the ep group's
             mine = norm(True)
+            if sharded and self.model.expert_group is not None:
+                collectives.all_reduce(mine, op=op, group=self.model.expert_group)
             collectives.all_reduce(mine, op=op, group=ep_group)
             local = torch.maximum(local, mine) if inf else local + mine
-        dp = [self.model.dp_group] if self._world > 1 and self.shard else []
-        for group in dp + list(groups):
+        for group in groups:
             collectives.all_reduce(local, op=op, group=group)
         total = local if inf else local.pow(1.0 / norm_type)
         if max_norm != float("inf") and self._piece_grads:

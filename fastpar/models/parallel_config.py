@@ -110,8 +110,8 @@ class ParallelConfig:
                                             f"of ep={self.ep}"),
                 ((dp * self.cp) % self.ep, f"ep={self.ep} does not divide dp x cp = "
                                            f"{dp} x {self.cp}"),
-                (self.zero > 0, f"zero={self.zero} (the experts' ZeRO shards are not "
-                                f"supported yet: use --zero 0)"))
+                (self.dp_shard > 0, f"dp_shard={self.dp_shard} (HSDP with expert "
+                                    f"parallelism is not supported yet)"))
                    if wrong]
             if bad:
                 raise ValueError(f"--ep={self.ep}: " + "; ".join(bad))
