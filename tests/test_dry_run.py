@@ -155,3 +155,10 @@ def test_expert_parallelism_at_1024_ranks_divides_the_experts():
     experts = 8 * 3 * 4096 * 14336 * 8      # a stage's 8 layers' experts
     for a, b in zip(one.roles, eight.roles):
         assert a.params - b.params == pytest.approx(experts * 7 / 8, rel=1e-6)
+    # ZeRO-1: the dense state over 256 dp ranks, the experts' over their 32 replicas.
+    zero = dry_run(_cfg(**dict(kw, zero=1), ep=8), 1024, "h100-80gb")
+    _check_against_the_model(zero, 1024, 4, 32)
+    for a, b in zip(eight.roles, zero.roles):
+        dense = a.params - experts / 8
+        assert b.optimizer * 1e9 == pytest.approx(
+            12 * (dense / 256 + experts / 8 / 32), rel=1e-3)

@@ -119,6 +119,10 @@ class GPTConfig:
                 d * (self.n_experts + self.moe_shared_gate)
         return attn + mlp + 2 * d
 
+    def routed_expert_params(self) -> int:
+        """Parameters of one block's routed experts (what expert parallelism splits)."""
+        return 3 * self.d_model * self.expert_ffn * self.n_experts if self.n_experts else 0
+
     def num_params(self) -> int:
         """Parameters of the full model (padded vocabulary), for FLOP and memory estimates."""
         d = self.d_model

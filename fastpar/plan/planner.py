@@ -295,6 +295,13 @@ def bytes_per_param(cfg: ParallelConfig, feat: Features, hw) -> tuple[float, flo
     return weight, grad, opt
 
 
+def expert_view(cfg: ParallelConfig) -> ParallelConfig:
+    """What the experts' parameters see of ``cfg`` under expert parallelism: their gradients
+    reduced, and their ZeRO shards cut, over their replicas, dp x cp / ep ranks
+    (fastpar/data_parallel/reducer.py ``place``)."""
+    return dataclasses.replace(cfg, dp=(cfg.dp or 1) * cfg.cp // cfg.ep, cp=1, ep=1)
+
+
 def shard_size(cfg: ParallelConfig) -> int:
     """Ranks the ZeRO state is sharded over: dp x cp (the ranks whose gradients are averaged),
     or HSDP's shard groups (``dp_shard`` dp ranks with their cp ranks)."""
@@ -397,13 +404,19 @@ def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> li
                 acts += E * shape.tokens * m.d_model * (1 - 1 / t)
         weight, grad, opt = bytes_per_param(cfg, feat, hw)
         weights, grads = params * weight, gradient_bytes(cfg, work, feat, hw, params, acts)
+        optimizer = params * opt
+        if cfg.ep > 1 and cfg.zero:     # the experts' shards are cut over fewer ranks
+            experts = sum(len(ranges[s]) for s in mine) * m.routed_expert_params() / cfg.ep
+            _, grad_e, opt_e = bytes_per_param(expert_view(cfg), feat, hw)
+            grads += experts * (grad_e - grad)
+            optimizer += experts * (opt_e - opt)
         if cfg.zero == 3 and shard_size(cfg) > 1:
             n = sum(len(ranges[s]) for s in mine)
             whole_w, whole_g = zero3_bytes(cfg, work, feat, hw, params, m.layer_params() / t,
                                            params - n * m.layer_params() / t, n)
             weights, grads = whole_w, params * grad + whole_g
         row = {"weights": weights, "gradients": grads,
-               "optimizer": params * opt, "activations": acts,
+               "optimizer": optimizer, "activations": acts,
                "reserve": hw.memory_reserve_gb * 1e9, "params_per_gpu": params}
         row["total"] = sum(v for k, v in row.items() if k != "params_per_gpu")
         rows.append({k: (v if k == "params_per_gpu" else v / 1e9) for k, v in row.items()})
@@ -619,7 +632,7 @@ def candidates(work: Workload, cluster: Cluster, fixed: dict | None = None):
                                 # split over ep dp ranks (the default two chunks).
                                 eps = [e for e in pow2 if e <= dp * cp and
                                        (dp * cp) % e == 0 and m.n_experts % e == 0] \
-                                    if m.n_experts and zero == 0 else [1]
+                                    if m.n_experts and zero < 3 else [1]
                                 for il, ep in itertools.product(
                                         (1, 2) if tp > 1 and pp == 1 else (1,), eps):
                                     one = dataclasses.replace(cfg, interleave=il, ep=ep)

@@ -126,11 +126,19 @@ def dry_run(cfg, world_size: int, hardware: str = "h100-80gb") -> DryRunReport:
                              mode == "bf16", unit_of, experts if any(experts) else None)
         buffered = sum(s.padded_numel for s in specs)
         stepped = buffered // shard if cfg.zero and shard > 1 else n
+        # Expert parallelism: the experts' buckets are sharded over their replicas only.
+        held = [s.padded_numel for s in specs if experts[s.indices[0]]]
+        if held and cfg.zero and shard > 1:
+            stepped += sum(held) // (shard // cfg.ep) - sum(held) // shard
         row = rows[p]
         weight, grad, opt = planner.bytes_per_param(layout, feat, hw)
         weights = n * weight
         grads = planner.gradient_bytes(layout, work, feat, hw, buffered,
                                        row["activations"] * 1e9)
+        if held and cfg.zero:
+            grads += sum(held) * (planner.bytes_per_param(planner.expert_view(layout), feat,
+                                                          hw)[1] - planner.bytes_per_param(
+                                                              layout, feat, hw)[1])
         if zero3:          # the gathered units and whole gradients in flight at the peak
             owner = [unit_of[s.indices[0]] for s in specs]
             unit = max(s.padded_numel for s, u in zip(specs, owner) if u is not None)
