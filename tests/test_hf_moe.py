@@ -94,8 +94,8 @@ def test_greedy_matches_transformers(tmp_path, kind):
 
 def test_zero3_reader_and_init_from_checks_read_the_stacked_experts(tmp_path):
     """HFShardReader (what ZeRO-3 loads with) gives any flat range of each parameter as
-    load_hf does, reading only the experts that range covers; check_source passes; load_hf
-    zeroes the loss-free bias."""
+    load_hf does, reading only the experts that range covers; check_source passes, and names
+    any one expert's tensor missing; load_hf zeroes the loss-free bias."""
     from fastpar.train.init_from import check_source
 
     _save("qwen2_moe", tmp_path)
@@ -114,6 +114,13 @@ def test_zero3_reader_and_init_from_checks_read_the_stacked_experts(tmp_path):
     want.layers["1"].mlp.router.bias.fill_(1.0)
     load_hf(tmp_path, [want])                           # the loss-free bias back to zero
     assert not want.layers["1"].mlp.router.bias.any()
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(tmp_path / "model.safetensors")
+    gone = "model.layers.1.mlp.experts.5.up_proj.weight"        # the last expert's, one of them
+    del tensors[gone]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"no shard holds tensor '{gone}'"):
+        check_source(tmp_path)
 
 
 @pytest.mark.parametrize("kind, change, words", [
@@ -197,6 +204,8 @@ def _ep_logits(rank, world_size, path):
     model = GPT(config_from_hf(json.loads((Path(path) / "config.json").read_text())),
                 ep_group=dist.group.WORLD).eval()
     load_hf(path, [model])
+    with pytest.raises(ValueError, match="expert parallelism.*export the whole model"):
+        save_hf(model, Path(path) / f"out{rank}")
     with torch.no_grad():
         return model(_tokens())[..., :VOCAB], model.layers["0"].mlp.experts.first
 

@@ -487,6 +487,11 @@ def hf_state_dict(model, kind: str | None = None) -> dict[str, torch.Tensor]:
     value the format cannot hold (a router's loss-free bias, Qwen2-MoE's output-projection bias)
     must be zero, else it raises naming it."""
     kind = kind or config_to_hf(model.config)["model_type"]
+    split = [n for n, m in model.named_modules() if getattr(m, "expert_slice", None)]
+    if split:
+        raise ValueError(f"{split[0]} holds experts {model.get_submodule(split[0]).expert_slice}"
+                         f" of {model.config.n_experts} (expert parallelism): export the whole "
+                         "model, e.g. with fastpar export from a checkpoint")
     for name, bias in model.named_buffers():
         if name.endswith("mlp.router.bias") and bias.any():
             raise ValueError(f"{name} (the loss-free bias, moe_bias_rate) is not zero; {kind}'s "

@@ -74,12 +74,13 @@ def _check_hf_tensors(path: Path, shapes: dict[str, list[int]]) -> None:
         source = hf_source(hf["model_type"], config, name, shape)
         if source is None:
             continue
-        file = where.get(source.name)
-        if file is None:
-            holder = "the index names no shard for" if weight_map else "no shard holds"
-            raise ValueError(f"{path}: {holder} tensor {source.name!r}, which the model needs")
-        if source.name not in headers[file]:
-            raise ValueError(f"{path / file} lacks tensor {source.name!r}, which the index "
-                             f"places there")
-        check_header_tensor(path / file, headers[file], source.name, source.shape,
-                            "the config")
+        for stored in source.pieces or (source.name,):      # stacked experts: each one's
+            file = where.get(stored)
+            if file is None:
+                holder = "the index names no shard for" if weight_map else "no shard holds"
+                raise ValueError(f"{path}: {holder} tensor {stored!r}, which the model needs")
+            if stored not in headers[file]:
+                raise ValueError(f"{path / file} lacks tensor {stored!r}, which the index "
+                                 f"places there")
+            check_header_tensor(path / file, headers[file], stored, source.shape,
+                                "the config")
