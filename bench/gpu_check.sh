@@ -23,7 +23,8 @@
 #                  DataParallel's CUDA path, mixed precision, ZeRO-3 built on the meta device
 #                  (its gather stream, its memory freed), on a one-rank NCCL group
 #                  (tests/test_tp_gpu.py -m gpu)
-#   accuracy   60  norms at hidden 8192 / 16384, cross-entropy at 16K x 128K, compiled, against
+#   accuracy   60  norms at hidden 8192 / 16384, cross-entropy at 16K x 128K, the MoE grouped
+#                  GEMM at 16K rows x 4096 -> 14336, compiled, against
 #                  torch (tests/test_kernel_gpu_accuracy.py -m gpu); the CP ring's flash /
 #                  memory-efficient block kernels against full SDPA (tests/test_cp_attention.py)
 #   compile    40  a GPT's blocks compiled fullgraph by inductor with the Triton kernels inside,

@@ -49,7 +49,7 @@ def test_gpu_tests_skip_without_a_gpu():
         return
     out = _pytest("-rs", *GPU_TESTS, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert re.search(r"\b15 skipped\b", out.stdout) and " passed" not in out.stdout, out.stdout
+    assert re.search(r"\b16 skipped\b", out.stdout) and " passed" not in out.stdout, out.stdout
     for path in GPU_TESTS:
         assert re.search(rf"SKIPPED \[\d+\] {path}:\d+: needs a CUDA GPU", out.stdout), path
 
