@@ -304,3 +304,23 @@ def test_the_experts_run_on_the_grouped_gemm_kernel(monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for p, g in zip(moe.parameters(), ref):
         torch.testing.assert_close(p.grad, g, atol=1e-4, rtol=1e-4)
+
+
+def _sample_run(rank, world_size, out):
+    import contextlib
+    import io
+    from fastpar.train import TrainConfig, train
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        train(TrainConfig(**dict(MOE_RUN, steps=1, sample_tokens=8, out=out, no_save=True,
+                                 dp=2, ep=2, recompute="full")))
+    return buf.getvalue()
+
+
+def test_an_expert_parallel_run_ends_without_sampling_on_one_rank(tmp_path):
+    """The sample after training runs on one rank; under ep its experts' other halves are on
+    the other ranks: the run says where to generate from instead, and ends (no hang).
+    With full recompute (the dispatch replayed in the backward)."""
+    from fastpar.testing import run_ranks
+    out = run_ranks(_sample_run, 2, str(tmp_path), init_pg=False, timeout=120)
+    assert "(a expert-parallel layout does not sample in training)" in out[0], out[0]

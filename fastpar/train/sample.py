@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..models.hf import is_hf_dir, load_hf
 from .init_from import source_config
@@ -122,12 +123,14 @@ def print_sample(cfg, chunks, mesh, tokens, say) -> None:
     """After training: ``cfg.sample_tokens`` tokens the model writes after the first 16 tokens of
     ``tokens`` (temperature 0.8, top-k 40, seeded), printed by rank 0. Runs on the first
     data-parallel replica's TP group; a pipeline or sequence-parallel layout prints where to
-    generate from instead (``fastpar generate`` loads its checkpoint on any TP layout)."""
+    generate from instead (``fastpar generate`` loads its checkpoint on any TP layout), as does
+    an expert-parallel one (its other ranks would have to dispatch with it)."""
     from ..models import generate
 
-    if mesh.pp_size > 1 or cfg.sequence_parallel or mesh.cp_size > 1:
+    ep = getattr(mesh, "ep_group", None) is not None and dist.get_world_size(mesh.ep_group) > 1
+    if mesh.pp_size > 1 or cfg.sequence_parallel or mesh.cp_size > 1 or ep:
         kind = "pipeline" if mesh.pp_size > 1 else "context-parallel" if mesh.cp_size > 1 else \
-            "sequence-parallel"
+            "expert-parallel" if ep else "sequence-parallel"
         if say:
             say(f"fastpar train: sample: `fastpar generate {cfg.out} --prompt TEXT` (a {kind} "
                 "layout does not sample in training)")
