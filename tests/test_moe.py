@@ -323,4 +323,4 @@ def test_an_expert_parallel_run_ends_without_sampling_on_one_rank(tmp_path):
     With full recompute (the dispatch replayed in the backward)."""
     from fastpar.testing import run_ranks
     out = run_ranks(_sample_run, 2, str(tmp_path), init_pg=False, timeout=120)
-    assert "(a expert-parallel layout does not sample in training)" in out[0], out[0]
+    assert "(an expert-parallel layout does not sample in training)" in out[0], out[0]

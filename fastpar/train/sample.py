@@ -132,8 +132,8 @@ def print_sample(cfg, chunks, mesh, tokens, say) -> None:
         kind = "pipeline" if mesh.pp_size > 1 else "context-parallel" if mesh.cp_size > 1 else \
             "expert-parallel" if ep else "sequence-parallel"
         if say:
-            say(f"fastpar train: sample: `fastpar generate {cfg.out} --prompt TEXT` (a {kind} "
-                "layout does not sample in training)")
+            say(f"fastpar train: sample: `fastpar generate {cfg.out} --prompt TEXT` (a"
+                f"{'n' * (kind[0] == 'e')} {kind} layout does not sample in training)")
         return
     if mesh.dp_rank != 0:
         return
