@@ -193,9 +193,72 @@ def _a2a(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group):
                                          async_op=True)
 
 
-def _grad_of(y, inputs, g):
-    """The backward of one chunk's experts: the gradients of ``inputs`` (None: unused)."""
-    return torch.autograd.grad(y, inputs, g, allow_unused=True)
+# The experts' three phases under expert parallelism, by hand (no autograd graph), so that the
+# backward can send each chunk's input gradient before any weight gradient is computed: forward
+# (rows -> outputs, what the backward needs), input gradient, weight gradient. Triton's grouped
+# GEMMs on CUDA, a loop of matmuls elsewhere; arithmetic in autocast's dtype where it is on.
+
+def _gmm(x, w, counts: list[int], ct, kind: str):
+    """Per expert e, on its ``counts[e]`` rows: "y" x_e @ w[e]^T, "dx" x_e @ w[e]."""
+    if kernels.impl_for(x, w) == "triton":
+        from ..kernels import grouped_gemm as gg
+        return gg.grouped_mm_forward(x, w, ct) if kind == "y" else \
+            gg.grouped_mm_backward(x, x, w.transpose(1, 2), ct, True, False)[0]
+    parts = [xe @ (w[e].t() if kind == "y" else w[e])
+             for e, xe in enumerate(x.split(counts))]
+    return torch.cat(parts) if parts else x.new_zeros((0, w.shape[1 if kind == "y" else 2]))
+
+
+def _gmm_dw(dy, x, w, counts: list[int], ct):
+    """Per expert e: dy_e^T @ x_e (w's shape; zero for an expert without rows), fp32 sums."""
+    if kernels.impl_for(x, w) == "triton":
+        from ..kernels import grouped_gemm as gg
+        return gg.grouped_mm_backward(dy, x, w, ct, False, True)[1]
+    out = torch.zeros(w.shape, dtype=w.dtype, device=w.device)
+    for e, (de, xe) in enumerate(zip(dy.split(counts), x.split(counts))):
+        if counts[e]:
+            out[e] = de.t() @ xe
+    return out
+
+
+def _expert_forward(experts, x, counts: list[int]):
+    """The experts on ``x`` (rows sorted by local expert): (y, what the backward needs)."""
+    kind = x.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else \
+        experts.gate_up.dtype
+    with torch.autocast(kind, enabled=False):
+        ct = torch.tensor(counts, dtype=torch.int64).to(x.device, non_blocking=True)
+        x, wgu, wd = x.to(dtype), experts.gate_up.detach().to(dtype), experts.down.detach().to(dtype)
+        gu = _gmm(x, wgu, counts, ct, "y")
+        a = kernels.swiglu(*gu.chunk(2, dim=-1))
+        return _gmm(a, wd, counts, ct, "y"), (x, gu, a, wgu, wd, ct)
+
+
+def _swiglu_grad(da, gate, up):
+    if kernels.impl_for(da, gate) == "triton":
+        from ..kernels.swiglu import swiglu_backward
+        return swiglu_backward(da, gate, up)
+    with torch.enable_grad():
+        g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
+        return torch.autograd.grad(kernels.swiglu(g, u), (g, u), da)
+
+
+def _expert_dx(saved, dy, counts: list[int]):
+    """The input gradient of :func:`_expert_forward`'s rows for ``dy``, and what the weight
+    gradients need (the output gradients of both GEMMs)."""
+    x, gu, a, wgu, wd, ct = saved
+    dy = dy.to(x.dtype)
+    dgate, dup = _swiglu_grad(_gmm(dy, wd, counts, ct, "dx"), *gu.chunk(2, dim=-1))
+    dh = torch.cat([dgate, dup], dim=-1)
+    return _gmm(dh, wgu, counts, ct, "dx"), (dy, dh)
+
+
+def _expert_dw(saved, grads, counts: list[int]):
+    """The weight gradients (gate_up, down) of :func:`_expert_forward` for the output
+    gradients :func:`_expert_dx` kept."""
+    x, gu, a, wgu, wd, ct = saved
+    dy, dh = grads
+    return _gmm_dw(dh, x, wgu, counts, ct), _gmm_dw(dy, a, wd, counts, ct)
 
 
 class _Chunk:
@@ -217,60 +280,61 @@ class _ExpertParallel(torch.autograd.Function):
     spread over ``group``: each chunk's rows go to the ranks holding their experts by one
     all-to-all and come back by another. Every chunk's dispatch is started at once; chunk c's
     experts compute while the later chunks' dispatches and the earlier ones' returns travel
-    (one chunk: nothing to hide behind). The backward runs the same pipeline the other way:
-    chunk c's gradients are sent back while chunk c + 1's expert backward computes. Each
-    chunk's expert graph is built in the forward and differentiated in the backward
-    (``torch.autograd.grad``): the parameters' gradients are this function's, accumulated by
-    autograd as any other (data-parallel hooks fire as usual)."""
+    (one chunk: nothing to hide behind). The backward runs the same pipeline the other way,
+    input gradients only: chunk c's goes back while chunk c + 1's is computed; the weight
+    gradients of every chunk are computed last, while the last returns travel (one chunk:
+    blocking, the return waited first). The experts
+    run by hand (:func:`_expert_forward`, :func:`_expert_dx`, :func:`_expert_dw`); their
+    weight gradients are this function's, accumulated by autograd as any other parameter's
+    (data-parallel hooks fire as usual)."""
 
     @staticmethod
-    def forward(ctx, rows, experts, chunks, group, grad, *params):
-        ctx.chunks, ctx.group, ctx.params = chunks, group, params
+    def forward(ctx, rows, experts, chunks, group, grad, gate_up, down):
+        ctx.chunks, ctx.group = chunks, group
         D, sent = rows.shape[1], rows.split([sum(c.send) for c in chunks])
         got = [rows.new_empty((sum(c.recv), D)) for c in chunks]
         works = [_a2a(r, x, c.recv, c.send, group) for r, x, c in zip(got, sent, chunks)]
-        ins, outs, back, returns = [], [], [], []
+        saved, back, returns = [], [], []
         for c, chunk in enumerate(chunks):
             works[c].wait()
-            with torch.set_grad_enabled(grad):
-                x = got[c][chunk.perm].detach().requires_grad_(grad)
-                y = experts(x, chunk.counts)
-            ins.append(x)
-            outs.append(y)
+            y, keep = _expert_forward(experts, got[c][chunk.perm], chunk.counts)
+            saved.append(keep if grad else None)
             y_src = torch.empty_like(y)
-            y_src[chunk.perm] = y.detach()
+            y_src[chunk.perm] = y
             back.append(y.new_empty((sum(chunk.send), D)))
             returns.append(_a2a(back[c], y_src, chunk.send, chunk.recv, group))
         for w in returns:
             w.wait()
-        ctx.ins, ctx.outs = (ins, outs) if grad else (None, None)
+        ctx.saved, ctx.dtypes = saved, (rows.dtype, gate_up.dtype)
         return torch.cat(back)
 
     @staticmethod
     def backward(ctx, g):
-        chunks, group, params = ctx.chunks, ctx.group, ctx.params
+        chunks, group, (row_dtype, param_dtype) = ctx.chunks, ctx.group, ctx.dtypes
         D, sent = g.shape[1], g.contiguous().split([sum(c.send) for c in chunks])
         got = [g.new_empty((sum(c.recv), D)) for c in chunks]
         works = [_a2a(r, x, c.recv, c.send, group) for r, x, c in zip(got, sent, chunks)]
-        back, returns, pgrads = [], [], [None] * len(params)
+        back, returns, kept = [], [], []
         for c, chunk in enumerate(chunks):
             works[c].wait()
-            x, y = ctx.ins[c], ctx.outs[c]
-            if y.requires_grad:
-                gx, *gp = _grad_of(y, (x, *params), got[c][chunk.perm].to(y.dtype))
-                pgrads = [b if a is None else a if b is None else a + b
-                          for a, b in zip(pgrads, gp)]
-            else:                           # no rows came to this rank's experts
-                gx = torch.zeros_like(x)
-            gx_src = torch.empty_like(gx)
-            gx_src[chunk.perm] = gx
-            back.append(gx.new_empty((sum(chunk.send), D)))
-            returns.append(_a2a(back[c], gx_src, chunk.send, chunk.recv, group))
+            dx, keep = _expert_dx(ctx.saved[c], got[c][chunk.perm], chunk.counts)
+            kept.append(keep)
+            dx_src = torch.empty_like(dx)
+            dx_src[chunk.perm] = dx
+            back.append(dx_src.new_empty((sum(chunk.send), D)))
+            returns.append(_a2a(back[c], dx_src, chunk.send, chunk.recv, group))
+        if len(chunks) == 1:        # blocking: nothing computes while a transfer travels
+            returns[0].wait()
+        dgu = dd = None             # while the returns travel
+        for c, chunk in enumerate(chunks):
+            a, b = _expert_dw(ctx.saved[c], kept[c], chunk.counts)
+            dgu, dd = (a, b) if dgu is None else (dgu + a, dd + b)
         for w in returns:
             w.wait()
-        ctx.ins = ctx.outs = None
-        pgrads = [torch.zeros_like(p) if gp is None else gp for p, gp in zip(params, pgrads)]
-        return (torch.cat(back), None, None, None, None, *pgrads)
+        ctx.saved = None
+        return (torch.cat(back).to(row_dtype), None, None, None, None, dgu.to(param_dtype),
+                dd.to(param_dtype))
+
 
 class MoE(nn.Module):
     """The MoE layer of a block: router, experts, optional shared experts. Returns
@@ -387,7 +451,7 @@ class MoE(nn.Module):
         grad = torch.is_grad_enabled() and (rows.requires_grad or any(
             p.requires_grad for p in self.experts.parameters()))
         return _ExpertParallel.apply(rows, self.experts, chunks, group, grad,
-                                     *self.experts.parameters())
+                                     self.experts.gate_up, self.experts.down)
 
     @torch.no_grad()
     def update_bias(self) -> None:

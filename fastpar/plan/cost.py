@@ -139,8 +139,10 @@ def ep_alltoall(shape: Shape, hw: Hardware, ep: int, chunks: int, link_gbps: flo
     (fastpar/models/moe.py ``_ExpertParallel``): per pass, the rows go out and come back (two
     all-to-alls of the T * top_k rows, (ep - 1) / ep of them leaving the rank, in ``chunks``
     pieces) pipelined with the experts' GEMMs (:func:`exposed`: with the compute the longer,
-    2 / chunks of the transfer shows); the forward also exchanges the per-expert counts (a
-    small all-to-all the host waits for). ``overlap=False`` (a CPU, where gloo shares the
+    2 / chunks of the transfer shows in the forward, the first chunk's and the last one's;
+    in the backward only the first chunk's, the last return travelling while the weight
+    gradients compute); the forward also exchanges the per-expert counts (a small all-to-all
+    the host waits for). One chunk, or ``overlap=False`` (a CPU, where gloo shares the
     cores): nothing hidden."""
     if ep <= 1 or not shape.model.n_experts:
         return 0.0, 0.0
@@ -151,9 +153,11 @@ def ep_alltoall(shape: Shape, hw: Hardware, ep: int, chunks: int, link_gbps: flo
     gemms = expert_gemms(shape)
     f = sum(hw.for_forward().gemm_time(*g) for g in gemms)
     b = sum(hw.gemm_time(*g) for g in gemms)        # the input gradients' (the weights' after)
-    if not overlap:
+    if not overlap or chunks == 1:
         return 2 * one + counts, 2 * one
-    return exposed(2 * one, f, chunks) + counts, exposed(2 * one, b, chunks)
+    b *= 2      # and the weight gradients' GEMMs, as many again
+    return exposed(2 * one, f, chunks) + counts, \
+        max(0.0, 2 * one - b) + min(2 * one, b) / (2 * chunks)
 
 
 def _core_time(shape: Shape, hw: Hardware, feat: Features) -> float:
