@@ -20,8 +20,9 @@ timed window after a barrier, the slowest rank's time), against ``blocking``:
   blocking        ep=2 with one chunk (``--ep-chunks 1``): each all-to-all waited before the
                   experts compute (same numbers): the peer
   blocking-again  a second ``blocking``: the A/A control
-  no-dispatch     ep=1: every rank holds all 8 experts and computes its own tokens' rows, no
-                  all-to-all (the same expert rows per rank on average): the floor
+  no-dispatch     every rank holds all 8 experts and computes its own tokens' rows through
+                  the same expert-parallel code path (one chunk) over a group of itself: every
+                  all-to-all a local copy (the same expert rows per rank on average): the floor
 ``exposed`` = step - no-dispatch; ``hidden`` = 1 - exposed(variant) / exposed(blocking).
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ import common  # noqa: E402
 
 import fastpar  # noqa: E402
 from fastpar.models import GPT, GPTConfig  # noqa: E402
+from fastpar.models.moe import moe_layers  # noqa: E402
 from fastpar.testing import run_ranks  # noqa: E402
 
 VARIANTS = ("on", "chunks4", "blocking", "blocking-again", "no-dispatch")
@@ -50,10 +52,13 @@ def config(a) -> GPTConfig:
 
 
 class _Variant:
-    def __init__(self, cfg, mesh, kind: str):
+    def __init__(self, cfg, mesh, kind: str, alone):
         torch.manual_seed(0)
         ep = None if kind == "no-dispatch" else mesh.dp_group
         self.model = GPT(cfg, ep_group=ep, ep_chunks={"on": 2, "chunks4": 4}.get(kind, 1))
+        if kind == "no-dispatch":       # the same path, its all-to-alls over this rank alone
+            for m in moe_layers([self.model]):
+                m.ep_group = alone
 
     def step(self, x, y) -> None:
         self.model(x, y).backward()
@@ -67,7 +72,8 @@ def _rank(rank, world_size, a):
     g = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, cfg.vocab_size, (a["batch"], a["seq_len"] + 1), generator=g)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    variants = {k: _Variant(cfg, mesh, k) for k in VARIANTS}
+    alone = [dist.new_group([r]) for r in range(world_size)][rank]
+    variants = {k: _Variant(cfg, mesh, k, alone) for k in VARIANTS}
     for k in VARIANTS:                       # warm-up: allocator
         variants[k].step(x, y)
     result = common.compare({k: (lambda v=variants[k]: v.step(x, y)) for k in VARIANTS},
