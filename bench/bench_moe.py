@@ -23,7 +23,10 @@ timed window after a barrier, the slowest rank's time), against ``blocking``:
   no-dispatch     every rank holds all 8 experts and computes its own tokens' rows through
                   the same expert-parallel code path (one chunk) over a group of itself: every
                   all-to-all a local copy (the same expert rows per rank on average): the floor
-``exposed`` = step - no-dispatch; ``hidden`` = 1 - exposed(variant) / exposed(blocking).
+  no-dispatch-2   the same in two chunks: what chunking alone costs (smaller GEMMs, more ops)
+``exposed`` = step - no-dispatch; ``hidden`` = 1 - exposed(variant) / exposed(blocking), and
+for ``on`` also with its own chunking's cost taken out (step - no-dispatch-2): the share of the
+transfers' time hidden.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ from fastpar.models import GPT, GPTConfig  # noqa: E402
 from fastpar.models.moe import moe_layers  # noqa: E402
 from fastpar.testing import run_ranks  # noqa: E402
 
-VARIANTS = ("on", "chunks4", "blocking", "blocking-again", "no-dispatch")
+VARIANTS = ("on", "chunks4", "blocking", "blocking-again", "no-dispatch", "no-dispatch-2")
 
 
 def config(a) -> GPTConfig:
@@ -54,9 +57,10 @@ def config(a) -> GPTConfig:
 class _Variant:
     def __init__(self, cfg, mesh, kind: str, alone):
         torch.manual_seed(0)
-        ep = None if kind == "no-dispatch" else mesh.dp_group
-        self.model = GPT(cfg, ep_group=ep, ep_chunks={"on": 2, "chunks4": 4}.get(kind, 1))
-        if kind == "no-dispatch":       # the same path, its all-to-alls over this rank alone
+        ep = None if kind.startswith("no-dispatch") else mesh.dp_group
+        self.model = GPT(cfg, ep_group=ep, ep_chunks={"on": 2, "chunks4": 4,
+                                                      "no-dispatch-2": 2}.get(kind, 1))
+        if ep is None:                  # the same path, its all-to-alls over this rank alone
             for m in moe_layers([self.model]):
                 m.ep_group = alone
 
@@ -105,6 +109,10 @@ def main(argv=None) -> None:
     for k in ("on", "chunks4"):
         rows.append(dict(variant=f"hidden ({k})", hidden=1 - (med[k] - med["no-dispatch"]) /
                          exposed_blocking if exposed_blocking > 0 else None))
+    # The transfers alone: each chunked variant against the floor chunked as it is.
+    rows.append(dict(variant="hidden (on, of the transfers)",
+                     hidden=1 - (med["on"] - med["no-dispatch-2"]) / exposed_blocking
+                     if exposed_blocking > 0 else None))
     print(f"{args.label}: MoE GPT (4 blocks, d 256, {args.experts} experts of {args.moe_ffn}, "
           f"top 2), ep=2, {args.batch} x {args.seq_len} tokens per rank per step; about "
           f"{out['hop'] / 1e6:.2f} MB per rank per all-to-all per layer (balanced routing)")
