@@ -146,7 +146,9 @@ def test_the_command_prints_the_table_and_refuses_what_cannot_fit(capsys):
 def test_expert_parallelism_at_1024_ranks_divides_the_experts():
     """Mixtral 8x7B's shape on 1,024 ranks (pp4 x dp256), the experts split over ep 8: each
     role's built parameters (its stage's 1/8 of the experts) and memory are the memory
-    model's, and against ep 1 the experts' share of the weights shrinks eightfold."""
+    model's, and against ep 1 the experts' share of the weights shrinks eightfold; under tp2
+    the MoE layers stay whole on each TP rank; under ZeRO-1 the experts' state is cut over
+    their replicas."""
     kw = dict(model="8x7b", tp=1, pp=4, seq_len=4096, global_batch_size=1024, zero=0,
               sequence_parallel=False, recompute="full")
     one, eight = (dry_run(_cfg(**kw, ep=e), 1024, "h100-80gb") for e in (1, 8))
@@ -155,6 +157,11 @@ def test_expert_parallelism_at_1024_ranks_divides_the_experts():
     experts = 8 * 3 * 4096 * 14336 * 8      # a stage's 8 layers' experts
     for a, b in zip(one.roles, eight.roles):
         assert a.params - b.params == pytest.approx(experts * 7 / 8, rel=1e-6)
+    # Under tp2 (no SP) every TP rank holds its MoE layers whole, the attention split.
+    tp2 = dry_run(_cfg(**dict(kw, tp=2), ep=8), 1024, "h100-80gb")
+    _check_against_the_model(tp2, 1024, 4, 32)
+    attention = 8 * (2 * 4096 * 4096 + 2 * 4096 * 1024)     # a stage's q, o, k, v
+    assert eight.roles[1].params - tp2.roles[1].params == pytest.approx(attention / 2, rel=1e-3)
     # ZeRO-1: the dense state over 256 dp ranks, the experts' over their 32 replicas.
     zero = dry_run(_cfg(**dict(kw, zero=1), ep=8), 1024, "h100-80gb")
     _check_against_the_model(zero, 1024, 4, 32)

@@ -114,10 +114,17 @@ class GPTConfig:
         attn = d * (self.n_heads * hd) * 2 + d * (self.kv_heads * hd) * 2
         mlp = d * f * (3 if self.activation == "swiglu" else 2)
         if self.n_experts:      # every expert, the shared ones, the router (and its gate)
-            ef = self.expert_ffn
-            mlp = 3 * d * ef * (self.n_experts // ep + self.moe_shared_experts) + \
-                d * (self.n_experts + self.moe_shared_gate)
+            mlp = self.moe_params(ep)
         return attn + mlp + 2 * d
+
+    def moe_params(self, ep: int = 1) -> int:
+        """Parameters of one block's MoE layer on one expert-parallel rank (its experts, the
+        shared ones, the router and its gate); 0 for a dense model. Not split over TP."""
+        if not self.n_experts:
+            return 0
+        return 3 * self.d_model * self.expert_ffn * (self.n_experts // ep +
+                                                     self.moe_shared_experts) + \
+            self.d_model * (self.n_experts + self.moe_shared_gate)
 
     def routed_expert_params(self) -> int:
         """Parameters of one block's routed experts (what expert parallelism splits)."""

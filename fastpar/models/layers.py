@@ -159,9 +159,12 @@ class ParallelTransformerLayer(nn.Module):
         self.attn = ParallelAttention(config, overlap=overlap, cp_group=cp_group,
                                       regather_input=regather_input, **kw)
         if config.n_experts:
-            if group_size(tp_group) > 1:
+            # Under TP without SP every TP rank holds the whole hidden state: each runs the
+            # whole MoE layer on it (the same numbers; no reduction), as with its norms.
+            if group_size(tp_group) > 1 and sequence_parallel:
                 raise ValueError(f"mixture of experts (n_experts={config.n_experts}) with tp="
-                                 f"{group_size(tp_group)} is not supported yet: use tp=1")
+                                 f"{group_size(tp_group)} and sequence parallelism is not "
+                                 f"supported yet: use it without --sequence-parallel")
             self.mlp = MoE(config.d_model, config.n_experts, config.moe_top_k,
                            config.expert_ffn, n_shared=config.moe_shared_experts,
                            shared_gate=config.moe_shared_gate,

@@ -186,11 +186,12 @@ REFERENCE_OPS = {"rmsnorm": (6, 14), "layernorm": (9, 20), "rotary": (5, 5), "sw
 
 
 def column_linears(model: GPTConfig, feat: Features = None) -> int:
-    """Column-parallel linears of one layer: each reduces its input gradient over TP."""
+    """Column-parallel linears of one layer: each reduces its input gradient over TP (an MoE
+    layer's MLP has none: every TP rank runs it whole)."""
     feat = feat or FASTPAR
-    if feat.fused_qkv:
-        return 2
-    return 3 + (2 if model.activation == "swiglu" else 1)
+    mlp = 0 if model.n_experts else 1 if feat.fused_qkv else \
+        (2 if model.activation == "swiglu" else 1)
+    return (1 if feat.fused_qkv else 3) + mlp
 
 
 def reference_ops(model: GPTConfig, feat: Features = None) -> tuple[int, int]:
@@ -412,7 +413,7 @@ def tp_collectives(shape: Shape, hw: Hardware, link_gbps: float,
     if t == 1:
         return 0.0, 0.0
     n = shape.tokens * shape.model.d_model * hw.bytes_per_element      # (s, b, h)
-    col, row = column_linears(shape.model, feat), 2
+    col, row = column_linears(shape.model, feat), 1 if shape.model.n_experts else 2
 
     def ring(kind, pieces=1):
         return collective_time(kind, n, t, link_gbps, hw, pieces)

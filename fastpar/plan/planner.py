@@ -370,7 +370,9 @@ def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> li
     rep = shape.tokens * m.d_model / (t if shape.sp else 1)
     for rank in range(pp):
         mine = [s for s in range(len(ranges)) if s % pp == rank]
-        params = sum(len(ranges[s]) for s in mine) * m.layer_params(cfg.ep) / t
+        # An MoE layer is whole on every TP rank (no SP): only the rest of the block is split.
+        moe = m.moe_params(cfg.ep)
+        params = sum(len(ranges[s]) for s in mine) * ((m.layer_params(cfg.ep) - moe) / t + moe)
         layers = max(len(ranges[s]) for s in mine)
         # Under a split backward each micro-batch between its B and its W also holds its
         # weights' output gradients: the layers', the embedding's on the first stage, the final
