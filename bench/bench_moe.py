@@ -7,7 +7,8 @@ while the other's experts compute) against the same dispatch blocking, and again
         python bench/bench_moe.py --label 1gbit                      # a table for RESULTS
 
 Two gloo ranks, each with its own batch. The model: 4 blocks, d 256, 8 heads, every MLP a
-mixture of 8 SwiGLU experts of 512, top 2, dropless (``--moe-ffn``, ``--experts``). Each step is
+mixture of 8 SwiGLU experts of 512, top 2, dropless (``--moe-ffn``, ``--experts``; ``--shared
+N`` adds N shared experts, which compute while the dispatch travels). Each step is
 one rank's forward and backward (every all-to-all of both directions, the count exchange and
 its host read inside the window); no optimizer step and no data-parallel reduction in any
 variant: at ep=1 each would handle twice the experts' parameters, and what is compared is the
@@ -51,7 +52,7 @@ VARIANTS = ("on", "chunks4", "blocking", "blocking-again", "no-dispatch", "no-di
 def config(a) -> GPTConfig:
     return GPTConfig(vocab_size=256, n_layers=4, d_model=256, n_heads=8,
                      max_seq_len=a["seq_len"], n_experts=a["experts"], moe_top_k=2,
-                     moe_ffn=a["moe_ffn"], moe_aux_loss=0.01)
+                     moe_ffn=a["moe_ffn"], moe_aux_loss=0.01, moe_shared_experts=a["shared"])
 
 
 class _Variant:
@@ -93,12 +94,14 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--moe-ffn", type=int, default=512)
+    ap.add_argument("--shared", type=int, default=0, help="shared experts (DeepSeek, Qwen-MoE): "
+                    "they compute while the dispatch travels")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--label", default="loopback")
     args = ap.parse_args(argv)
     a = dict(seq_len=args.seq_len, batch=args.batch, experts=args.experts,
-             moe_ffn=args.moe_ffn, rounds=args.rounds, iters=args.iters)
+             moe_ffn=args.moe_ffn, shared=args.shared, rounds=args.rounds, iters=args.iters)
     out = run_ranks(_rank, 2, a, init_pg=False, timeout=1800)[0]
     result = out["result"]
     med = result["median"]
@@ -114,7 +117,7 @@ def main(argv=None) -> None:
                      hidden=1 - (med["on"] - med["no-dispatch-2"]) / exposed_blocking
                      if exposed_blocking > 0 else None))
     print(f"{args.label}: MoE GPT (4 blocks, d 256, {args.experts} experts of {args.moe_ffn}, "
-          f"top 2), ep=2, {args.batch} x {args.seq_len} tokens per rank per step; about "
+          f"top 2, {args.shared} shared), ep=2, {args.batch} x {args.seq_len} tokens per rank per step; about "
           f"{out['hop'] / 1e6:.2f} MB per rank per all-to-all per layer (balanced routing)")
     common.report(f"moe_{args.label}", rows,
                   ["variant", "median_ms", "vs_blocking", "paired", "exposed_ms", "hidden"],

@@ -256,3 +256,48 @@ def test_zero_checkpoint_with_expert_parallelism(tmp_path):
             if ".experts." in n:
                 want = want[first:first + got[n].shape[0]]
             assert torch.equal(got[n], want), n
+
+
+def _shared_order(rank, world_size):
+    torch.manual_seed(0)
+    layer = MoE(64, 4, 2, 96, n_shared=1, shared_gate=True, ep_group=dist.group.WORLD)
+    events, real_a2a = [], moe_mod._a2a
+
+    def a2a(*args, **kwargs):
+        work, n = real_a2a(*args, **kwargs), len(events)
+        events.append(("issue", n))
+
+        class Work:
+            def wait(self):
+                events.append(("wait", n))
+                return work.wait()
+        return Work()
+    layer.shared.register_forward_pre_hook(lambda *a: events.append(("shared", "forward")))
+    layer.shared.register_full_backward_hook(lambda *a: events.append(("shared", "backward")))
+    moe_mod._a2a = a2a
+    try:
+        x = torch.randn(16, 2, 64, requires_grad=True)
+        y = layer(x)[0]
+        events.append(("backward", None))
+        y.square().sum().backward()
+    finally:
+        moe_mod._a2a = real_a2a
+    return events
+
+
+def test_the_shared_experts_compute_while_the_dispatch_travels():
+    """Forward: the shared experts run after every chunk's dispatch is issued, before any is
+    waited for. Backward: they run after the input gradients' returns are issued, before any
+    of those is waited for (the returns travel under them)."""
+    for events in run_ranks(_shared_order, 2, timeout=90):
+        split = events.index(("backward", None))
+        fwd, bwd = events[:split], events[split + 1:]
+        at = fwd.index(("shared", "forward"))
+        assert [e for e, _ in fwd[:at]] == ["issue", "issue"], fwd      # the 2 dispatches
+        assert fwd[at + 1][0] == "wait", fwd
+        at = bwd.index(("shared", "backward"))
+        issued = [n for e, n in bwd[:at] if e == "issue"]
+        assert len(issued) == 4, bwd            # 2 gradients in, 2 input gradients back
+        returns = issued[2:]
+        assert not [n for e, n in bwd[:at] if e == "wait" and n in returns], bwd
+        assert {n for e, n in bwd[at:] if e == "wait"} >= set(returns), bwd

@@ -275,49 +275,80 @@ class _Chunk:
         self.perm = ((seg % El) * P + seg // El).argsort(stable=True)     # to (e, p) order
 
 
-class _ExpertParallel(torch.autograd.Function):
-    """``rows`` (sorted by chunk, then expert) -> the experts' outputs for them, the experts
-    spread over ``group``: each chunk's rows go to the ranks holding their experts by one
-    all-to-all and come back by another. Every chunk's dispatch is started at once; chunk c's
-    experts compute while the later chunks' dispatches and the earlier ones' returns travel
-    (one chunk: nothing to hide behind). The backward runs the same pipeline the other way,
-    input gradients only: chunk c's goes back while chunk c + 1's is computed; the weight
-    gradients of every chunk are computed last, while the last returns travel (one chunk:
-    blocking, the return waited first). The experts
-    run by hand (:func:`_expert_forward`, :func:`_expert_dx`, :func:`_expert_dw`); their
-    weight gradients are this function's, accumulated by autograd as any other parameter's
-    (data-parallel hooks fire as usual)."""
+class _Flight:
+    """One MoE layer's expert-parallel dispatch between :class:`_Send` and :class:`_Finish`:
+    the chunks' splits, the transfers in flight, what the backward needs."""
+
+    def __init__(self, experts, chunks, group, grad: bool):
+        self.experts, self.chunks, self.group, self.grad = experts, chunks, group, grad
+        self.works = self.got = self.saved = self.dtypes = None
+
+
+class _Send(torch.autograd.Function):
+    """Starts every chunk's dispatch of ``rows`` (sorted by chunk, then expert) to the ranks
+    holding their experts; returns an empty token :class:`_Finish` takes. What runs in
+    between (the shared experts) computes while the dispatches travel. Its backward waits
+    for the input gradients :class:`_Finish`'s backward sent back: what autograd runs
+    between the two (the shared experts' backward) computes while they travel."""
 
     @staticmethod
-    def forward(ctx, rows, experts, chunks, group, grad, gate_up, down):
-        ctx.chunks, ctx.group = chunks, group
-        D, sent = rows.shape[1], rows.split([sum(c.send) for c in chunks])
-        got = [rows.new_empty((sum(c.recv), D)) for c in chunks]
-        works = [_a2a(r, x, c.recv, c.send, group) for r, x, c in zip(got, sent, chunks)]
+    def forward(ctx, rows, flight):
+        ctx.flight, ctx.dtype = flight, rows.dtype
+        chunks, D = flight.chunks, rows.shape[1]
+        flight.got = [rows.new_empty((sum(c.recv), D)) for c in chunks]
+        flight.works = [_a2a(r, x, c.recv, c.send, flight.group) for r, x, c in
+                        zip(flight.got, rows.split([sum(c.send) for c in chunks]), chunks)]
+        return rows.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        flight = ctx.flight
+        for w in flight.works:
+            w.wait()
+        back, flight.works = flight.got, None
+        return torch.cat(back).to(ctx.dtype), None
+
+
+class _Finish(torch.autograd.Function):
+    """The dispatch :class:`_Send` started -> the experts' outputs for its rows, back from the
+    ranks that hold them. Chunk c's experts compute while the later chunks' dispatches and
+    the earlier ones' returns travel (one chunk: nothing to hide behind). The backward runs
+    the same pipeline the other way, input gradients only: chunk c's goes back while chunk
+    c + 1's is computed; the weight gradients of every chunk are computed next, while the
+    last returns travel, and :class:`_Send`'s backward waits for them (one chunk: blocking,
+    the return waited first). The experts run by hand (:func:`_expert_forward`,
+    :func:`_expert_dx`, :func:`_expert_dw`); their weight gradients are this function's,
+    accumulated by autograd as any other parameter's (data-parallel hooks fire as usual)."""
+
+    @staticmethod
+    def forward(ctx, token, flight, gate_up, down):
+        ctx.flight, ctx.dtype = flight, gate_up.dtype
+        chunks, group, D = flight.chunks, flight.group, flight.got[0].shape[1]
         saved, back, returns = [], [], []
         for c, chunk in enumerate(chunks):
-            works[c].wait()
-            y, keep = _expert_forward(experts, got[c][chunk.perm], chunk.counts)
-            saved.append(keep if grad else None)
+            flight.works[c].wait()
+            y, keep = _expert_forward(flight.experts, flight.got[c][chunk.perm], chunk.counts)
+            saved.append(keep if flight.grad else None)
             y_src = torch.empty_like(y)
             y_src[chunk.perm] = y
             back.append(y.new_empty((sum(chunk.send), D)))
             returns.append(_a2a(back[c], y_src, chunk.send, chunk.recv, group))
         for w in returns:
             w.wait()
-        ctx.saved, ctx.dtypes = saved, (rows.dtype, gate_up.dtype)
+        flight.saved, flight.works, flight.got = saved, None, None
         return torch.cat(back)
 
     @staticmethod
     def backward(ctx, g):
-        chunks, group, (row_dtype, param_dtype) = ctx.chunks, ctx.group, ctx.dtypes
+        flight = ctx.flight
+        chunks, group = flight.chunks, flight.group
         D, sent = g.shape[1], g.contiguous().split([sum(c.send) for c in chunks])
         got = [g.new_empty((sum(c.recv), D)) for c in chunks]
         works = [_a2a(r, x, c.recv, c.send, group) for r, x, c in zip(got, sent, chunks)]
         back, returns, kept = [], [], []
         for c, chunk in enumerate(chunks):
             works[c].wait()
-            dx, keep = _expert_dx(ctx.saved[c], got[c][chunk.perm], chunk.counts)
+            dx, keep = _expert_dx(flight.saved[c], got[c][chunk.perm], chunk.counts)
             kept.append(keep)
             dx_src = torch.empty_like(dx)
             dx_src[chunk.perm] = dx
@@ -327,13 +358,13 @@ class _ExpertParallel(torch.autograd.Function):
             returns[0].wait()
         dgu = dd = None             # while the returns travel
         for c, chunk in enumerate(chunks):
-            a, b = _expert_dw(ctx.saved[c], kept[c], chunk.counts)
+            a, b = _expert_dw(flight.saved[c], kept[c], chunk.counts)
             dgu, dd = (a, b) if dgu is None else (dgu + a, dd + b)
-        for w in returns:
-            w.wait()
-        ctx.saved = None
-        return (torch.cat(back).to(row_dtype), None, None, None, None, dgu.to(param_dtype),
-                dd.to(param_dtype))
+        flight.saved, flight.got, flight.works = None, back, returns   # _Send waits
+        if not ctx.needs_input_grad[0]:     # no _Send backward to come (rows need no grad)
+            for w in returns:
+                w.wait()
+        return g.new_zeros(0), None, dgu.to(ctx.dtype), dd.to(ctx.dtype)
 
 
 class MoE(nn.Module):
@@ -410,16 +441,16 @@ class MoE(nn.Module):
         if self.ep_group is None:
             kept = torch.bincount(flat[keep], minlength=E) if keep is not None else tokens
             rows = self.experts(x[src], kept.tolist())          # one host sync
-        else:
+            s = self._shared(x, T)
+        else:           # the shared experts compute while the dispatch travels
             counts = torch.bincount(key[order], minlength=self.ep_chunks * E)
             kept = counts.view(-1, E).sum(0)
-            rows = self._dispatch(x[src], counts)
+            flight, token = self._send(x[src], counts)
+            s = self._shared(x, T)
+            rows = _Finish.apply(token, flight, self.experts.gate_up, self.experts.down)
         w = weights.reshape(-1)[order].to(rows.dtype)
         y = x.new_zeros(x.shape, dtype=rows.dtype).index_add_(0, src, rows * w[:, None])
-        if self.shared is not None:
-            s = self.shared(x, [T])
-            if self.shared_gate is not None:
-                s = s * torch.sigmoid(F.linear(x, self.shared_gate))
+        if s is not None:
             y = y + s
         aux = E * (tokens.to(probs.dtype) / T * probs.mean(0)).sum()
         self.stats = {"tokens": kept.detach(), "dropped": (tokens - kept).sum().detach(),
@@ -433,11 +464,21 @@ class MoE(nn.Module):
             y = AuxLoss.apply(y, aux, self.aux_loss_coef * _aux_scale)
         return y.view(shape), None
 
-    def _dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Expert parallelism: ``rows`` sorted by (chunk, expert), ``counts`` (C * E) of each
-        -> the experts' outputs, from the ranks that hold them. The counts each rank sends
-        every other are exchanged first (one all-to-all) and read on the host with this
-        rank's own (one sync, as without expert parallelism)."""
+    def _shared(self, x: torch.Tensor, T: int):
+        """The shared experts' output for every token (gated), or None."""
+        if self.shared is None:
+            return None
+        s = self.shared(x, [T])
+        if self.shared_gate is not None:
+            s = s * torch.sigmoid(F.linear(x, self.shared_gate))
+        return s
+
+    def _send(self, rows: torch.Tensor, counts: torch.Tensor):
+        """Expert parallelism: start sending ``rows`` (sorted by (chunk, expert), ``counts``
+        (C * E) of each) to the ranks holding their experts; ``(flight, token)`` for
+        :class:`_Finish`. The counts each rank sends every other are exchanged first (one
+        all-to-all) and read on the host with this rank's own (one sync, as without expert
+        parallelism)."""
         group, P, C = self.ep_group, group_size(self.ep_group), self.ep_chunks
         El = self.experts.n
         send = counts.view(C, P, El).transpose(0, 1).contiguous()       # (P, C, El)
@@ -450,8 +491,8 @@ class MoE(nn.Module):
                          [theirs[p * C + c] for p in range(P)], rows.device) for c in range(C)]
         grad = torch.is_grad_enabled() and (rows.requires_grad or any(
             p.requires_grad for p in self.experts.parameters()))
-        return _ExpertParallel.apply(rows, self.experts, chunks, group, grad,
-                                     self.experts.gate_up, self.experts.down)
+        flight = _Flight(self.experts, chunks, group, grad)
+        return flight, _Send.apply(rows, flight)
 
     @torch.no_grad()
     def update_bias(self) -> None:
