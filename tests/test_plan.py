@@ -872,6 +872,11 @@ def test_expert_parallelism_in_the_model():
     counts2 = cost.collective_time("all_to_all", 8 * 8 * 2, 8, link, hw)
     assert f2 == pytest.approx(two + counts2) and b2 == pytest.approx(two / 2)
     assert cost.ep_alltoall(shape, hw, 1, 2, link) == (0.0, 0.0)
+    # A shared expert computes under the first chunk's dispatch (here all of it).
+    with_shared = Shape(m.replace(moe_shared_experts=1), 4096, 1)
+    sf = sum(hw.for_forward().gemm_time(*g) for g in cost._linears(with_shared)[7:10])
+    assert sf > two / 2
+    assert cost.ep_alltoall(with_shared, hw, 8, 2, link)[0] == pytest.approx(f2 - two / 2)
     work, cluster = Workload(m, 4096, 512), Cluster(64, 8, hw)
     base = ParallelConfig(1, 4, 16, 1, 1, "1f1b", "full")
     blocking, chunked = (evaluate(work, cluster, dataclasses.replace(base, ep=8, ep_chunks=c))

@@ -287,7 +287,8 @@ class _Flight:
 class _Send(torch.autograd.Function):
     """Starts every chunk's dispatch of ``rows`` (sorted by chunk, then expert) to the ranks
     holding their experts; returns an empty token :class:`_Finish` takes. What runs in
-    between (the shared experts) computes while the dispatches travel. Its backward waits
+    between (the shared experts) computes while the dispatches travel (one chunk: blocking,
+    waited here). Its backward waits
     for the input gradients :class:`_Finish`'s backward sent back: what autograd runs
     between the two (the shared experts' backward) computes while they travel."""
 
@@ -298,6 +299,8 @@ class _Send(torch.autograd.Function):
         flight.got = [rows.new_empty((sum(c.recv), D)) for c in chunks]
         flight.works = [_a2a(r, x, c.recv, c.send, flight.group) for r, x, c in
                         zip(flight.got, rows.split([sum(c.send) for c in chunks]), chunks)]
+        if len(chunks) == 1:        # blocking: nothing computes while a transfer travels
+            flight.works[0].wait()
         return rows.new_empty(0)
 
     @staticmethod

@@ -141,8 +141,9 @@ def ep_alltoall(shape: Shape, hw: Hardware, ep: int, chunks: int, link_gbps: flo
     pieces) pipelined with the experts' GEMMs (:func:`exposed`: with the compute the longer,
     2 / chunks of the transfer shows in the forward, the first chunk's and the last one's;
     in the backward only the first chunk's, the last return travelling while the weight
-    gradients compute); the forward also exchanges the per-expert counts (a small all-to-all
-    the host waits for). One chunk, or ``overlap=False`` (a CPU, where gloo shares the
+    gradients compute; the shared experts hide the first chunk's dispatch as far as their
+    compute goes); the forward also exchanges the per-expert counts (a small all-to-all the
+    host waits for). One chunk, or ``overlap=False`` (a CPU, where gloo shares the
     cores): nothing hidden."""
     if ep <= 1 or not shape.model.n_experts:
         return 0.0, 0.0
@@ -155,8 +156,13 @@ def ep_alltoall(shape: Shape, hw: Hardware, ep: int, chunks: int, link_gbps: flo
     b = sum(hw.gemm_time(*g) for g in gemms)        # the input gradients' (the weights' after)
     if not overlap or chunks == 1:
         return 2 * one + counts, 2 * one
-    b *= 2      # and the weight gradients' GEMMs, as many again
-    return exposed(2 * one, f, chunks) + counts, \
+    # The shared experts (one MLP of n_shared experts' size) compute while the first chunk's
+    # dispatch travels, and their backward (as many again) under the last returns.
+    T, h, S = shape.tokens, m.d_model, m.moe_shared_experts * m.expert_ffn
+    shared = [(T, S, h), (T, S, h), (T, h, S)] if S else []
+    sf = sum(hw.for_forward().gemm_time(*g) for g in shared)
+    b = 2 * b + 2 * sum(hw.gemm_time(*g) for g in shared)   # and the weight gradients'
+    return exposed(2 * one, f, chunks) - min(one / chunks, sf) + counts, \
         max(0.0, 2 * one - b) + min(2 * one, b) / (2 * chunks)
 
 
