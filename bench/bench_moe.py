@@ -25,6 +25,13 @@ timed window after a barrier, the slowest rank's time), against ``blocking``:
                   the same expert-parallel code path (one chunk) over a group of itself: every
                   all-to-all a local copy (the same expert rows per rank on average): the floor
   no-dispatch-2   the same in two chunks: what chunking alone costs (smaller GEMMs, more ops)
+With ``--titan`` (no shared experts): the installed torchtitan's own MoE at ep=2
+(bench/titan_moe.py: its router, ``GroupedExperts`` on ``torch._grouped_mm`` in bf16, its
+all-to-all dispatcher, its EP plan; the same weights), ``titan`` and ``titan-again`` (its A/A
+control), in the same rounds; ``on / titan`` is fastpar's default against it. Its experts run in
+bf16 whatever the model's dtype (hard-coded), fastpar's CPU path in the model's fp32, or under
+``--autocast`` every fastpar variant's matmuls in bf16 (CPU autocast; torchtitan's model stays
+as it is).
 ``exposed`` = step - no-dispatch; ``hidden`` = 1 - exposed(variant) / exposed(blocking), and
 for ``on`` also with its own chunking's cost taken out (step - no-dispatch-2): the share of the
 transfers' time hidden.
@@ -65,8 +72,10 @@ class _Variant:
             for m in moe_layers([self.model]):
                 m.ep_group = alone
 
-    def step(self, x, y) -> None:
-        self.model(x, y).backward()
+    def step(self, x, y, autocast=False) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = self.model(x, y)
+        loss.backward()
         self.model.zero_grad(set_to_none=True)
 
 
@@ -79,11 +88,18 @@ def _rank(rank, world_size, a):
     x, y = tokens[:, :-1], tokens[:, 1:]
     alone = [dist.new_group([r]) for r in range(world_size)][rank]
     variants = {k: _Variant(cfg, mesh, k, alone) for k in VARIANTS}
-    for k in VARIANTS:                       # warm-up: allocator
-        variants[k].step(x, y)
-    result = common.compare({k: (lambda v=variants[k]: v.step(x, y)) for k in VARIANTS},
-                            "blocking", mesh.device, a["rounds"], a["iters"],
-                            control="blocking-again", barrier=dist.barrier)
+    steps = {k: (lambda v=variants[k]: v.step(x, y, a["autocast"])) for k in VARIANTS}
+    controls, peers = ["blocking-again"], {}
+    if a["titan"]:                           # torchtitan's own MoE, the same weights
+        import titan_moe
+        for k in ("titan", "titan-again"):
+            torch.manual_seed(0)
+            steps[k] = (lambda s=titan_moe.build_step(GPT(cfg), 2): s(x, y))
+        controls, peers = controls + ["titan-again"], {"titan-again": "titan"}
+    for k in steps:                          # warm-up: allocator
+        steps[k]()
+    result = common.compare(steps, "blocking", mesh.device, a["rounds"], a["iters"],
+                            control=controls, peers=peers, barrier=dist.barrier)
     rows = a["batch"] * a["seq_len"] * 2     # assignments per rank per layer (top 2)
     return dict(result=result, hop=rows * cfg.d_model * 4 // 2)
 
@@ -98,16 +114,26 @@ def main(argv=None) -> None:
                     "they compute while the dispatch travels")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--titan", action="store_true", help="also torchtitan's MoE at ep=2")
+    ap.add_argument("--autocast", action="store_true", help="fastpar's variants under bf16 "
+                    "autocast (its experts in bf16, as torchtitan's always are)")
     ap.add_argument("--label", default="loopback")
     args = ap.parse_args(argv)
     a = dict(seq_len=args.seq_len, batch=args.batch, experts=args.experts,
-             moe_ffn=args.moe_ffn, shared=args.shared, rounds=args.rounds, iters=args.iters)
+             moe_ffn=args.moe_ffn, shared=args.shared, rounds=args.rounds, iters=args.iters,
+             titan=args.titan, autocast=args.autocast)
     out = run_ranks(_rank, 2, a, init_pg=False, timeout=1800)[0]
     result = out["result"]
     med = result["median"]
-    rows = [dict(variant=k, median_ms=1e3 * med[k], vs_blocking=result["ratio"][k],
+    rows = [dict(variant=k, median_ms=1e3 * med[k], vs_blocking=med[k] / med["blocking"],
                  paired=result["paired"][k], exposed_ms=1e3 * (med[k] - med["no-dispatch"]))
-            for k in VARIANTS]
+            for k in med]
+    if args.titan:      # fastpar's default and blocking against torchtitan, round by round
+        sec = result["seconds"]
+        for k in ("on", "blocking"):
+            rows.append(dict(variant=f"{k} / titan", vs_titan=med[k] / med["titan"],
+                             paired=common.median([p / q for p, q in zip(sec[k],
+                                                                          sec["titan"])])))
     exposed_blocking = med["blocking"] - med["no-dispatch"]
     for k in ("on", "chunks4"):
         rows.append(dict(variant=f"hidden ({k})", hidden=1 - (med[k] - med["no-dispatch"]) /
@@ -120,7 +146,8 @@ def main(argv=None) -> None:
           f"top 2, {args.shared} shared), ep=2, {args.batch} x {args.seq_len} tokens per rank per step; about "
           f"{out['hop'] / 1e6:.2f} MB per rank per all-to-all per layer (balanced routing)")
     common.report(f"moe_{args.label}", rows,
-                  ["variant", "median_ms", "vs_blocking", "paired", "exposed_ms", "hidden"],
+                  ["variant", "median_ms", "vs_blocking", "paired", "exposed_ms", "hidden",
+                   "vs_titan"],
                   [{"key": args.label, **result}])
 
 
