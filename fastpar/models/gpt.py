@@ -53,10 +53,6 @@ class GPT(nn.Module):
         # Context parallelism: the tokens given are this rank's two chunks of each sequence
         # (fastpar.context_parallel.shard_sequence), each at its true position.
         self.cp_group = cp_group if group_size(cp_group) > 1 else None
-        if self.cp_group is not None and config.n_experts:
-            raise ValueError(f"GPT: mixture of experts (n_experts={config.n_experts}) with "
-                             f"context parallelism is not supported yet (the router's balance "
-                             f"statistics would be each rank's half of the sequences)")
         if self.cp_group is not None and config.dropout:
             raise ValueError(f"GPT: dropout={config.dropout} with context parallelism is not "
                              "supported (the masks would not be the single-process ones)")

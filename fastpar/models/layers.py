@@ -171,7 +171,7 @@ class ParallelTransformerLayer(nn.Module):
                            capacity_factor=config.moe_capacity_factor,
                            aux_loss_coef=config.moe_aux_loss, norm_topk=config.moe_norm_topk,
                            bias_update_rate=config.moe_bias_rate, ep_group=ep_group,
-                           ep_chunks=ep_chunks)
+                           ep_chunks=ep_chunks, cp_group=cp_group)
         else:
             self.mlp = ParallelMLP(config, overlap=overlap, regather_input=regather_input, **kw)
         self.dropout = config.dropout

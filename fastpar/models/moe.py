@@ -381,7 +381,7 @@ class MoE(nn.Module):
                  n_shared: int = 0, shared_gate: bool = False, capacity_factor: float = 0.0,
                  aux_loss_coef: float = 0.0, norm_topk: bool = True,
                  bias_update_rate: float = 0.0, ep_group=None, ep_chunks: int = 2,
-                 device=None, dtype=None):
+                 cp_group=None, device=None, dtype=None):
         super().__init__()
         ep = group_size(ep_group)
         if n_experts < 2 or n_experts % ep or ep_chunks < 1:
@@ -405,6 +405,9 @@ class MoE(nn.Module):
         if self.shared_gate is not None:
             _init_linear_(self.shared_gate)
         self.capacity_factor, self.aux_loss_coef = capacity_factor, aux_loss_coef
+        # Context parallelism: this rank's tokens are part of each sequence; the auxiliary
+        # loss's load fractions are counted over the whole sequences (one small all-reduce).
+        self.cp_group = cp_group if group_size(cp_group) > 1 else None
         self.bias_update_rate = bias_update_rate
         self.stats: dict[str, torch.Tensor] = {}
         self._load = None       # tokens per expert since the last update_bias
@@ -455,7 +458,14 @@ class MoE(nn.Module):
         y = x.new_zeros(x.shape, dtype=rows.dtype).index_add_(0, src, rows * w[:, None])
         if s is not None:
             y = y + s
-        aux = E * (tokens.to(probs.dtype) / T * probs.mean(0)).sum()
+        if self.cp_group is None:
+            aux = E * (tokens.to(probs.dtype) / T * probs.mean(0)).sum()
+        else:   # this rank's share of the whole sequences' loss, times cp (the gradients are
+            #     averaged over the cp ranks): the single process's loss and gradients
+            cp = group_size(self.cp_group)
+            every = tokens.clone()
+            collectives.all_reduce(every, group=self.cp_group)
+            aux = E * (every.to(probs.dtype) / (T * cp) * probs.sum(0) / T).sum()
         self.stats = {"tokens": kept.detach(), "dropped": (tokens - kept).sum().detach(),
                       "aux": aux.detach()}
         if self.bias_update_rate:

@@ -98,13 +98,11 @@ class ParallelConfig:
         if self.cp > 1:
             check_seq_len(seq_len, self.cp)
         model.check_tp(self.tp)
-        if model.n_experts and (self.tp > 1 and self.sequence_parallel or self.cp > 1 or
-                                self.zero == 3):
+        if model.n_experts and (self.tp > 1 and self.sequence_parallel or self.zero == 3):
             raise ValueError(f"mixture of experts (n_experts={model.n_experts}) with tp="
-                             f"{self.tp} and sequence parallelism, cp={self.cp}, zero="
-                             f"{self.zero} is not supported yet: its experts run without "
-                             f"sequence parallelism, with cp=1 and zero 0, 1 or 2 (tp, dp, ep "
-                             f"and pp are supported)")
+                             f"{self.tp} and sequence parallelism, or zero={self.zero}, is not "
+                             f"supported yet: its experts run without sequence parallelism and "
+                             f"with zero 0, 1 or 2 (tp, cp, dp, ep and pp are supported)")
         if self.ep > 1:
             bad = [why for wrong, why in (
                 (not model.n_experts, "the model has no experts (n_experts=0)"),
