@@ -30,8 +30,14 @@ def _pair(rank, ep, chunks, group=None, **kw):
 
 
 def _equal(rank, world_size, chunks, kw, autocast, group=None):
-    """``group``: the ep group (default: the world's gloo group)."""
+    """``group``: the ep group (default: the world's gloo group). ``kw["steer"]``: every
+    token routed to rank 0's experts (rank 0 sends nothing, the others keep nothing)."""
+    kw = dict(kw)
+    steer = kw.pop("steer", False)
     ref, got = _pair(rank, world_size, chunks, group, **kw)
+    if steer:
+        for m in (ref, got):
+            m.router.bias[:8 // world_size] = 10.0
     torch.manual_seed(10 + rank)                # each rank its own tokens, a different count
     x = torch.randn(5 + 3 * rank, 2, 32)
     xr, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -61,10 +67,76 @@ def _equal(rank, world_size, chunks, kw, autocast, group=None):
     (2, 2, {}, False), (2, 1, {}, False), (4, 3, {}, False),
     (2, 2, dict(n_shared=1, shared_gate=True, norm_topk=False), False),
     (2, 2, dict(capacity_factor=1.0), False),
+    (2, 2, dict(steer=True), False), (4, 2, dict(steer=True), False),
     (2, 2, {}, True)])
 def test_expert_parallel_equals_one_rank(ep, chunks, kw, autocast):
     firsts = run_ranks(_equal, ep, chunks, kw, autocast, timeout=90)
     assert firsts == [r * 8 // ep for r in range(ep)]
+
+
+def _own_order(rank, world_size):
+    """The order of the layer's transfers (issued, waited) and expert computations."""
+    torch.manual_seed(0)
+    layer = MoE(64, 4, 2, 96, ep_group=dist.group.WORLD, ep_chunks=2)
+    events, real_a2a = [], moe_mod._a2a
+    real = {k: getattr(moe_mod, k) for k in ("_expert_forward", "_expert_dx", "_expert_dw")}
+
+    def a2a(*args, **kwargs):
+        work, n = real_a2a(*args, **kwargs), len(events)
+        events.append(("issue", n))
+
+        class Work:
+            def wait(self):
+                events.append(("wait", n))
+                return work.wait()
+        return Work()
+
+    def probed(name):
+        def compute(*args, **kwargs):
+            events.append((name, None))
+            return real[name](*args, **kwargs)
+        return compute
+    moe_mod._a2a = a2a
+    for k in real:
+        setattr(moe_mod, k, probed(k))
+    try:
+        x = torch.randn(16, 2, 64, requires_grad=True)
+        y = layer(x)[0]
+        events.append(("backward", None))
+        y.square().sum().backward()
+    finally:
+        moe_mod._a2a = real_a2a
+        for k, f in real.items():
+            setattr(moe_mod, k, f)
+    return events
+
+
+def test_own_rows_compute_while_the_transfers_travel():
+    """The rows a rank routes to its own experts are computed straight from its input, under
+    the transfers. Forward: half of them after both chunks' dispatches are issued, before any
+    is waited for; the other half after the last chunk's return is issued, before it is
+    waited for. Backward: all of them after the gradients' dispatches are issued, before any
+    is waited for; every weight gradient after the last input gradient's return is issued,
+    before any return is waited for."""
+    for events in run_ranks(_own_order, 2, timeout=90):
+        split = events.index(("backward", None))
+        fwd, bwd = events[:split], events[split + 1:]
+        kinds = [e for e, _ in fwd]
+        computes = [i for i, e in enumerate(kinds) if e == "_expert_forward"]
+        assert len(computes) == 4, fwd          # own rows in two halves, two chunks
+        first, last = computes[0], computes[-1]
+        assert kinds[:first] == ["issue", "issue"], fwd     # the 2 dispatches
+        issued = [n for e, n in fwd[:last] if e == "issue"]
+        assert len(issued) == 4 and ("wait", issued[-1]) in fwd[last:], fwd  # last return
+        assert ("wait", issued[-1]) not in fwd[:last], fwd
+        kinds = [e for e, _ in bwd]
+        dx = [i for i, e in enumerate(kinds) if e == "_expert_dx"]
+        assert len(dx) == 4 and kinds[:dx[0]] == ["issue", "issue"], bwd
+        assert kinds[dx[1] + 1] == "wait", bwd   # both own halves before the first wait
+        dw = [i for i, e in enumerate(kinds) if e == "_expert_dw"]
+        returns = [n for e, n in bwd[:dw[0]] if e == "issue"][2:]
+        assert len(dw) == 4 and len(returns) == 2, bwd
+        assert not [n for e, n in bwd[:dw[-1]] if e == "wait" and n in returns], bwd
 
 
 def test_bad_sizes_are_refused():

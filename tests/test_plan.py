@@ -847,12 +847,30 @@ def test_moe_activation_bytes_match_what_autograd_saves(moe, mode, recompute):
     assert want / (96 * 3) == pytest.approx(_saved_layer_bytes(model, mode, recompute), rel=0.01)
 
 
+def test_the_chunked_dispatch_pipeline():
+    """`cost._ep_pass` against timelines worked by hand: C transfers of one / C on a link
+    that carries one at a time, chunk i's compute after its arrival, its return after it."""
+    # Compute-bound, nothing before or after: the first dispatch and the last return show.
+    assert cost._ep_pass(1.0, 2, 0.0, 10.0, 0.0) == pytest.approx(1.0)
+    assert cost._ep_pass(1.0, 4, 0.0, 10.0, 0.0) == pytest.approx(0.5)
+    # Work that needs no transfer, before and after, hides both.
+    assert cost._ep_pass(1.0, 2, 0.5, 10.0, 0.5) == pytest.approx(0.0)
+    assert cost._ep_pass(1.0, 2, 0.2, 10.0, 0.1) == pytest.approx(0.3 + 0.4)
+    # Link-bound: the link runs throughout (two transfers), every compute under it.
+    assert cost._ep_pass(1.0, 2, 0.0, 0.1, 0.0) == pytest.approx(2.0 - 0.2)
+    # No compute: both transfers; one chunk, nothing around: as blocking.
+    assert cost._ep_pass(1.0, 2, 0.0, 0.0, 0.0) == pytest.approx(2.0)
+    assert cost._ep_pass(1.0, 1, 0.0, 5.0, 0.0) == pytest.approx(2.0)
+
+
 def test_expert_parallelism_in_the_model():
     """An MoE layer's GEMMs are the router's and top_k rows through the experts; ep divides
     the experts' parameters; each layer pays its dispatch: blocking (one chunk) both
     all-to-alls of each pass and the count exchange; in C chunks, when the experts compute
-    longer, 2 / C of them in the forward and 1 / C in the backward (the last return behind
-    the weight gradients); `fastpar plan` searches ep where the model has experts."""
+    longer, the first chunk's dispatch and the last one's return in the forward (less what
+    the rows a rank keeps compute under them) and the first chunk in the backward (the last
+    return behind the weight gradients); `fastpar plan` searches ep where the model has
+    experts."""
     m = get_config("8x7b")
     shape, hw = Shape(m, 4096, 1), BUILTIN["h100-80gb"]
     mats = cost._linears(shape)
@@ -867,16 +885,25 @@ def test_expert_parallelism_in_the_model():
     assert f1 == pytest.approx(2 * one + counts) and b1 == pytest.approx(2 * one)
     f2, b2 = cost.ep_alltoall(shape, hw, 8, 2, link)
     experts = sum(hw.for_forward().gemm_time(*g) for g in cost.expert_gemms(shape))
+    grads = sum(hw.gemm_time(*g) for g in cost.expert_gemms(shape))
     two = 2 * cost.collective_time("all_to_all", rows / 2, 8, link, hw)
-    assert experts > 2 * two           # compute-bound: the first and the last chunk show
+    piece = two / 2
+    assert experts * 7 / 8 / 2 > piece     # compute-bound: the chunks hide each other
     counts2 = cost.collective_time("all_to_all", 8 * 8 * 2, 8, link, hw)
-    assert f2 == pytest.approx(two + counts2) and b2 == pytest.approx(two / 2)
+    # Forward: the first chunk's dispatch less half the own rows' experts (1/8 of them), the
+    # last return less the other half; backward: the first chunk less the own rows' input
+    # gradients (the last returns under the weight gradients).
+    own = experts / 8 / 2
+    assert f2 == pytest.approx(2 * max(0.0, piece - own) + counts2)
+    assert b2 == pytest.approx(max(0.0, piece - grads / 8))
+    assert f2 - counts2 < two and b2 < two / 2
     assert cost.ep_alltoall(shape, hw, 1, 2, link) == (0.0, 0.0)
     # A shared expert computes under the first chunk's dispatch (here all of it).
     with_shared = Shape(m.replace(moe_shared_experts=1), 4096, 1)
     sf = sum(hw.for_forward().gemm_time(*g) for g in cost._linears(with_shared)[7:10])
-    assert sf > two / 2
-    assert cost.ep_alltoall(with_shared, hw, 8, 2, link)[0] == pytest.approx(f2 - two / 2)
+    assert sf > piece
+    assert cost.ep_alltoall(with_shared, hw, 8, 2, link)[0] == \
+        pytest.approx(max(0.0, piece - own) + counts2)
     work, cluster = Workload(m, 4096, 512), Cluster(64, 8, hw)
     base = ParallelConfig(1, 4, 16, 1, 1, "1f1b", "full")
     blocking, chunked = (evaluate(work, cluster, dataclasses.replace(base, ep=8, ep_chunks=c))

@@ -205,19 +205,22 @@ def _gmm(x, w, counts: list[int], ct, kind: str):
         return gg.grouped_mm_forward(x, w, ct) if kind == "y" else \
             gg.grouped_mm_backward(x, x, w.transpose(1, 2), ct, True, False)[0]
     parts = [xe @ (w[e].t() if kind == "y" else w[e])
-             for e, xe in enumerate(x.split(counts))]
+             for e, xe in enumerate(x.split(counts)) if counts[e]]
     return torch.cat(parts) if parts else x.new_zeros((0, w.shape[1 if kind == "y" else 2]))
 
 
-def _gmm_dw(dy, x, w, counts: list[int], ct):
-    """Per expert e: dy_e^T @ x_e (w's shape; zero for an expert without rows), fp32 sums."""
+def _gmm_dw(dy, x, w, counts: list[int], ct, out=None):
+    """Per expert e: dy_e^T @ x_e (w's shape; zero for an expert without rows), fp32 sums;
+    added to ``out`` where given (and returned)."""
     if kernels.impl_for(x, w) == "triton":
         from ..kernels import grouped_gemm as gg
-        return gg.grouped_mm_backward(dy, x, w, ct, False, True)[1]
-    out = torch.zeros(w.shape, dtype=w.dtype, device=w.device)
+        dw = gg.grouped_mm_backward(dy, x, w, ct, False, True)[1]
+        return dw if out is None else out.add_(dw)
+    if out is None:
+        out = torch.zeros(w.shape, dtype=w.dtype, device=w.device)
     for e, (de, xe) in enumerate(zip(dy.split(counts), x.split(counts))):
         if counts[e]:
-            out[e] = de.t() @ xe
+            out[e].addmm_(de.t(), xe)
     return out
 
 
@@ -253,35 +256,86 @@ def _expert_dx(saved, dy, counts: list[int]):
     return _gmm(dh, wgu, counts, ct, "dx"), (dy, dh)
 
 
-def _expert_dw(saved, grads, counts: list[int]):
+def _expert_dw(saved, grads, counts: list[int], acc=None):
     """The weight gradients (gate_up, down) of :func:`_expert_forward` for the output
-    gradients :func:`_expert_dx` kept."""
+    gradients :func:`_expert_dx` kept; added to ``acc`` (an earlier call's result) if given."""
     x, gu, a, wgu, wd, ct = saved
     dy, dh = grads
-    return _gmm_dw(dh, x, wgu, counts, ct), _gmm_dw(dy, a, wd, counts, ct)
+    acc = acc or (None, None)
+    return _gmm_dw(dh, x, wgu, counts, ct, acc[0]), _gmm_dw(dy, a, wd, counts, ct, acc[1])
+
+
+def _expert_major(segs: list[list[int]], device, skip: int | None = None):
+    """Rows in ``len(segs)`` segments one after another, each sorted by local expert
+    (``segs[s][e]`` rows of expert e): (rows per expert, the permutation taking them to
+    expert-major order, stable within an expert). Segment ``skip``'s rows are left out."""
+    S, El = len(segs), len(segs[0])
+    counts = [sum(s[e] for i, s in enumerate(segs) if i != skip) for e in range(El)]
+    lens = torch.tensor([n for s in segs for n in s], device=device)
+    seg = torch.repeat_interleave(torch.arange(S * El, device=device), lens)
+    key = (seg % El) * S + seg // El
+    if skip is None:
+        return counts, key.argsort(stable=True)
+    idx = ((seg // El) != skip).nonzero().squeeze(1)
+    return counts, idx[key[idx].argsort(stable=True)]
 
 
 class _Chunk:
     """One chunk of a layer's tokens under expert parallelism: the rows it sends each rank
-    (``send``) and receives from each (``recv``), the per-local-expert counts of what it
-    receives, and the permutation from the received (source-major) order to expert-major."""
+    (``send``) and receives from each (``recv``), and for the received rows the experts
+    compute here (every source's, or all but ``me``'s when this rank's own rows are computed
+    apart, straight from its input) their per-local-expert ``counts`` and ``perm`` from the
+    received (source-major) order to expert-major."""
 
-    def __init__(self, send: list[int], recv: list[list[int]], device):
-        P, El = len(recv), len(recv[0])
-        self.send, self.recv = send, [sum(r) for r in recv]
-        self.counts = [sum(recv[p][e] for p in range(P)) for e in range(El)]
-        lens = torch.tensor([n for r in recv for n in r], device=device)   # (p, e) segments
-        seg = torch.repeat_interleave(torch.arange(P * El, device=device), lens)
-        self.perm = ((seg % El) * P + seg // El).argsort(stable=True)     # to (e, p) order
+    def __init__(self, send: list[int], recv: list[list[int]], device, me: int | None = None):
+        self.send, self.recv, self.me = send, [sum(r) for r in recv], me
+        self.counts, self.perm = _expert_major(recv, device, skip=me)
+        if me is not None:      # where this rank's own rows sit in what it sends / receives
+            self.own = (sum(send[:me]), send[me])
+
+
+class _Local:
+    """Under chunked dispatch, the rows a rank routes to its own experts: they need no
+    transfer, so they are computed straight from the layer's rows, in two parts: the first
+    while the first chunk's dispatch travels, the second while the last chunk's return does
+    (backward: all of them while the output gradients travel). ``parts``: per part, the rows'
+    places in the layer's rows (expert-major) and the rows per local expert."""
+
+    def __init__(self, chunks: list[_Chunk], mine: list[list[int]], device):
+        counts, pos = _expert_major(mine, device)
+        starts, at = [], 0
+        for c in chunks:
+            starts.append(at + c.own[0])
+            at += sum(c.send)
+        index = torch.cat([torch.arange(a, a + c.own[1], device=device)
+                           for a, c in zip(starts, chunks)])[pos]
+        first, left = [], sum(counts) // 2
+        for n in counts:
+            first.append(min(n, left))
+            left -= first[-1]
+        h = sum(first)
+        self.index = index
+        self.parts = [(index[:h], first), (index[h:], [n - f for n, f in zip(counts, first)])]
+
+
+def _fill(y: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
+    """Chunk results ``y`` (expert-major) -> the received (source-major) layout, to send back;
+    this rank's own segment, when computed apart, is left as it is (its results are written
+    into the layer's output directly)."""
+    out = y.new_empty((sum(chunk.recv), y.shape[1]))
+    out[chunk.perm] = y
+    return out
 
 
 class _Flight:
     """One MoE layer's expert-parallel dispatch between :class:`_Send` and :class:`_Finish`:
     the chunks' splits, the transfers in flight, what the backward needs."""
 
-    def __init__(self, experts, chunks, group, grad: bool):
+    def __init__(self, experts, chunks, group, grad: bool, local: _Local | None):
         self.experts, self.chunks, self.group, self.grad = experts, chunks, group, grad
-        self.works = self.got = self.saved = self.dtypes = None
+        self.local = local
+        self.works = self.got = self.saved = self.rows = self.local_saved = None
+        self.local_dx = None
 
 
 class _Send(torch.autograd.Function):
@@ -301,6 +355,7 @@ class _Send(torch.autograd.Function):
                         zip(flight.got, rows.split([sum(c.send) for c in chunks]), chunks)]
         if len(chunks) == 1:        # blocking: nothing computes while a transfer travels
             flight.works[0].wait()
+        flight.rows = rows if flight.local is not None else None
         return rows.new_empty(0)
 
     @staticmethod
@@ -309,17 +364,23 @@ class _Send(torch.autograd.Function):
         for w in flight.works:
             w.wait()
         back, flight.works = flight.got, None
-        return torch.cat(back).to(ctx.dtype), None
+        dx = torch.cat(back)
+        if flight.local is not None:        # this rank's own rows, computed apart
+            dx[flight.local.index] = flight.local_dx
+            flight.local_dx = None
+        return dx.to(ctx.dtype), None
 
 
 class _Finish(torch.autograd.Function):
     """The dispatch :class:`_Send` started -> the experts' outputs for its rows, back from the
     ranks that hold them. Chunk c's experts compute while the later chunks' dispatches and
-    the earlier ones' returns travel (one chunk: nothing to hide behind). The backward runs
-    the same pipeline the other way, input gradients only: chunk c's goes back while chunk
-    c + 1's is computed; the weight gradients of every chunk are computed next, while the
-    last returns travel, and :class:`_Send`'s backward waits for them (one chunk: blocking,
-    the return waited first). The experts run by hand (:func:`_expert_forward`,
+    the earlier ones' returns travel; under chunks the rows this rank keeps
+    (:class:`_Local`) compute half before the first chunk's wait and half after the last
+    return is started (one chunk: nothing to hide behind). The backward runs the same
+    pipeline the other way, input gradients only (the own rows' first): chunk c's goes back
+    while chunk c + 1's is computed; the weight gradients of every chunk are computed next,
+    while the last returns travel, and :class:`_Send`'s backward waits for them (one chunk:
+    blocking, the return waited first). The experts run by hand (:func:`_expert_forward`,
     :func:`_expert_dx`, :func:`_expert_dw`); their weight gradients are this function's,
     accumulated by autograd as any other parameter's (data-parallel hooks fire as usual)."""
 
@@ -327,44 +388,67 @@ class _Finish(torch.autograd.Function):
     def forward(ctx, token, flight, gate_up, down):
         ctx.flight, ctx.dtype = flight, gate_up.dtype
         chunks, group, D = flight.chunks, flight.group, flight.got[0].shape[1]
-        saved, back, returns = [], [], []
+        saved, back, returns, local, own = [], [], [], flight.local, []
+
+        def own_part(k):     # this rank's own rows (part k), computed from the layer's rows
+            index, counts = local.parts[k]
+            y, keep = _expert_forward(flight.experts, flight.rows[index], counts)
+            own.append(y)
+            flight.local_saved.append(keep if flight.grad else None)
+
+        if local is not None:       # while the first chunk's dispatch travels
+            flight.local_saved = []
+            own_part(0)
         for c, chunk in enumerate(chunks):
             flight.works[c].wait()
             y, keep = _expert_forward(flight.experts, flight.got[c][chunk.perm], chunk.counts)
             saved.append(keep if flight.grad else None)
-            y_src = torch.empty_like(y)
-            y_src[chunk.perm] = y
             back.append(y.new_empty((sum(chunk.send), D)))
-            returns.append(_a2a(back[c], y_src, chunk.send, chunk.recv, group))
+            returns.append(_a2a(back[c], _fill(y, chunk), chunk.send, chunk.recv, group))
+        if local is not None:       # while the last chunk's return travels
+            own_part(1)
         for w in returns:
             w.wait()
-        flight.saved, flight.works, flight.got = saved, None, None
-        return torch.cat(back)
+        flight.saved, flight.works, flight.got, flight.rows = saved, None, None, None
+        out = torch.cat(back)
+        if local is not None:
+            out[local.index] = torch.cat(own)
+        return out
 
     @staticmethod
     def backward(ctx, g):
         flight = ctx.flight
-        chunks, group = flight.chunks, flight.group
-        D, sent = g.shape[1], g.contiguous().split([sum(c.send) for c in chunks])
+        chunks, group, local = flight.chunks, flight.group, flight.local
+        g = g.contiguous()
+        D, sent = g.shape[1], g.split([sum(c.send) for c in chunks])
         got = [g.new_empty((sum(c.recv), D)) for c in chunks]
         works = [_a2a(r, x, c.recv, c.send, group) for r, x, c in zip(got, sent, chunks)]
-        back, returns, kept = [], [], []
+        back, returns, kept, parts = [], [], [], []
+        if local is not None:       # this rank's own rows first: the gradients travel
+            own = []
+            for (index, counts), saved in zip(local.parts, flight.local_saved):
+                dx, keep = _expert_dx(saved, g[index], counts)
+                own.append(dx)
+                parts.append((saved, keep, counts))
+            flight.local_dx = torch.cat(own)
         for c, chunk in enumerate(chunks):
             works[c].wait()
             dx, keep = _expert_dx(flight.saved[c], got[c][chunk.perm], chunk.counts)
             kept.append(keep)
-            dx_src = torch.empty_like(dx)
-            dx_src[chunk.perm] = dx
-            back.append(dx_src.new_empty((sum(chunk.send), D)))
-            returns.append(_a2a(back[c], dx_src, chunk.send, chunk.recv, group))
+            back.append(dx.new_empty((sum(chunk.send), D)))
+            returns.append(_a2a(back[c], _fill(dx, chunk), chunk.send, chunk.recv, group))
         if len(chunks) == 1:        # blocking: nothing computes while a transfer travels
             returns[0].wait()
-        dgu = dd = None             # while the returns travel
-        for c, chunk in enumerate(chunks):
-            a, b = _expert_dw(flight.saved[c], kept[c], chunk.counts)
-            dgu, dd = (a, b) if dgu is None else (dgu + a, dd + b)
+        # The weight gradients, while the returns travel.
+        parts += [(flight.saved[c], kept[c], chunk.counts) for c, chunk in enumerate(chunks)]
+        acc = None
+        for saved, keep, counts in parts:
+            acc = _expert_dw(saved, keep, counts, acc)
+        dgu, dd = acc
         flight.saved, flight.got, flight.works = None, back, returns   # _Send waits
+        flight.local_saved = None
         if not ctx.needs_input_grad[0]:     # no _Send backward to come (rows need no grad)
+            flight.local_dx = None
             for w in returns:
                 w.wait()
         return g.new_zeros(0), None, dgu.to(ctx.dtype), dd.to(ctx.dtype)
@@ -500,11 +584,15 @@ class MoE(nn.Module):
         host = torch.cat([counts, recv.flatten()]).tolist()             # one host sync
         mine = [host[i:i + El] for i in range(0, C * P * El, El)]       # [c * P + p]
         theirs = [host[C * P * El + i:][:El] for i in range(0, P * C * El, El)]  # [p * C + c]
+        me = group_rank(group) if C > 1 else None   # chunked: own rows computed apart
         chunks = [_Chunk([sum(mine[c * P + p]) for p in range(P)],
-                         [theirs[p * C + c] for p in range(P)], rows.device) for c in range(C)]
+                         [theirs[p * C + c] for p in range(P)], rows.device, me)
+                  for c in range(C)]
+        local = _Local(chunks, [mine[c * P + me] for c in range(C)], rows.device) \
+            if me is not None else None
         grad = torch.is_grad_enabled() and (rows.requires_grad or any(
             p.requires_grad for p in self.experts.parameters()))
-        flight = _Flight(self.experts, chunks, group, grad)
+        flight = _Flight(self.experts, chunks, group, grad, local)
         return flight, _Send.apply(rows, flight)
 
     @torch.no_grad()

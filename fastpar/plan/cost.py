@@ -133,18 +133,34 @@ def expert_gemms(shape: Shape) -> list[tuple[int, int, int]]:
     return [(R, F, h), (R, F, h), (R, h, F)] if m.n_experts else []
 
 
+def _ep_pass(one: float, chunks: int, before: float, per_chunk: float, after: float) -> float:
+    """Exposed seconds of one pass of the chunked dispatch (fastpar/models/moe.py ``_Finish``):
+    ``chunks`` transfers of ``one / chunks`` each, issued together on a link that carries one
+    at a time; ``before`` computes from the start (what needs no transfer); chunk i's compute
+    (``per_chunk``) once it has arrived, then its return on the link; ``after`` computes after
+    the last chunk's. The pass ends with the last return and the last compute; what is left
+    beyond the compute shows."""
+    piece, t, link = one / chunks, before, one
+    for i in range(chunks):
+        t = max(t, (i + 1) * piece) + per_chunk
+        link = max(link, t) + piece
+    t += after
+    return max(t, link) - (before + chunks * per_chunk + after)
+
+
 def ep_alltoall(shape: Shape, hw: Hardware, ep: int, chunks: int, link_gbps: float,
                 overlap: bool = True) -> tuple[float, float]:
     """Exposed seconds of one MoE layer's expert-parallel dispatch, forward and backward
-    (fastpar/models/moe.py ``_ExpertParallel``): per pass, the rows go out and come back (two
-    all-to-alls of the T * top_k rows, (ep - 1) / ep of them leaving the rank, in ``chunks``
-    pieces) pipelined with the experts' GEMMs (:func:`exposed`: with the compute the longer,
-    2 / chunks of the transfer shows in the forward, the first chunk's and the last one's;
-    in the backward only the first chunk's, the last return travelling while the weight
-    gradients compute; the shared experts hide the first chunk's dispatch as far as their
-    compute goes); the forward also exchanges the per-expert counts (a small all-to-all the
-    host waits for). One chunk, or ``overlap=False`` (a CPU, where gloo shares the
-    cores): nothing hidden."""
+    (fastpar/models/moe.py ``_Send``, ``_Finish``): per pass, the rows go out and come back
+    (two all-to-alls of the T * top_k rows, (ep - 1) / ep of them leaving the rank, in
+    ``chunks`` pieces) pipelined with the experts' GEMMs (:func:`_ep_pass`). The 1 / ep of
+    the rows a rank routes to its own experts need no transfer: in the forward half of them
+    compute while the first chunk's dispatch travels (after the shared experts), half while
+    the last chunk's return does; in the backward their input gradients compute first, and
+    every weight gradient (and the shared experts' backward) after the last chunk's, under
+    the returns. The forward also exchanges the per-expert counts (a small all-to-all the
+    host waits for). One chunk, or ``overlap=False`` (a CPU, where gloo shares the cores):
+    nothing hidden."""
     if ep <= 1 or not shape.model.n_experts:
         return 0.0, 0.0
     m = shape.model
@@ -156,14 +172,13 @@ def ep_alltoall(shape: Shape, hw: Hardware, ep: int, chunks: int, link_gbps: flo
     b = sum(hw.gemm_time(*g) for g in gemms)        # the input gradients' (the weights' after)
     if not overlap or chunks == 1:
         return 2 * one + counts, 2 * one
-    # The shared experts (one MLP of n_shared experts' size) compute while the first chunk's
-    # dispatch travels, and their backward (as many again) under the last returns.
     T, h, S = shape.tokens, m.d_model, m.moe_shared_experts * m.expert_ffn
     shared = [(T, S, h), (T, S, h), (T, h, S)] if S else []
     sf = sum(hw.for_forward().gemm_time(*g) for g in shared)
-    b = 2 * b + 2 * sum(hw.gemm_time(*g) for g in shared)   # and the weight gradients'
-    return exposed(2 * one, f, chunks) - min(one / chunks, sf) + counts, \
-        max(0.0, 2 * one - b) + min(2 * one, b) / (2 * chunks)
+    sb = 2 * sum(hw.gemm_time(*g) for g in shared)
+    own_f, own_b = f / ep, b / ep
+    return _ep_pass(one, chunks, sf + own_f / 2, (f - own_f) / chunks, own_f / 2) + counts, \
+        _ep_pass(one, chunks, own_b, (b - own_b) / chunks, b + sb)
 
 
 def _core_time(shape: Shape, hw: Hardware, feat: Features) -> float:
