@@ -16,7 +16,9 @@ dispatch alone. Measured with
 bench/common.py's ``compare`` (order rotated every round, each variant's ``--iters`` steps one
 timed window after a barrier, the slowest rank's time), against ``blocking``:
   on              ep=2 as the trainer runs it (``--ep-chunks 2``): two chunks, each chunk's
-                  experts computing while the other's all-to-all travels, both directions
+                  experts computing while the other's all-to-all travels, both directions,
+                  and the rows a rank keeps computed under the first dispatch and the last
+                  return (backward: under the incoming gradients)
   chunks4         the same in four chunks (``--ep-chunks 4``)
   blocking        ep=2 with one chunk (``--ep-chunks 1``): each all-to-all waited before the
                   experts compute (same numbers): the peer
