@@ -147,8 +147,8 @@ def test_expert_parallelism_at_1024_ranks_divides_the_experts():
     """Mixtral 8x7B's shape on 1,024 ranks (pp4 x dp256), the experts split over ep 8: each
     role's built parameters (its stage's 1/8 of the experts) and memory are the memory
     model's, and against ep 1 the experts' share of the weights shrinks eightfold; under tp2
-    the MoE layers stay whole on each TP rank; under ZeRO-1 the experts' state is cut over
-    their replicas."""
+    the MoE layers stay whole on each TP rank (with SP on its sequence shard); under ZeRO-1
+    the experts' state is cut over their replicas."""
     kw = dict(model="8x7b", tp=1, pp=4, seq_len=4096, global_batch_size=1024, zero=0,
               sequence_parallel=False, recompute="full")
     one, eight = (dry_run(_cfg(**kw, ep=e), 1024, "h100-80gb") for e in (1, 8))
@@ -162,6 +162,12 @@ def test_expert_parallelism_at_1024_ranks_divides_the_experts():
     _check_against_the_model(tp2, 1024, 4, 32)
     attention = 8 * (2 * 4096 * 4096 + 2 * 4096 * 1024)     # a stage's q, o, k, v
     assert eight.roles[1].params - tp2.roles[1].params == pytest.approx(attention / 2, rel=1e-3)
+    # Under tp2 with SP each TP rank routes its half of the tokens: the same parameters, the
+    # MoE layers' activations halved.
+    sp = dry_run(_cfg(**dict(kw, tp=2, sequence_parallel=True), ep=8), 1024, "h100-80gb")
+    _check_against_the_model(sp, 1024, 4, 32)
+    for a, b in zip(tp2.roles, sp.roles):
+        assert b.params == a.params and b.activations < 0.75 * a.activations
     # ZeRO-1: the dense state over 256 dp ranks, the experts' over their 32 replicas.
     zero = dry_run(_cfg(**dict(kw, zero=1), ep=8), 1024, "h100-80gb")
     _check_against_the_model(zero, 1024, 4, 32)

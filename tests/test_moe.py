@@ -279,9 +279,9 @@ def test_layouts_it_cannot_run_are_refused_before_anything_is_built():
     moe = GPTConfig(vocab_size=96, n_layers=2, d_model=64, n_heads=4, max_seq_len=32,
                     n_experts=4)
     ParallelConfig(dp=2, micro_batch_size=1).check(moe, 2, 4, 32)
-    for bad, world in ((dict(tp=2, sequence_parallel=True), 2), (dict(dp=2, zero=3), 2)):
-        with pytest.raises(ValueError, match="mixture of experts .* not supported yet"):
-            ParallelConfig(micro_batch_size=1, **bad).check(moe, world, 4, 32)
+    ParallelConfig(tp=2, sequence_parallel=True, micro_batch_size=1).check(moe, 2, 4, 32)
+    with pytest.raises(ValueError, match="mixture of experts .* zero=3 is not supported yet"):
+        ParallelConfig(dp=2, zero=3, micro_batch_size=1).check(moe, 2, 4, 32)
     with pytest.raises(ValueError, match="--compile with a mixture of experts"):
         TrainConfig(model="tiny-moe", compile=True).check_layout(1)
 
@@ -346,12 +346,16 @@ def dropless_reference(tmp_path_factory):
 @pytest.mark.parametrize("name, world, layout", [
     ("cp2", 2, dict(cp=2, dp=1)),
     ("cp2 ep2", 2, dict(cp=2, dp=1, ep=2)),
+    ("tp2 sp", 2, dict(tp=2, dp=1, sequence_parallel=True)),
+    ("tp2 sp dp2 ep2", 4, dict(tp=2, dp=2, ep=2, sequence_parallel=True)),
 ])
-def test_context_parallel_loss_curve_equals_the_single_process(name, world, layout,
+def test_sequence_sharded_loss_curve_equals_the_single_process(name, world, layout,
                                                                dropless_reference, tmp_path):
-    """Under context parallelism each rank routes its part of every sequence; the auxiliary
-    loss counts the load over the whole sequences (the counts all-reduced over cp), so the
-    curve is the single process's (dropless: a capacity counts each rank's own tokens)."""
+    """Under context parallelism, and under TP with sequence parallelism, each rank routes its
+    part of every sequence; the auxiliary loss counts the load over the whole sequences (the
+    counts all-reduced over cp and over tp), the loss-free bias's counts are summed over tp
+    too, and under SP the layer's gradients are summed over TP: the curve is the single
+    process's (dropless: a capacity counts each rank's own tokens)."""
     from fastpar.testing import run_ranks
     got = run_ranks(_train, world, dict(MOE_RUN, out=str(tmp_path), **layout), DROPLESS,
                     init_pg=False, timeout=240)[0]

@@ -139,6 +139,58 @@ def test_own_rows_compute_while_the_transfers_travel():
         assert not [n for e, n in bwd[:dw[-1]] if e == "wait" and n in returns], bwd
 
 
+def _sequence_parallel(rank, world_size, ep):
+    """Each TP rank routes its shard of the sequence (``sp_group``), with expert parallelism
+    over ``ep`` ranks of another dimension when ep > 1 (world = tp2 x ep)."""
+    from fastpar.tensor_parallel import reduce_replicated_grads
+    tp = 2
+    tp_groups = [dist.new_group(list(range(i, i + tp))) for i in range(0, world_size, tp)]
+    ep_groups = [dist.new_group(list(range(i, world_size, tp))) for i in range(tp)]
+    me_tp, me_ep = rank % tp, rank // tp
+    kw = dict(n_shared=1, shared_gate=True, aux_loss_coef=0.1)
+    torch.manual_seed(0)
+    ref = MoE(32, 8, 2, 48, **kw)
+    torch.manual_seed(0)
+    got = MoE(32, 8, 2, 48, sp_group=tp_groups[rank // tp], ep_chunks=2,
+              ep_group=ep_groups[me_tp] if ep > 1 else None, **kw)
+    with torch.no_grad():
+        for name, p in got.named_parameters():
+            q = ref.get_parameter(name)
+            n = p.shape[0]
+            p.copy_(q[me_ep * n:(me_ep + 1) * n] if name.startswith("experts.") else q)
+    torch.manual_seed(10 + me_ep)               # each ep rank its own sequence, cut over tp
+    x = torch.randn(12, 2, 32)
+    w = torch.randn(12, 2, 32)
+    xr = x.clone().requires_grad_()
+    shard = slice(me_tp * 6, (me_tp + 1) * 6)
+    xg = x[shard].clone().requires_grad_()
+    yr, yg = ref(xr)[0], got(xg)[0]
+    torch.testing.assert_close(yg, yr[shard], atol=1e-5, rtol=1e-5)
+    (yr * w).sum().backward()
+    (yg * w[shard]).sum().backward()
+    torch.testing.assert_close(xg.grad, xr.grad[shard], atol=1e-5, rtol=1e-5)
+    assert reduce_replicated_grads(got, tp_groups[rank // tp]) > 0
+    for name, p in got.named_parameters():
+        q = ref.get_parameter(name).grad
+        if name.startswith("experts."):
+            q = q.clone()
+            dist.all_reduce(q, group=ep_groups[me_tp]) if ep > 1 else None
+            n = p.shape[0]
+            q = q[me_ep * n:(me_ep + 1) * n]
+        torch.testing.assert_close(p.grad, q, atol=1e-5, rtol=1e-5, msg=name)
+    return True
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_sequence_parallel_equals_one_rank(ep):
+    """Under SP each TP rank runs the layer on its shard of the tokens: its outputs and input
+    gradients are the single-process layer's rows; the auxiliary loss counts over the whole
+    sequence, so once the replicated parameters' partial gradients are summed over TP
+    (``reduce_replicated_grads``) every gradient is the reference's (each expert's summed over
+    the ep ranks, which route other sequences)."""
+    assert all(run_ranks(_sequence_parallel, 2 * ep, ep, timeout=90))
+
+
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="n_experts=8 must be .* ep_chunks=0"):
         MoE(32, 8, 2, 48, ep_chunks=0)

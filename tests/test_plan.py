@@ -863,6 +863,21 @@ def test_the_chunked_dispatch_pipeline():
     assert cost._ep_pass(1.0, 1, 0.0, 5.0, 0.0) == pytest.approx(2.0)
 
 
+def test_moe_under_sequence_parallelism_in_the_model():
+    """Under tp2 an MoE layer runs whole on each TP rank: on the hidden state without SP, on
+    the rank's half of the tokens with SP (half the expert rows, half the bytes dispatched;
+    its activations: tests/test_dry_run.py)."""
+    m, hw = get_config("8x7b"), BUILTIN["h100-80gb"]
+    whole, sp = Shape(m, 4096, 1, tp=2), Shape(m, 4096, 1, tp=2, sp=True)
+    assert sp.moe_tokens * 2 == whole.moe_tokens == whole.tokens
+    assert [g[0] * 2 for g in cost.expert_gemms(sp)] == [g[0] for g in cost.expert_gemms(whole)]
+    assert cost._linears(sp)[:4] == cost._linears(whole)[:4]       # attention unchanged
+    (_, b_whole), (_, b_sp) = (cost.ep_alltoall(s, hw, 8, 1, 400.0) for s in (whole, sp))
+    half = 4096 // 2 * 2 * 4096 * hw.bytes_per_element     # rows x top 2 x d_model
+    assert b_sp == pytest.approx(2 * cost.collective_time("all_to_all", half, 8, 400.0, hw))
+    assert b_sp < b_whole
+
+
 def test_expert_parallelism_in_the_model():
     """An MoE layer's GEMMs are the router's and top_k rows through the experts; ep divides
     the experts' parameters; each layer pays its dispatch: blocking (one chunk) both

@@ -160,18 +160,18 @@ class ParallelTransformerLayer(nn.Module):
                                       regather_input=regather_input, **kw)
         if config.n_experts:
             # Under TP without SP every TP rank holds the whole hidden state: each runs the
-            # whole MoE layer on it (the same numbers; no reduction), as with its norms.
-            if group_size(tp_group) > 1 and sequence_parallel:
-                raise ValueError(f"mixture of experts (n_experts={config.n_experts}) with tp="
-                                 f"{group_size(tp_group)} and sequence parallelism is not "
-                                 f"supported yet: use it without --sequence-parallel")
+            # whole MoE layer on it (the same numbers; no reduction), as with its norms. Under
+            # SP each runs it on its sequence shard (the layer replicated over TP, its
+            # gradients partial: summed over TP once per step), as Megatron requires SP for
+            # MoE with TP.
             self.mlp = MoE(config.d_model, config.n_experts, config.moe_top_k,
                            config.expert_ffn, n_shared=config.moe_shared_experts,
                            shared_gate=config.moe_shared_gate,
                            capacity_factor=config.moe_capacity_factor,
                            aux_loss_coef=config.moe_aux_loss, norm_topk=config.moe_norm_topk,
                            bias_update_rate=config.moe_bias_rate, ep_group=ep_group,
-                           ep_chunks=ep_chunks, cp_group=cp_group)
+                           ep_chunks=ep_chunks, cp_group=cp_group,
+                           sp_group=tp_group if sequence_parallel else None)
         else:
             self.mlp = ParallelMLP(config, overlap=overlap, regather_input=regather_input, **kw)
         self.dropout = config.dropout

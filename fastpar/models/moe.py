@@ -66,7 +66,8 @@ def moe_layers(modules) -> list:
 def update_biases(modules, group=None) -> None:
     """:meth:`MoE.update_bias` for every MoE layer of ``modules`` with the loss-free bias on,
     from the tokens each expert got since the last call summed over ``group`` (the data- and
-    context-parallel ranks: every replica then takes the same step) in one all-reduce."""
+    context-parallel ranks: every replica then takes the same step) in one all-reduce (and
+    over the TP ranks under sequence parallelism, in another)."""
     layers = [m for m in moe_layers(modules) if m.bias_update_rate and m._load is not None]
     if not layers:
         return
@@ -74,6 +75,8 @@ def update_biases(modules, group=None) -> None:
     if group is not None and torch.distributed.is_initialized() and \
             torch.distributed.get_world_size(group) > 1:
         torch.distributed.all_reduce(load, group=group)
+    if layers[0].sp_group is not None:  # under SP each TP rank routed its shard of the tokens
+        torch.distributed.all_reduce(load, group=layers[0].sp_group)
     for m, mine in zip(layers, load):
         m._load = mine
         m.update_bias()
@@ -465,7 +468,7 @@ class MoE(nn.Module):
                  n_shared: int = 0, shared_gate: bool = False, capacity_factor: float = 0.0,
                  aux_loss_coef: float = 0.0, norm_topk: bool = True,
                  bias_update_rate: float = 0.0, ep_group=None, ep_chunks: int = 2,
-                 cp_group=None, device=None, dtype=None):
+                 cp_group=None, sp_group=None, device=None, dtype=None):
         super().__init__()
         ep = group_size(ep_group)
         if n_experts < 2 or n_experts % ep or ep_chunks < 1:
@@ -489,9 +492,19 @@ class MoE(nn.Module):
         if self.shared_gate is not None:
             _init_linear_(self.shared_gate)
         self.capacity_factor, self.aux_loss_coef = capacity_factor, aux_loss_coef
-        # Context parallelism: this rank's tokens are part of each sequence; the auxiliary
-        # loss's load fractions are counted over the whole sequences (one small all-reduce).
+        # Context parallelism, and sequence parallelism over ``sp_group`` (the TP group: each
+        # TP rank routes its shard of the tokens, and the layer's parameters get partial
+        # gradients, summed over TP once per step): this rank's tokens are part of each
+        # sequence; the auxiliary loss's load fractions are counted over the whole sequences
+        # (one small all-reduce per group).
         self.cp_group = cp_group if group_size(cp_group) > 1 else None
+        self.sp_group = sp_group if group_size(sp_group) > 1 else None
+        if self.sp_group is not None:
+            from ..tensor_parallel.sharding import mark_partial_grads
+            for m in self.modules():
+                names = [n for n, _ in m.named_parameters(recurse=False)]
+                if names:
+                    mark_partial_grads(m, *names)
         self.bias_update_rate = bias_update_rate
         self.stats: dict[str, torch.Tensor] = {}
         self._load = None       # tokens per expert since the last update_bias
@@ -542,14 +555,18 @@ class MoE(nn.Module):
         y = x.new_zeros(x.shape, dtype=rows.dtype).index_add_(0, src, rows * w[:, None])
         if s is not None:
             y = y + s
-        if self.cp_group is None:
+        if self.cp_group is None and self.sp_group is None:
             aux = E * (tokens.to(probs.dtype) / T * probs.mean(0)).sum()
-        else:   # this rank's share of the whole sequences' loss, times cp (the gradients are
-            #     averaged over the cp ranks): the single process's loss and gradients
+        else:   # this rank's share of the whole sequences' loss (over n = cp x sp shards),
+            #     times cp (the gradients are averaged over the cp ranks, summed over sp):
+            #     the single process's loss and gradients
+            every, n = tokens.clone(), 1
+            for g in (self.cp_group, self.sp_group):
+                if g is not None:
+                    collectives.all_reduce(every, group=g)
+                    n *= group_size(g)
             cp = group_size(self.cp_group)
-            every = tokens.clone()
-            collectives.all_reduce(every, group=self.cp_group)
-            aux = E * (every.to(probs.dtype) / (T * cp) * probs.sum(0) / T).sum()
+            aux = cp * E * (every.to(probs.dtype) / (T * n) * probs.sum(0) / (T * n)).sum()
         self.stats = {"tokens": kept.detach(), "dropped": (tokens - kept).sum().detach(),
                       "aux": aux.detach()}
         if self.bias_update_rate:

@@ -105,6 +105,12 @@ class Shape:
     def tokens(self) -> int:
         return self.micro_batch * self.seq_len // self.cp
 
+    @property
+    def moe_tokens(self) -> int:
+        """The tokens an MoE layer routes on one GPU: under TP it runs whole on every rank,
+        on the hidden state without SP, on the rank's sequence shard with SP."""
+        return self.tokens // (self.tp if self.sp else 1)
+
 
 def _linears(shape: Shape) -> list[tuple[int, int, int]]:
     """The (m, n, k) of each linear GEMM of one layer's forward on one GPU."""
@@ -115,6 +121,7 @@ def _linears(shape: Shape) -> list[tuple[int, int, int]]:
     if m.n_experts:     # the router; the rows each token sends its top_k experts (as one GEMM
         #                 of all of them, fastpar's grouped GEMM; balanced over ep ranks) and the
         #                 shared experts' (as one MLP); gate, up, down (tp = 1)
+        T = shape.moe_tokens
         R, F, S = T * m.moe_top_k, m.expert_ffn, m.moe_shared_experts * m.expert_ffn
         shared = [(T, S, h), (T, S, h)] if S else []
         return mats + [(T, m.n_experts, h), (R, F, h), (R, F, h)] + shared + \
@@ -129,7 +136,7 @@ def expert_gemms(shape: Shape) -> list[tuple[int, int, int]]:
     """The routed experts' GEMMs of one MoE layer's forward (:func:`_linears`' last three
     rows): what an expert-parallel dispatch is pipelined with."""
     m = shape.model
-    R, F, h = shape.tokens * m.moe_top_k, m.expert_ffn, m.d_model
+    R, F, h = shape.moe_tokens * m.moe_top_k, m.expert_ffn, m.d_model
     return [(R, F, h), (R, F, h), (R, h, F)] if m.n_experts else []
 
 
@@ -164,7 +171,7 @@ def ep_alltoall(shape: Shape, hw: Hardware, ep: int, chunks: int, link_gbps: flo
     if ep <= 1 or not shape.model.n_experts:
         return 0.0, 0.0
     m = shape.model
-    rows = shape.tokens * m.moe_top_k * m.d_model * hw.bytes_per_element
+    rows = shape.moe_tokens * m.moe_top_k * m.d_model * hw.bytes_per_element
     one = chunks * collective_time("all_to_all", rows / chunks, ep, link_gbps, hw)
     counts = collective_time("all_to_all", 8 * m.n_experts * chunks, ep, link_gbps, hw)
     gemms = expert_gemms(shape)
@@ -172,7 +179,7 @@ def ep_alltoall(shape: Shape, hw: Hardware, ep: int, chunks: int, link_gbps: flo
     b = sum(hw.gemm_time(*g) for g in gemms)        # the input gradients' (the weights' after)
     if not overlap or chunks == 1:
         return 2 * one + counts, 2 * one
-    T, h, S = shape.tokens, m.d_model, m.moe_shared_experts * m.expert_ffn
+    T, h, S = shape.moe_tokens, m.d_model, m.moe_shared_experts * m.expert_ffn
     shared = [(T, S, h), (T, S, h), (T, h, S)] if S else []
     sf = sum(hw.for_forward().gemm_time(*g) for g in shared)
     sb = 2 * sum(hw.gemm_time(*g) for g in shared)
@@ -518,8 +525,8 @@ def activation_bytes(shape: Shape, recompute: str, feat: Features = FASTPAR,
             C = REFERENCE_COMPUTE_BYTES
             return (3 * C + E) * f if m.activation == "swiglu" else (C + E) * f
         return E * f * (3 if m.activation == "swiglu" else 2)   # the fused kernels' inputs
-    if m.n_experts:     # fastpar/models/moe.py, tp = 1
-        k = m.moe_top_k
+    if m.n_experts:     # fastpar/models/moe.py, whole on each TP rank (its SP shard)
+        k, T = m.moe_top_k, shape.moe_tokens
         act = (swiglu(T * k * m.expert_ffn) + swiglu(T * m.moe_shared_experts * m.expert_ffn)
                + E * 3 * T * k * m.d_model     # the rows gathered by expert, the experts'
                #                                 outputs, those outputs weighed (index_add's)
@@ -529,9 +536,10 @@ def activation_bytes(shape: Shape, recompute: str, feat: Features = FASTPAR,
         act = swiglu(f)
     mlp = norm + act
     if shape.sp and t > 1 and not regathers(recompute, feat):
-        # qkv and fc1 keep their gathered inputs (tp times the shard the norm wrote)
-        kept = E * (T * m.d_model - rep)
-        attn, mlp = attn + kept, mlp + kept
+        # qkv and fc1 keep their gathered inputs (tp times the shard the norm wrote; an MoE
+        # layer gathers nothing)
+        kept = E * (shape.tokens * m.d_model - rep)
+        attn, mlp = attn + kept, mlp + (0 if m.n_experts else kept)
     masks = 2 * rep if feat.dropout else 0.0            # one byte per element
     scores = 0.0
     if not feat.flash_attention and recompute != "selective":
