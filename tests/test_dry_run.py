@@ -148,7 +148,7 @@ def test_expert_parallelism_at_1024_ranks_divides_the_experts():
     role's built parameters (its stage's 1/8 of the experts) and memory are the memory
     model's, and against ep 1 the experts' share of the weights shrinks eightfold; under tp2
     the MoE layers stay whole on each TP rank (with SP on its sequence shard); under ZeRO-1
-    the experts' state is cut over their replicas."""
+    and ZeRO-3 the experts' state is cut over their replicas."""
     kw = dict(model="8x7b", tp=1, pp=4, seq_len=4096, global_batch_size=1024, zero=0,
               sequence_parallel=False, recompute="full")
     one, eight = (dry_run(_cfg(**kw, ep=e), 1024, "h100-80gb") for e in (1, 8))
@@ -168,6 +168,11 @@ def test_expert_parallelism_at_1024_ranks_divides_the_experts():
     _check_against_the_model(sp, 1024, 4, 32)
     for a, b in zip(tp2.roles, sp.roles):
         assert b.params == a.params and b.activations < 0.75 * a.activations
+    # ZeRO-3: each block gathered as this rank holds it (its 1/8 of the experts), the
+    # experts' shards cut over their 32 replicas.
+    z3 = dry_run(_cfg(**dict(kw, zero=3), ep=8), 1024, "h100-80gb")
+    _check_against_the_model(z3, 1024, 4, 32)
+    assert all(b.weights < 0.4 * a.weights for a, b in zip(eight.roles, z3.roles))
     # ZeRO-1: the dense state over 256 dp ranks, the experts' over their 32 replicas.
     zero = dry_run(_cfg(**dict(kw, zero=1), ep=8), 1024, "h100-80gb")
     _check_against_the_model(zero, 1024, 4, 32)

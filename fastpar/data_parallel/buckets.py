@@ -83,16 +83,18 @@ def _spec(params, indices: list[int], pad_to: int) -> BucketSpec:
 
 
 def unit_buckets(params: Sequence[tuple[int, torch.dtype]], unit_of: Sequence[int | None],
-                 pad_to: int = 1) -> list[BucketSpec]:
-    """One bucket per unit and dtype (ZeRO-3's gather and reduce-scatter groups, FSDP's units):
-    parameter i belongs to unit ``unit_of[i]`` (``None``: the root, every parameter outside a
-    unit). Listed, as :func:`assign_buckets`'s, in the order backward completes them."""
+                 pad_to: int = 1, kinds: Sequence | None = None) -> list[BucketSpec]:
+    """One bucket per unit, dtype and kind (ZeRO-3's gather and reduce-scatter groups, FSDP's
+    units): parameter i belongs to unit ``unit_of[i]`` (``None``: the root, every parameter
+    outside a unit). Listed, as :func:`assign_buckets`'s, in the order backward completes
+    them."""
     if len(unit_of) != len(params):
         raise ValueError(f"unit_of has {len(unit_of)} entries for {len(params)} parameters")
     require_positive({"pad_to": pad_to})
     n = len(params)
     groups: dict[tuple, list[int]] = {}
     for i in reversed(range(n)):
-        groups.setdefault((unit_of[i], params[i][1]), []).append(i)
+        kind = None if kinds is None else kinds[i]
+        groups.setdefault((unit_of[i], params[i][1], kind), []).append(i)
     order = sorted(groups.values(), key=lambda idx: n - 1 - idx[-1])
     return [_spec(params, idx, pad_to) for idx in order]

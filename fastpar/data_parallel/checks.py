@@ -139,7 +139,7 @@ def empty_params(module: nn.Module, device) -> None:
     """Replace every parameter on the meta device by one of its shape and dtype on ``device``
     whose storage is freed (allocated one at a time, so the whole module never is): ZeRO-3
     makes them views of its gather buffers and fills them (``materialize``, ``load_shards``).
-    A parameter shared by several modules stays shared."""
+    A parameter shared by several modules stays shared; its attributes carry over."""
     done: dict[int, nn.Parameter] = {}
     for m in module.modules():
         for name, p in list(m.named_parameters(recurse=False)):
@@ -147,4 +147,5 @@ def empty_params(module: nn.Module, device) -> None:
                 t = torch.empty(p.shape, dtype=p.dtype, device=device)
                 t.untyped_storage().resize_(0)
                 done[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+                done[id(p)].__dict__.update(p.__dict__)     # its marks (expert_parallel)
             setattr(m, name, done[id(p)])

@@ -43,7 +43,7 @@ def bucket_specs(params: list[tuple[int, torch.dtype]], dp_size: int,
     one bucket per unit and dtype instead of size-capped ones. ``kinds``: parameters of
     different kinds (expert-parallel or not) never share a bucket."""
     if unit_of is not None:
-        return unit_buckets(params, unit_of, pad_to=dp_size)
+        return unit_buckets(params, unit_of, pad_to=dp_size, kinds=kinds)
     # torch DDP's rule: the 1 MiB first bucket only with the default cap (25 MiB).
     first_mb = None if bucket_cap_mb is not None else _FIRST_BUCKET_BYTES / 2**20
     bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
@@ -125,8 +125,10 @@ class DataParallel(nn.Module):
             that group by the all-to-all's backward) are summed over ``expert_group``, the
             ranks holding the same experts, in buckets of their own, and divided by the dp
             size as the others; under ZeRO their shards are cut over ``expert_group``.
-            Broadcast at construction over ``expert_group`` only. Not with
-            ``find_unused_parameters``, HSDP or ZeRO-3 (yet).
+            Broadcast at construction over ``expert_group`` only (built on the meta device:
+            each rank fills its own). Under ZeRO-3 each unit has a bucket of its experts
+            apart, gathered over ``expert_group``. Not with ``find_unused_parameters`` or
+            HSDP (yet).
 
     The constructor checks its arguments locally (``ValueError``), then compares the parameter
     shapes across the group with one small collective and broadcasts dp rank 0's parameters and
@@ -143,7 +145,7 @@ class DataParallel(nn.Module):
         group = resolve_group(dp_group)
         experts = {id(p) for p in module.parameters() if getattr(p, "expert_parallel", False)}
         if experts and (expert_group is None and group_size(group) > 1 or find_unused_parameters
-                        or replicate_group is not None or units is not None):
+                        or replicate_group is not None):
             raise ValueError(f"DataParallel: {len(experts)} expert-parallel parameters need "
                              f"expert_group= (the ranks holding the same experts), and are not "
                              f"supported with find_unused_parameters, replicate_group (HSDP) "
@@ -168,6 +170,7 @@ class DataParallel(nn.Module):
                 raise ValueError(f"DataParallel: buffer {bad[0]!r} is on the meta device: give "
                                  f"the buffers their values on {device} first")
             empty_params(module, device)
+            experts = {id(p) for p in module.parameters() if getattr(p, "expert_parallel", False)}
         named = check_params(module, reduce_dtype)
         unit_of = unit_index(module, units, [p for _, p in named])
         device = named[0][1].device
@@ -177,7 +180,7 @@ class DataParallel(nn.Module):
             if group_size(g) > 1:
                 check_same_params(module, g, device)
                 broadcast_state(module, g, params=not self.deferred_init, skip=experts)
-        if experts and group_size(expert_group) > 1:
+        if experts and group_size(expert_group) > 1 and not self.deferred_init:
             broadcast_state(module, expert_group, params=True, only=experts)
         self.module = module
         self.dp_group, self.dp_size, self.dp_rank = group, group_size(group), group_rank(group)

@@ -149,9 +149,13 @@ class GPT(nn.Module):
                 p.copy_(fresh[n])
 
     def reset_buffers(self, device) -> None:
-        """The rotary tables on ``device``, after a build on the meta device."""
+        """The rotary tables, and the MoE routers' loss-free biases (zeros), on ``device``,
+        after a build on the meta device."""
         if self.config.rotary:
             self.rope_cos, self.rope_sin = rotary_tables(self.config, device)
+        for m in self.modules():
+            if isinstance(getattr(m, "router", None), nn.Module) and m.router.bias.is_meta:
+                m.router.bias = torch.zeros(m.router.n_experts, device=device)
 
     def embed_tokens(self, tokens, start: int = 0, looked_up=None):
         """(B, S) ids at positions ``start`` .. start + S - 1 -> (S, B, D) hidden, or

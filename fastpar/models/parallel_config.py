@@ -98,10 +98,6 @@ class ParallelConfig:
         if self.cp > 1:
             check_seq_len(seq_len, self.cp)
         model.check_tp(self.tp)
-        if model.n_experts and self.zero == 3:
-            raise ValueError(f"mixture of experts (n_experts={model.n_experts}) with zero=3 is "
-                             f"not supported yet: its experts run with zero 0, 1 or 2 (tp, sp, "
-                             f"cp, dp, ep and pp are supported)")
         if self.ep > 1:
             bad = [why for wrong, why in (
                 (not model.n_experts, "the model has no experts (n_experts=0)"),

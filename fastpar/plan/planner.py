@@ -407,16 +407,17 @@ def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> li
         weight, grad, opt = bytes_per_param(cfg, feat, hw)
         weights, grads = params * weight, gradient_bytes(cfg, work, feat, hw, params, acts)
         optimizer = params * opt
+        if cfg.zero == 3 and shard_size(cfg) > 1:
+            n = sum(len(ranges[s]) for s in mine)
+            unit = (m.layer_params(cfg.ep) - moe) / t + moe    # a block as this rank holds it
+            whole_w, whole_g = zero3_bytes(cfg, work, feat, hw, params, unit,
+                                           params - n * unit, n)
+            weights, grads = whole_w, params * grad + whole_g
         if cfg.ep > 1 and cfg.zero:     # the experts' shards are cut over fewer ranks
             experts = sum(len(ranges[s]) for s in mine) * m.routed_expert_params() / cfg.ep
             _, grad_e, opt_e = bytes_per_param(expert_view(cfg), feat, hw)
             grads += experts * (grad_e - grad)
             optimizer += experts * (opt_e - opt)
-        if cfg.zero == 3 and shard_size(cfg) > 1:
-            n = sum(len(ranges[s]) for s in mine)
-            whole_w, whole_g = zero3_bytes(cfg, work, feat, hw, params, m.layer_params() / t,
-                                           params - n * m.layer_params() / t, n)
-            weights, grads = whole_w, params * grad + whole_g
         row = {"weights": weights, "gradients": grads,
                "optimizer": optimizer, "activations": acts,
                "reserve": hw.memory_reserve_gb * 1e9, "params_per_gpu": params}
@@ -634,7 +635,7 @@ def candidates(work: Workload, cluster: Cluster, fixed: dict | None = None):
                                 # split over ep dp ranks (the default two chunks).
                                 eps = [e for e in pow2 if e <= dp * cp and
                                        (dp * cp) % e == 0 and m.n_experts % e == 0] \
-                                    if m.n_experts and zero < 3 else [1]
+                                    if m.n_experts else [1]
                                 for il, ep in itertools.product(
                                         (1, 2) if tp > 1 and pp == 1 else (1,), eps):
                                     one = dataclasses.replace(cfg, interleave=il, ep=ep)

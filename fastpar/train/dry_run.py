@@ -135,17 +135,19 @@ def dry_run(cfg, world_size: int, hardware: str = "h100-80gb") -> DryRunReport:
         weights = n * weight
         grads = planner.gradient_bytes(layout, work, feat, hw, buffered,
                                        row["activations"] * 1e9)
+        if zero3:          # the gathered units and whole gradients in flight at the peak
+            owner = [unit_of[s.indices[0]] for s in specs]
+            sizes: dict = {}
+            for s, u in zip(specs, owner):  # a unit's buckets (dense, and its experts')
+                sizes[u] = sizes.get(u, 0) + s.padded_numel
+            unit = max(v for u, v in sizes.items() if u is not None)
+            weights, whole_g = planner.zero3_bytes(layout, work, feat, hw, buffered, unit,
+                                                   sizes.get(None, 0), len(blocks))
+            grads = buffered * grad + whole_g
         if held and cfg.zero:
             grads += sum(held) * (planner.bytes_per_param(planner.expert_view(layout), feat,
                                                           hw)[1] - planner.bytes_per_param(
                                                               layout, feat, hw)[1])
-        if zero3:          # the gathered units and whole gradients in flight at the peak
-            owner = [unit_of[s.indices[0]] for s in specs]
-            unit = max(s.padded_numel for s, u in zip(specs, owner) if u is not None)
-            root = sum(s.padded_numel for s, u in zip(specs, owner) if u is None)
-            weights, whole_g = planner.zero3_bytes(layout, work, feat, hw, buffered, unit,
-                                                   root, len(blocks))
-            grads = buffered * grad + whole_g
         mine = {"weights": weights / 1e9, "gradients": grads / 1e9,
                 "optimizer": stepped * (feat.optimizer_bytes + (
                     4 if zero3 and not feat.main_grads else 0)) / 1e9,
