@@ -173,6 +173,9 @@ def test_expert_parallelism_at_1024_ranks_divides_the_experts():
     z3 = dry_run(_cfg(**dict(kw, zero=3), ep=8), 1024, "h100-80gb")
     _check_against_the_model(z3, 1024, 4, 32)
     assert all(b.weights < 0.4 * a.weights for a, b in zip(eight.roles, z3.roles))
+    # HSDP in groups of 16 dp ranks: the experts' state over their 2 replicas in a group.
+    hsdp = dry_run(_cfg(**dict(kw, zero=1, dp_shard=16), ep=8), 1024, "h100-80gb")
+    _check_against_the_model(hsdp, 1024, 4, 32)
     # ZeRO-1: the dense state over 256 dp ranks, the experts' over their 32 replicas.
     zero = dry_run(_cfg(**dict(kw, zero=1), ep=8), 1024, "h100-80gb")
     _check_against_the_model(zero, 1024, 4, 32)
@@ -180,3 +183,7 @@ def test_expert_parallelism_at_1024_ranks_divides_the_experts():
         dense = a.params - experts / 8
         assert b.optimizer * 1e9 == pytest.approx(
             12 * (dense / 256 + experts / 8 / 32), rel=1e-3)
+    for a, b in zip(eight.roles, hsdp.roles):
+        dense = a.params - experts / 8
+        assert b.optimizer * 1e9 == pytest.approx(
+            12 * (dense / 16 + experts / 8 / 2), rel=1e-3)

@@ -231,6 +231,7 @@ def moe_reference(tmp_path_factory):
     ("dp2 ep2 zero1", 2, dict(dp=2, ep=2, zero=1)),
     ("dp4 ep2 zero2", 4, dict(dp=4, ep=2, zero=2)),
     ("dp4 ep2 zero3", 4, dict(dp=4, ep=2, zero=3)),
+    ("dp4 ep2 zero3 hsdp2", 4, dict(dp=4, ep=2, zero=3, dp_shard=2)),
     ("dp4 ep2", 4, dict(dp=4, ep=2)),
     ("dp4 ep4", 4, dict(dp=4, ep=4)),
     ("dp2 pp2 ep2", 4, dict(dp=2, pp=2, ep=2)),
@@ -257,17 +258,20 @@ def test_the_trainers_loss_curve_equals_the_single_process(name, world, layout, 
     assert moe_reference[-1] < moe_reference[0]
 
 
-def test_zero3_checkpoint_with_experts_loads_into_one_process(tmp_path):
+@pytest.mark.parametrize("layout", [dict(zero=3), dict(zero=1, dp_shard=2)],
+                         ids=["zero3", "hsdp2 zero1"])
+def test_sharded_checkpoint_with_experts_loads_into_one_process(layout, tmp_path):
     """ZeRO-3 at dp4 ep2 (each block gathered with this rank's experts over their replicas,
-    built on the meta device): its checkpoint, loaded into one process, holds the weights the
+    built on the meta device), and HSDP (ZeRO-1 in pairs, the experts' shards cut over their
+    replicas in the pair): the checkpoint, loaded into one process, holds the weights the
     single process trained, to fp32 rounding (within a thirtieth of one step's update)."""
     from fastpar.models import GPT
     from fastpar.models import config as mconfig
     from fastpar.testing import run_ranks
     from fastpar.train.checkpoint import latest_checkpoint, load_checkpoint
     run = dict(MOE_RUN, steps=3)
-    for name, world, layout in (("one", 1, {}), ("z3", 4, dict(dp=4, ep=2, zero=3))):
-        run_ranks(_train, world, dict(run, out=str(tmp_path / name), **layout), MOE_PRESET,
+    for name, world, lay in (("one", 1, {}), ("z3", 4, dict(dp=4, ep=2, **layout))):
+        run_ranks(_train, world, dict(run, out=str(tmp_path / name), **lay), MOE_PRESET,
                   init_pg=False, timeout=240)
     cfg = mconfig.PRESETS["tiny-moe"].replace(**MOE_PRESET)
     models = [GPT(cfg) for _ in range(2)]

@@ -347,7 +347,7 @@ def test_checkpoint_saved_at_one_ep_loads_at_another(tmp_path):
 
 
 @pytest.mark.parametrize("bad, world, words", [
-    (dict(ep=2, zero=1, dp_shard=1), 2, "dp_shard=1"),
+    (dict(dp=4, ep=4, zero=1, dp_shard=2), 4, "ep=4 does not divide an HSDP shard group"),
     (dict(ep=3), 3, "n_experts=4 is not a multiple of ep=3"),
     (dict(ep=2, pp=2), 2, r"does not divide dp x cp = 1 x 1"),
 ])

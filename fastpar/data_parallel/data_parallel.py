@@ -127,8 +127,10 @@ class DataParallel(nn.Module):
             size as the others; under ZeRO their shards are cut over ``expert_group``.
             Broadcast at construction over ``expert_group`` only (built on the meta device:
             each rank fills its own). Under ZeRO-3 each unit has a bucket of its experts
-            apart, gathered over ``expert_group``. Not with ``find_unused_parameters`` or
-            HSDP (yet).
+            apart, gathered over ``expert_group``. With ``replicate_group`` (HSDP)
+            ``expert_group`` is the experts' replicas inside the shard group
+            (:func:`fastpar.mesh.hsdp_expert_group`), and the experts' shards are all-reduced
+            over ``replicate_group`` as the others. Not with ``find_unused_parameters`` (yet).
 
     The constructor checks its arguments locally (``ValueError``), then compares the parameter
     shapes across the group with one small collective and broadcasts dp rank 0's parameters and
@@ -144,12 +146,10 @@ class DataParallel(nn.Module):
         check_options(module, bucket_cap_mb, reduce_dtype)
         group = resolve_group(dp_group)
         experts = {id(p) for p in module.parameters() if getattr(p, "expert_parallel", False)}
-        if experts and (expert_group is None and group_size(group) > 1 or find_unused_parameters
-                        or replicate_group is not None):
+        if experts and (expert_group is None and group_size(group) > 1 or find_unused_parameters):
             raise ValueError(f"DataParallel: {len(experts)} expert-parallel parameters need "
                              f"expert_group= (the ranks holding the same experts), and are not "
-                             f"supported with find_unused_parameters, replicate_group (HSDP) "
-                             f"or units (ZeRO-3) yet")
+                             f"supported with find_unused_parameters yet")
         if replicate_group is not None:
             if not isinstance(replicate_group, dist.ProcessGroup):
                 raise ValueError(f"replicate_group must be a ProcessGroup or None, got "

@@ -277,6 +277,28 @@ def _blocks(mesh: Mesh, size: int, timeout) -> tuple:
     return mine["block"], mine["across"]
 
 
+def hsdp_expert_group(mesh: Mesh, shard: int, ep: int, timeout: float | timedelta = 600.0):
+    """HSDP with expert parallelism: the ranks of this rank's shard group (:func:`hsdp_groups`)
+    that hold its experts (the same place in their ep groups, :func:`ep_groups`): the experts'
+    ZeRO shards are cut over them, then all-reduced over HSDP's replicate group, whose ranks
+    hold the same experts. ``ep`` must divide the shard group's ``shard`` x cp ranks (checked
+    before any collective). Collective: every rank creates every group, in order."""
+    size = shard * mesh.cp_size
+    if size % ep:
+        raise ValueError(f"--ep={ep} must divide the HSDP shard group's --dp-shard x cp = "
+                         f"{shard} x {mesh.cp_size} ranks")
+    timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    options = group_options(dist.get_backend())
+    mine = None
+    for ranks in mesh.layout.groups("dp-cp" if mesh.cp_size > 1 else "dp"):
+        for block in (ranks[i:i + size] for i in range(0, len(ranks), size)):
+            for j in range(ep):
+                group = dist.new_group(block[j::ep], timeout=timeout, pg_options=options)
+                if mesh.rank in block[j::ep]:
+                    mine = group
+    return mine
+
+
 def ep_groups(mesh: Mesh, ep: int, timeout: float | timedelta = 600.0):
     """Expert parallelism's two groups inside this rank's dp x cp group: ``(ep_group,
     expert_dp_group)``. The ep group is ``ep`` consecutive ranks (with the tp-cp-dp-pp order

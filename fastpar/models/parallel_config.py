@@ -105,8 +105,10 @@ class ParallelConfig:
                                             f"of ep={self.ep}"),
                 ((dp * self.cp) % self.ep, f"ep={self.ep} does not divide dp x cp = "
                                            f"{dp} x {self.cp}"),
-                (self.dp_shard > 0, f"dp_shard={self.dp_shard} (HSDP with expert "
-                                    f"parallelism is not supported yet)"))
+                (0 < self.dp_shard < dp and (self.dp_shard * self.cp) % self.ep,
+                 f"ep={self.ep} does not divide an HSDP shard group of dp_shard x cp = "
+                 f"{self.dp_shard} x {self.cp} ranks (the experts' replicas are sharded "
+                 f"inside it)"))
                    if wrong]
             if bad:
                 raise ValueError(f"--ep={self.ep}: " + "; ".join(bad))

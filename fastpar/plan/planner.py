@@ -298,8 +298,10 @@ def bytes_per_param(cfg: ParallelConfig, feat: Features, hw) -> tuple[float, flo
 def expert_view(cfg: ParallelConfig) -> ParallelConfig:
     """What the experts' parameters see of ``cfg`` under expert parallelism: their gradients
     reduced, and their ZeRO shards cut, over their replicas, dp x cp / ep ranks
-    (fastpar/data_parallel/reducer.py ``place``)."""
-    return dataclasses.replace(cfg, dp=(cfg.dp or 1) * cfg.cp // cfg.ep, cp=1, ep=1)
+    (fastpar/data_parallel/reducer.py ``place``); under HSDP over those inside a shard group,
+    dp_shard x cp / ep ranks (``fastpar.mesh.hsdp_expert_group``)."""
+    return dataclasses.replace(cfg, dp=(cfg.dp or 1) * cfg.cp // cfg.ep, cp=1, ep=1,
+                               dp_shard=cfg.dp_shard * cfg.cp // cfg.ep)
 
 
 def shard_size(cfg: ParallelConfig) -> int:

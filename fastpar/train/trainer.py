@@ -37,7 +37,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices as _
 import fastpar
 from ..context_parallel import shard_sequence
 from ..data_parallel import DataParallel, DistributedOptimizer
-from ..mesh import Layout, Mesh, ep_groups, hsdp_groups
+from ..mesh import Layout, Mesh, ep_groups, hsdp_expert_group, hsdp_groups
 from ..mesh.profiling import span
 from ..mesh import collectives
 from ..mesh.watchdog import CollectiveTimeoutError, Watchdog, group_timeout
@@ -126,13 +126,15 @@ def _wrap(cfg: TrainConfig, chunks, mesh):
     sharded = cfg.zero >= 1 and mesh.dp_size * mesh.cp_size > 1     # over dp x cp
     units = [layer for m in chunks for layer in m.layers.values()] \
         if sharded and cfg.zero == 3 else None
-    groups = dict(dp_group=mesh.dp_cp_group)
+    groups = dict(dp_group=mesh.dp_cp_group, expert_group=mesh.expert_dp_group)
     if sharded and 0 < cfg.dp_shard < mesh.dp_size:    # HSDP: shard in a group, replicate over
         shard, replicate = hsdp_groups(mesh, cfg.dp_shard, group_timeout(cfg.timeout))
         groups = dict(dp_group=shard, replicate_group=replicate)
+        if mesh.expert_dp_group is not None:    # the experts' replicas inside the shard group
+            groups["expert_group"] = hsdp_expert_group(mesh, cfg.dp_shard, cfg.ep,
+                                                       group_timeout(cfg.timeout))
     ddp = DataParallel(nn.ModuleList(chunks), main_grads=mixed, reduce_dtype=reduce_dtype,
-                       units=units, device=mesh.device, expert_group=mesh.expert_dp_group,
-                       **groups)
+                       units=units, device=mesh.device, **groups)
     # Fused AdamW: one kernel per parameter group, and it skips a non-finite step on the device.
     kernel = dict(fused=True) if mesh.device.type in _fused_devices() else dict(foreach=True)
     return ddp, DistributedOptimizer(ddp, torch.optim.AdamW, _param_groups(chunks, cfg.weight_decay),
