@@ -53,6 +53,17 @@ def bucket_specs(params: list[tuple[int, torch.dtype]], dp_size: int,
                           first_cap_bytes=int((first_mb or bucket_cap_mb) * 2**20), kinds=kinds)
 
 
+def param_kinds(params) -> list | None:
+    """Each parameter's bucket kind (parameters of different kinds never share a bucket), or
+    None when all are plain: "expert" for expert-parallel ones (reduced over their replicas),
+    "tied" for a pipeline's tied embedding (on the first and the last stage alike alone in
+    its bucket, so its ZeRO shards are the same slices on both, summed over the embedding
+    group: :func:`fastpar.pipeline.tied.reduce_tied_grads`)."""
+    kinds = ["expert" if getattr(p, "expert_parallel", False) else
+             "tied" if getattr(p, "tied_embedding", False) else None for p in params]
+    return kinds if any(kinds) else None
+
+
 def unit_index(module: nn.Module, units, params) -> list[int | None] | None:
     """Each parameter's unit (the innermost of ``units`` that holds it; None: the root)."""
     if units is None:
@@ -190,7 +201,7 @@ class DataParallel(nn.Module):
         params = [p for _, p in named]
         self.bucket_specs: list[BucketSpec] = bucket_specs(
             [(p.numel(), p.dtype) for p in params], self.dp_size, bucket_cap_mb, reduce_dtype,
-            self.main_grads, unit_of, [id(p) in experts for p in params] if experts else None)
+            self.main_grads, unit_of, param_kinds(params))
         self.units = list(units) if units is not None else None
         # Each bucket's unit (an index into ``units``; None: the root).
         self.bucket_units = [unit_of[s.indices[0]] if unit_of is not None else None

@@ -39,6 +39,9 @@ class Mesh:
     # holding the same experts; None without it.
     ep_group: dist.ProcessGroup | None = field(default=None, repr=False)
     expert_dp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    # Tied embeddings under pipeline parallelism (fastpar.pipeline.tied.embedding_group): the
+    # first and the last stage's ranks; None without them.
+    embed_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.dp_cp_group is None:

@@ -108,14 +108,25 @@ class GPTConfig:
 
     def layer_params(self, ep: int = 1) -> int:
         """Parameters of one Transformer block (all TP ranks; weights of the projections and
-        the MLP, and the two norms' scales); ``ep``: on one expert-parallel rank (its
+        the MLP, their biases, and the two norms); ``ep``: on one expert-parallel rank (its
         n_experts / ep experts)."""
         d, f, hd = self.d_model, self.ffn_dim, self.head_dim
         attn = d * (self.n_heads * hd) * 2 + d * (self.kv_heads * hd) * 2
         mlp = d * f * (3 if self.activation == "swiglu" else 2)
         if self.n_experts:      # every expert, the shared ones, the router (and its gate)
             mlp = self.moe_params(ep)
-        return attn + mlp + 2 * d
+        elif self.bias:         # the column linears' biases (the row ones': replicated)
+            mlp += f * (2 if self.activation == "swiglu" else 1)
+        if self.bias:
+            attn += (self.n_heads + 2 * self.kv_heads) * hd
+        return attn + mlp + self.replicated_layer_params()
+
+    def replicated_layer_params(self) -> int:
+        """Parameters of one block every TP rank holds whole: the two norms (scale, and bias
+        for LayerNorm) and the row-parallel linears' biases (o, and the MLP's last)."""
+        d = self.d_model
+        return 2 * d * (2 if self.norm == "layernorm" else 1) + \
+            (d * (1 if self.n_experts else 2) if self.bias else 0)
 
     def moe_params(self, ep: int = 1) -> int:
         """Parameters of one block's MoE layer on one expert-parallel rank (its experts, the

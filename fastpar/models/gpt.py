@@ -79,7 +79,15 @@ class GPT(nn.Module):
             if not config.tie_embeddings:
                 self.head = self._new_piece("head", device)
             elif not pre_process:
-                raise ValueError("tie_embeddings needs the embedding and the head on one stage")
+                # Tied embeddings on the last pipeline stage (Megatron's way): a copy of the
+                # embedding, drawn as the first stage's, its gradient summed with the first
+                # stage's over the embedding group once per step
+                # (:func:`fastpar.pipeline.tied.reduce_tied_grads`), so both copies step alike;
+                # not saved (the first stage's is the checkpoint's).
+                self.embed = self._new_piece("embed", device)
+                self.embed.weight.tied_embedding = self.embed.weight.tied_copy = True
+        if pre_process and not post_process and config.tie_embeddings:
+            self.embed.weight.tied_embedding = True     # the first stage's, of a pipeline
         if config.rotary:
             cos, sin = rotary_tables(config, device)
             self.register_buffer("rope_cos", cos, persistent=False)

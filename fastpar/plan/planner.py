@@ -373,8 +373,9 @@ def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> li
     for rank in range(pp):
         mine = [s for s in range(len(ranges)) if s % pp == rank]
         # An MoE layer is whole on every TP rank (no SP): only the rest of the block is split.
-        moe = m.moe_params(cfg.ep)
-        params = sum(len(ranges[s]) for s in mine) * ((m.layer_params(cfg.ep) - moe) / t + moe)
+        moe, rep_p = m.moe_params(cfg.ep), m.replicated_layer_params()
+        block = (m.layer_params(cfg.ep) - moe - rep_p) / t + moe + rep_p   # on one TP rank
+        params = sum(len(ranges[s]) for s in mine) * block
         layers = max(len(ranges[s]) for s in mine)
         # Under a split backward each micro-batch between its B and its W also holds its
         # weights' output gradients: the layers', the embedding's on the first stage, the final
@@ -386,9 +387,12 @@ def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> li
         if cfg.recompute == "full":
             acts += full                           # one layer's activations while it recomputes
         if 0 in mine:
-            params += m.padded_vocab * m.d_model / t
-        if len(ranges) - 1 in mine:
-            params += (0 if m.tie_embeddings else m.padded_vocab * m.d_model / t) + m.d_model
+            params += m.padded_vocab * m.d_model / t + (0 if m.rotary else
+                                                        m.max_seq_len * m.d_model)
+        if len(ranges) - 1 in mine:     # tied across stages: the last one holds a copy
+            params += (0 if m.tie_embeddings and 0 in mine else
+                       m.padded_vocab * m.d_model / t) + \
+                m.d_model * (2 if m.norm == "layernorm" else 1)
             # One micro-batch's final norm and head input, and its logits, which the cross
             # entropy saves as they are (in the activation dtype, no fp32 copy) next to their
             # gradient in the same dtype in the backward
@@ -411,7 +415,7 @@ def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> li
         optimizer = params * opt
         if cfg.zero == 3 and shard_size(cfg) > 1:
             n = sum(len(ranges[s]) for s in mine)
-            unit = (m.layer_params(cfg.ep) - moe) / t + moe    # a block as this rank holds it
+            unit = block                        # a block as this rank holds it
             whole_w, whole_g = zero3_bytes(cfg, work, feat, hw, params, unit,
                                            params - n * unit, n)
             weights, grads = whole_w, params * grad + whole_g
@@ -522,6 +526,7 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
     optimizer = slow * hw.memory_time(params / (shard_size(cfg) if cfg.zero else 1)
                                       * OPTIMIZER_STEP_BYTES, kernels)
     step = sim.step_time + accumulate + dp_exposed + optimizer + _step_collectives(cluster, cfg)
+    step += _tied_time(work, cluster, cfg, feat)
     tokens = work.global_batch * work.seq_len
     model_flops = m.train_flops(work.seq_len, tokens)
     hw_flops = m.train_flops(work.seq_len, tokens, cfg.recompute)
@@ -550,6 +555,19 @@ def _tensors_per_gpu(m: GPTConfig, ranges, cfg: ParallelConfig) -> int:
     layers = max(sum(len(ranges[s]) for s in range(len(ranges)) if s % cfg.pp == r)
                  for r in range(cfg.pp))
     return layers * per_layer + 3
+
+
+def _tied_time(work: Workload, cluster: Cluster, cfg: ParallelConfig, feat: Features) -> float:
+    """Tied embeddings under a pipeline (fastpar/pipeline/tied.py): once a step, after the DP
+    reduction, the first and the last stage sum the embedding's gradient (its 1/tp rows; under
+    ZeRO each rank's shard of it) in one all-reduce of two ranks, pp - 1 stages apart."""
+    m = work.model
+    if cfg.pp == 1 or not m.tie_embeddings:
+        return 0.0
+    n = m.padded_vocab * m.d_model / cfg.tp / (shard_size(cfg) if cfg.zero else 1)
+    world = cfg.tp * cfg.cp * cfg.pp * (cfg.dp or 1)
+    return cost.collective_time("all_reduce", n * feat.reduce_bytes, 2,
+                                cluster.link_gbps(world), cluster.hardware)
 
 
 def _step_collectives(cluster: Cluster, cfg: ParallelConfig) -> float:

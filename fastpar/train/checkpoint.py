@@ -88,7 +88,8 @@ def _add_buffers(tensors, index, modules, cpu) -> None:
 def _snapshot(modules, optimizer, mesh, rank_tensors, cpu) -> dict[str, dict | str]:
     rank = mesh.rank if mesh is not None else 0
     tp, pp = _coords(mesh)
-    specs = shard_specs(modules, mesh.tp_size if mesh else 1, tp)
+    specs = {n: s for n, s in shard_specs(modules, mesh.tp_size if mesh else 1, tp).items()
+             if not getattr(s.param, "tied_copy", False)}   # the first stage's is saved
     files: dict[str, dict | str] = {}
     zero = optimizer if optimizer is not None and per_param(optimizer) is None else None
     if zero is not None and zero.saves_shards:   # (HSDP: the first replica's shard group)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..data_parallel.data_parallel import bucket_specs, unit_index
+from ..data_parallel.data_parallel import bucket_specs, param_kinds, unit_index
 from ..plan import planner
 from ..plan.cost import trainer_features
 from ..plan.hardware import get_hardware
@@ -123,7 +123,7 @@ def dry_run(cfg, world_size: int, hardware: str = "h100-80gb") -> DryRunReport:
         shard = planner.shard_size(layout) if cfg.zero else dp    # HSDP: the shard groups
         experts = [getattr(q, "expert_parallel", False) for q in params]
         specs = bucket_specs([(q.numel(), dtype) for q in params], shard, None, reduce,
-                             mode == "bf16", unit_of, experts if any(experts) else None)
+                             mode == "bf16", unit_of, param_kinds(params))
         buffered = sum(s.padded_numel for s in specs)
         stepped = buffered // shard if cfg.zero and shard > 1 else n
         # Expert parallelism: the experts' buckets are sharded over their replicas only.

@@ -21,6 +21,7 @@ from ..mesh import collectives
 from ..mesh.profiling import span
 from ..models.gpt import overlap_forward_backward, token_loss
 from ..models.moe import aux_scale
+from ..pipeline.tied import reduce_tied_grads, tied_params
 from ..tensor_parallel import partial_grad_params, reduce_replicated_grads
 
 
@@ -39,7 +40,9 @@ def forward_backward(chunks, ddp, pipe, x, y, M: int, mesh, overlap: bool = True
     Every bucket is waited for at the end of the step. ``overlap=False``: the whole step
     accumulates, then every bucket is reduced (same numbers). Last, after the DP sync and
     before any clipping, one all-reduce over TP sums the replicated parameters' partial
-    gradients (:func:`fastpar.tensor_parallel.reduce_replicated_grads`).
+    gradients (:func:`fastpar.tensor_parallel.reduce_replicated_grads`), and one over the
+    embedding group sums a tied embedding's two copies' (:func:`fastpar.pipeline.tied.
+    reduce_tied_grads`).
 
     ``interleave`` (no pipeline): micro-batches run forward this many at a time, interleaved
     block by block (:meth:`fastpar.models.GPT.interleaved`), then backward together.
@@ -51,6 +54,8 @@ def forward_backward(chunks, ddp, pipe, x, y, M: int, mesh, overlap: bool = True
     with aux_scale(1.0 / M):    # an MoE auxiliary loss weighs as the micro-batch's loss
         loss = _step(chunks, ddp, pipe, x, y, M, mesh, overlap, interleave, fb_overlap)
     reduce_replicated_grads(chunks, mesh.tp_group, grads)
+    reduce_tied_grads(chunks, getattr(mesh, "embed_group", None),
+                      ddp.mean_grad_views if ddp is not None and tied_params(chunks) else None)
     return loss
 
 

@@ -38,6 +38,7 @@ import fastpar
 from ..context_parallel import shard_sequence
 from ..data_parallel import DataParallel, DistributedOptimizer
 from ..mesh import Layout, Mesh, ep_groups, hsdp_expert_group, hsdp_groups
+from ..pipeline.tied import embedding_group
 from ..mesh.profiling import span
 from ..mesh import collectives
 from ..mesh.watchdog import CollectiveTimeoutError, Watchdog, group_timeout
@@ -170,11 +171,13 @@ def _param_groups(chunks, weight_decay):
 
 def _clip(chunks, mesh, max_norm: float, opt: DistributedOptimizer) -> torch.Tensor:
     """Clip by the global norm of the whole model's gradient (TP shards summed, parameters
-    replicated over TP counted once, pipeline stages summed); returns it, on the device."""
+    replicated over TP counted once, pipeline stages summed, a tied embedding's last-stage
+    copy not counted); returns it, on the device."""
     sharded = {id(p) for p, split in tp_params(chunks) if split}
     return opt.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"),
                                groups=[mesh.tp_group, mesh.pp_group],
-                               counted=lambda p: id(p) in sharded or mesh.tp_rank == 0,
+                               counted=lambda p: not getattr(p, "tied_copy", False) and (
+                                   id(p) in sharded or mesh.tp_rank == 0),
                                ep_group=mesh.ep_group)
 
 
@@ -279,6 +282,8 @@ def setup(cfg: TrainConfig, layout: Layout | None = None) -> Run:
     mesh = fastpar.init(layout=lay, timeout=group_timeout(cfg.timeout), nccl_trace=str(trace / "rank_"))
     if cfg.ep > 1:      # the experts split over ep data-parallel ranks
         mesh.ep_group, mesh.expert_dp_group = ep_groups(mesh, cfg.ep, group_timeout(cfg.timeout))
+    if cfg.model_config.tie_embeddings:     # the first and last stage's embedding copies
+        mesh.embed_group = embedding_group(mesh, group_timeout(cfg.timeout))
     torch.manual_seed(cfg.seed)
     sharded3 = fully_sharded(cfg, mesh)
     chunks = build_model(cfg, mesh, "meta" if sharded3 else None)
