@@ -148,13 +148,18 @@ FINE_TUNE = dict(seq_len=32, global_batch_size=4, micro_batch_size=2, steps=2, w
                  log_every=100)
 
 
-@pytest.mark.parametrize("world, layout", [(1, {}), (2, {"tp": 2}), (2, {"dp": 2, "zero": 3})])
-def test_init_from_a_hugging_face_directory_starts_at_its_loss(tmp_path, world, layout):
+@pytest.mark.parametrize("kind, tied, world, layout", [
+    ("llama", False, 1, {}), ("llama", False, 2, {"tp": 2}),
+    ("llama", False, 2, {"dp": 2, "zero": 3}),
+    # tied heads across pipeline stages: the last stage's copy reads the embedding
+    ("gpt2", True, 2, {"pp": 2}), ("llama", True, 2, {"pp": 2})])
+def test_init_from_a_hugging_face_directory_starts_at_its_loss(tmp_path, kind, tied, world,
+                                                              layout):
     import torch.nn.functional as F
 
     from fastpar.data.sources import BatchSampler, load_tokens
 
-    ref = _save("llama", tmp_path / "hf")
+    ref = _save(kind, tmp_path / "hf", tied=tied)
     losses = run_ranks(_train, world, dict(FINE_TUNE, init_from=str(tmp_path / "hf"),
                                            out=str(tmp_path / "run"), no_save=True, **layout),
                        init_pg=False, timeout=180)[0]

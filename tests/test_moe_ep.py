@@ -74,12 +74,11 @@ def test_expert_parallel_equals_one_rank(ep, chunks, kw, autocast):
     assert firsts == [r * 8 // ep for r in range(ep)]
 
 
-def _own_order(rank, world_size):
-    """The order of the layer's transfers (issued, waited) and expert computations."""
-    torch.manual_seed(0)
-    layer = MoE(64, 4, 2, 96, ep_group=dist.group.WORLD, ep_chunks=2)
-    events, real_a2a = [], moe_mod._a2a
-    real = {k: getattr(moe_mod, k) for k in ("_expert_forward", "_expert_dx", "_expert_dw")}
+def _events(layer, phases=(), events=None):
+    """Forward and backward of ``layer``, recording in ``events`` (returned) each all-to-all
+    issued and waited for and each call of the expert ``phases``, in order."""
+    events = [] if events is None else events
+    real_a2a, real = moe_mod._a2a, {k: getattr(moe_mod, k) for k in phases}
 
     def a2a(*args, **kwargs):
         work, n = real_a2a(*args, **kwargs), len(events)
@@ -100,7 +99,7 @@ def _own_order(rank, world_size):
     for k in real:
         setattr(moe_mod, k, probed(k))
     try:
-        x = torch.randn(16, 2, 64, requires_grad=True)
+        x = torch.randn(16, 2, layer.router.weight.shape[1], requires_grad=True)
         y = layer(x)[0]
         events.append(("backward", None))
         y.square().sum().backward()
@@ -109,6 +108,13 @@ def _own_order(rank, world_size):
         for k, f in real.items():
             setattr(moe_mod, k, f)
     return events
+
+
+def _own_order(rank, world_size):
+    """The order of the layer's transfers (issued, waited) and expert computations."""
+    torch.manual_seed(0)
+    layer = MoE(64, 4, 2, 96, ep_group=dist.group.WORLD, ep_chunks=2)
+    return _events(layer, ("_expert_forward", "_expert_dx", "_expert_dw"))
 
 
 def test_own_rows_compute_while_the_transfers_travel():
@@ -385,28 +391,10 @@ def test_zero_checkpoint_with_expert_parallelism(tmp_path):
 def _shared_order(rank, world_size):
     torch.manual_seed(0)
     layer = MoE(64, 4, 2, 96, n_shared=1, shared_gate=True, ep_group=dist.group.WORLD)
-    events, real_a2a = [], moe_mod._a2a
-
-    def a2a(*args, **kwargs):
-        work, n = real_a2a(*args, **kwargs), len(events)
-        events.append(("issue", n))
-
-        class Work:
-            def wait(self):
-                events.append(("wait", n))
-                return work.wait()
-        return Work()
+    events = []
     layer.shared.register_forward_pre_hook(lambda *a: events.append(("shared", "forward")))
     layer.shared.register_full_backward_hook(lambda *a: events.append(("shared", "backward")))
-    moe_mod._a2a = a2a
-    try:
-        x = torch.randn(16, 2, 64, requires_grad=True)
-        y = layer(x)[0]
-        events.append(("backward", None))
-        y.square().sum().backward()
-    finally:
-        moe_mod._a2a = real_a2a
-    return events
+    return _events(layer, events=events)
 
 
 def test_the_shared_experts_compute_while_the_dispatch_travels():
