@@ -189,9 +189,11 @@ def test_pruned_search_equals_exhaustive_evaluation(case):
         est = evaluate(work, cluster, cfg, feat)
         every.append(est)
         fits += [est] if est.fits else []
-        fbw = planner._stage_costs(work, cluster, cfg, feat, cfg.schedule == "zb-h1")[0]
+        split = cfg.schedule in planner.SPLIT_SCHEDULES
+        fbw = planner._stage_costs(work, cluster, cfg, feat, split)[0]
         bound = planner._step_lower_bound(fbw, cfg.pp, cfg.num_microbatches(work.global_batch),
-                                          cfg.schedule == "zb-h1")
+                                          split, [planner.stages_on(cfg, r)
+                                                  for r in range(cfg.pp)])
         assert bound <= est.step_time_s, cfg
     assert (len(fits) < len(every)) == tight and fits
     fits.sort(key=lambda e: (e.step_time_s, e.memory_gb_per_gpu))

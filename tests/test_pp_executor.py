@@ -17,7 +17,8 @@ from fastpar.testing import run_ranks
 from pp_model import ToyModel, batch, loss_fn, shard_tp
 
 TOL = dict(atol=1e-5, rtol=1e-4)
-CONFIGS = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)]
+CONFIGS = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("zb-v", 2)]
+TOY_ACTIVATION = ((2, 5, 16), torch.float32)        # ToyModel: (micro-batch, seq, hidden)
 
 
 def _close(a, b, what):
@@ -30,10 +31,13 @@ def _one_schedule(mesh, name, v, m, activation=None):
     ``activation``: the declared (shape, dtype) between stages (no shape handshake)."""
     pp, rank = mesh.pp_size, mesh.pp_rank
     sched = build_schedule(name, pp, m, v)
+    if sched.placement != "loop":               # a V: declared, its handoffs need no message
+        activation = activation or TOY_ACTIVATION
     torch.manual_seed(0)
     model = ToyModel(layers=2 * pp)
     ref = copy.deepcopy(model)
-    stages = build_stages(model, rank, pp, v)
+    stages = build_stages(model, rank, pp, v, placement=sched.placement)
+    last = sched.place(sched.num_stages - 1)[0]  # the rank holding the loss
     ready = {}
 
     def grads_ready(chunk, stage):              # what the data-parallel code would reduce
@@ -49,20 +53,21 @@ def _one_schedule(mesh, name, v, m, activation=None):
         assert all(p.grad is None for p in params), f"{name}: evaluate left gradients"
         loss = pipe.step(tokens, targets)
         ref_loss = loss_fn(ref(tokens), targets)
-        if rank == pp - 1:
+        if rank == last:
             _close(evaluated, ref_loss.detach(), f"{name} step {step} evaluated loss")
             assert not evaluated.requires_grad
         else:
             assert evaluated is None
         ref_loss.backward()
-        if rank == pp - 1:
+        if rank == last:
             _close(loss, ref_loss.detach(), f"{name} step {step} loss")
         else:
             assert loss is None
         for st in stages:
             for n, p in st.named_parameters():
                 _close(p.grad, ref.get_parameter(n).grad, f"{name} step {step} grad {n}")
-                _close(ready[st.stage_index // pp][n], p.grad, f"{name} hook grad {n}")
+                _close(ready[sched.place(st.stage_index)[1]][n], p.grad,
+                       f"{name} hook grad {n}")
         assert sorted(ready) == list(range(v))
         assert pipe.peak_activations == sched.peak_activations[rank]
         opt.step()
@@ -196,8 +201,8 @@ def _declared_activation(rank, world_size):
     for name in ("send_meta", "recv_meta"):         # the handshake's only two calls
         real = getattr(p2p, name)
         setattr(p2p, name, lambda *a, _real=real, **k: sent.append(a) or _real(*a, **k))
-    m, act = 4, ((2, 5, 16), torch.float32)          # ToyModel: (micro-batch, seq, hidden)
-    for name, v in (("1f1b", 1), ("interleaved", 2)):
+    m, act = 4, TOY_ACTIVATION
+    for name, v in (("1f1b", 1), ("interleaved", 2), ("zb-v", 2)):
         _one_schedule(mesh, name, v, m, activation=act)
     stages = build_stages(ToyModel(layers=2 * world_size), mesh.pp_rank, world_size, 1)
     errors = []

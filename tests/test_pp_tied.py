@@ -22,12 +22,25 @@ def _train(rank, world_size, kwargs, preset, check_copies=False):
     return [r["loss"] for r in out]
 
 
+def single_process(tmp_path_factory, preset, run):
+    """(the run's folder, its loss curve) in one process."""
+    out = str(tmp_path_factory.mktemp("one"))
+    return out, run_ranks(_train, 1, dict(run, out=out), preset, init_pg=False, timeout=240)[0]
+
+
+def on_the_curve(name, world, layout, preset, run, want, tmp_path):
+    """Trains ``layout`` on ``world`` ranks; its loss curve is ``want`` within 1e-5."""
+    got = run_ranks(_train, world, dict(run, out=str(tmp_path), **layout), preset,
+                    init_pg=False, timeout=240)[0]
+    for step, (a, b) in enumerate(zip(got, want), 1):
+        assert abs(a - b) <= 1e-5 * b, f"{name} step {step}: {a} vs {b}"
+    assert want[-1] < want[0]
+
+
 @pytest.fixture(scope="module", params=[("llama", LLAMA), ("gpt2", GPT2)], ids=lambda p: p[0])
 def reference(request, tmp_path_factory):
-    name, preset = request.param
-    out = str(tmp_path_factory.mktemp(f"tied-{name}"))
-    return preset, out, run_ranks(_train, 1, dict(RUN, out=out), preset, init_pg=False,
-                                  timeout=240)[0]
+    preset = request.param[1]
+    return (preset, *single_process(tmp_path_factory, preset, RUN))
 
 
 @pytest.mark.parametrize("name, world, layout", [
@@ -39,11 +52,7 @@ def reference(request, tmp_path_factory):
 def test_tied_embeddings_train_on_the_single_process_curve(name, world, layout, reference,
                                                           tmp_path):
     preset, _, want = reference
-    got = run_ranks(_train, world, dict(RUN, out=str(tmp_path), **layout), preset,
-                    init_pg=False, timeout=240)[0]
-    for step, (a, b) in enumerate(zip(got, want), 1):
-        assert abs(a - b) <= 1e-5 * b, f"{name} step {step}: {a} vs {b}"
-    assert want[-1] < want[0]
+    on_the_curve(name, world, layout, preset, RUN, want, tmp_path)
 
 
 @pytest.mark.parametrize("layout", [dict(pp=2), dict(pp=2, dp=2, zero=1)], ids=["pp2", "zero1"])

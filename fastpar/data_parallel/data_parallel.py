@@ -56,11 +56,12 @@ def bucket_specs(params: list[tuple[int, torch.dtype]], dp_size: int,
 def param_kinds(params) -> list | None:
     """Each parameter's bucket kind (parameters of different kinds never share a bucket), or
     None when all are plain: "expert" for expert-parallel ones (reduced over their replicas),
-    "tied" for a pipeline's tied embedding (on the first and the last stage alike alone in
-    its bucket, so its ZeRO shards are the same slices on both, summed over the embedding
-    group: :func:`fastpar.pipeline.tied.reduce_tied_grads`)."""
+    "tied" and "tied-copy" for a pipeline's tied embedding and its last-stage copy (each alone
+    in its bucket, also where a V puts both on one rank, so their ZeRO shards are the same
+    slices, summed over the embedding group: :func:`fastpar.pipeline.tied.reduce_tied_grads`)."""
     kinds = ["expert" if getattr(p, "expert_parallel", False) else
-             "tied" if getattr(p, "tied_embedding", False) else None for p in params]
+             ("tied-copy" if getattr(p, "tied_copy", False) else "tied")
+             if getattr(p, "tied_embedding", False) else None for p in params]
     return kinds if any(kinds) else None
 
 

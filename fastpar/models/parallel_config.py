@@ -27,7 +27,9 @@ class ParallelConfig:
     dp: int | None = None               # data-parallel size; None = world / (tp * pp)
     virtual_stages: int = 1             # model chunks per pipeline rank (interleaved)
     micro_batch_size: int = 1           # sequences per micro-batch
-    schedule: str = "1f1b"              # pipeline schedule when pp > 1
+    schedule: str = "1f1b"              # pipeline schedule when pp > 1: gpipe | 1f1b |
+                                        # interleaved | zb-h1 | zb-v (V-shape, two stages per
+                                        # rank)
     recompute: str = "none"             # activation recomputation: none | selective | full
     sequence_parallel: bool = False     # sequence parallelism inside TP
     zero: int = 0                       # ZeRO stage over the DP group: 1 shards the optimizer

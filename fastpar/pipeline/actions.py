@@ -1,9 +1,14 @@
 """Schedules are data: an :class:`Action` list per pipeline rank, validated when it is built.
 
 Stages and chunks. With ``pp`` ranks and ``v`` virtual stages the model is cut into ``pp * v``
-stages; rank ``r`` holds chunks ``0..v-1``, and chunk ``c`` on rank ``r`` is stage ``c * pp + r``
-(Megatron's interleaved layout: stage ``s`` feeds stage ``s + 1``, which lives on the next rank,
-wrapping from the last rank to rank 0 between chunks).
+stages; rank ``r`` holds chunks ``0..v-1``. The placement says which stage a chunk is
+(:func:`stage_of`, :func:`rank_of`): ``"loop"``, chunk ``c`` on rank ``r`` is stage
+``c * pp + r`` (Megatron's interleaved layout: stage ``s`` feeds stage ``s + 1``, which lives on
+the next rank, wrapping from the last rank to rank 0 between chunks); ``"v"`` (two chunks, the
+V-shape schedules ZB-V and DualPipeV), rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``: the
+activations go down the ranks and back up, and the last rank hands its first chunk's output to
+its second chunk itself (a local handoff: no message; the consumer's compute follows the
+producer's on that rank).
 
 Actions. ``F`` runs a stage's forward for a micro-batch, ``B`` its backward (only the input
 gradient when the schedule also has ``W``), ``W`` the deferred weight gradient. ``SEND_F`` /
@@ -34,6 +39,21 @@ from ..mesh.layout import require_positive
 
 KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 COMPUTE_KINDS = ("F", "B", "W")
+PLACEMENTS = ("loop", "v")
+
+
+def stage_of(placement: str, pp: int, rank: int, chunk: int) -> int:
+    """The model stage chunk ``chunk`` of pipeline rank ``rank`` holds."""
+    if placement == "v":
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+def rank_of(placement: str, pp: int, stage: int) -> tuple[int, int]:
+    """(pipeline rank, chunk) holding model stage ``stage``: :func:`stage_of`'s inverse."""
+    if placement == "v":
+        return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
+    return stage % pp, stage // pp
 
 
 class ScheduleError(ValueError):
@@ -70,6 +90,7 @@ class Schedule:
     num_microbatches: int
     virtual_stages: int
     actions: tuple
+    placement: str = "loop"
     split_backward: bool = field(init=False)
     peak_activations: tuple = field(init=False)     # per rank: most micro-batch chunks alive
     # Per rank: the (alive, awaiting W) counts the peak memory can be at, the pairs no other
@@ -90,12 +111,22 @@ class Schedule:
 
     def stage_index(self, rank: int, chunk: int) -> int:
         """The model stage that ``chunk`` of ``rank`` holds."""
-        return chunk * self.pp_size + rank
+        return stage_of(self.placement, self.pp_size, rank, chunk)
+
+    def place(self, stage: int) -> tuple[int, int]:
+        """(rank, chunk) holding model stage ``stage``."""
+        return rank_of(self.placement, self.pp_size, stage)
+
+    def neighbour(self, rank: int, chunk: int, kind: str) -> tuple[int, int] | None:
+        """(rank, chunk) of the stage a communication ``kind`` of ``chunk`` talks to: the next
+        stage for F's output (``SEND_F``) and B's input (``RECV_B``), the previous one for F's
+        input (``RECV_F``) and B's output (``SEND_B``); None past either end of the model."""
+        stage = self.stage_index(rank, chunk) + (1 if kind in ("SEND_F", "RECV_B") else -1)
+        return self.place(stage) if 0 <= stage < self.num_stages else None
 
     def peer(self, rank: int, action: Action) -> int:
         """The rank a communication action talks to."""
-        step = 1 if action.kind in ("SEND_F", "RECV_B") else -1
-        return (self.stage_index(rank, action.chunk) + step) % self.pp_size
+        return self.neighbour(rank, action.chunk, action.kind)[0]
 
     def message(self, rank: int, action: Action) -> tuple[str, int, int]:
         """What a communication action moves: (F or B, micro-batch, stage it is for).
@@ -141,6 +172,10 @@ def _check_shape(s) -> None:
     if len(s.actions) != s.pp_size:
         raise ScheduleError(f"schedule {s.name!r} has action lists for {len(s.actions)} ranks, "
                             f"pp_size={s.pp_size}")
+    if s.placement not in PLACEMENTS or (s.placement == "v" and s.virtual_stages != 2):
+        raise ScheduleError(f"schedule {s.name!r}: placement {s.placement!r} (one of "
+                            f"{PLACEMENTS}; 'v' holds two chunks per rank) with virtual_stages="
+                            f"{s.virtual_stages}")
     for rank, acts in enumerate(s.actions):
         for i, a in enumerate(acts):
             if not isinstance(a, Action) or a.kind not in KINDS:
@@ -175,7 +210,9 @@ def _check_compute(s) -> bool:
 
 
 def _check_dataflow(s) -> None:
-    """Every stage receives its input before F / its output gradient before B, and sends after."""
+    """Every stage receives its input before F / its output gradient before B, and sends after;
+    where the neighbour stage is on the same rank (V placement), no message: the neighbour's
+    F (for F) or B (for B) must have run before on this rank."""
     last = s.num_stages - 1
     for rank, acts in enumerate(s.actions):
         done: set = set()
@@ -187,17 +224,22 @@ def _check_dataflow(s) -> None:
             stage = s.stage_index(rank, a.chunk)
             key = (a.microbatch, a.chunk)
             if a.kind in _NEEDS:
-                boundary = stage > 0 if a.kind == "F" else stage < last
-                if boundary and (_NEEDS[a.kind], *key) not in done:
+                # F needs the previous stage's output, B the next stage's input gradient.
+                nb = s.neighbour(rank, a.chunk, "RECV_F" if a.kind == "F" else "RECV_B")
+                if nb is not None and nb[0] == rank:
+                    if (a.kind, a.microbatch, nb[1]) not in done:
+                        raise ScheduleError(f"rank {rank} action {i} {a!r} (stage {stage}) "
+                                            f"runs before {a.kind}{a.microbatch} of the stage "
+                                            f"it takes from on this rank (chunk {nb[1]})")
+                elif nb is not None and (_NEEDS[a.kind], *key) not in done:
                     raise ScheduleError(f"rank {rank} action {i} {a!r} (stage {stage}) runs "
                                         f"before its {_NEEDS[a.kind]}{a.microbatch}")
             elif not a.is_compute:
                 fwd = a.kind.endswith("F")
-                boundary = {"SEND_F": stage < last, "RECV_F": stage > 0,
-                            "SEND_B": stage > 0, "RECV_B": stage < last}[a.kind]
-                if not boundary:
+                nb = s.neighbour(rank, a.chunk, a.kind)
+                if nb is None or nb[0] == rank:
                     raise ScheduleError(f"rank {rank} action {i} {a!r}: stage {stage} of "
-                                        f"{s.num_stages} has no such neighbour")
+                                        f"{s.num_stages} has no such neighbour on another rank")
                 if a.kind.startswith("SEND") and ("F" if fwd else "B", *key) not in done:
                     raise ScheduleError(f"rank {rank} action {i} {a!r} sends before "
                                         f"{'F' if fwd else 'B'}{a.microbatch} computed it")
@@ -205,8 +247,9 @@ def _check_dataflow(s) -> None:
         for a in acts:
             if a.kind in _PRODUCES:
                 stage = s.stage_index(rank, a.chunk)
-                boundary = stage < last if a.kind == "F" else stage > 0
-                if boundary and (_PRODUCES[a.kind], a.microbatch, a.chunk) not in done:
+                nb = s.neighbour(rank, a.chunk, _PRODUCES[a.kind])
+                if nb is not None and nb[0] != rank and \
+                        (_PRODUCES[a.kind], a.microbatch, a.chunk) not in done:
                     raise ScheduleError(f"rank {rank}: {a!r} (stage {stage}) is never followed "
                                         f"by its {_PRODUCES[a.kind]}")
 

@@ -120,6 +120,10 @@ class PipelineExecutor:
         if not callable(loss_fn):
             raise ValueError("PipelineExecutor: loss_fn must be callable as "
                              "loss_fn(output, target)")
+        if schedule.placement != "loop" and activation is None and size > 1:
+            raise ValueError(f"PipelineExecutor: schedule {schedule.name!r} places its stages "
+                             f"in a {schedule.placement!r}; declare what passes between them "
+                             f"(activation=(shape, dtype))")
         self.stages, self.schedule, self.pp_group = stages, schedule, pp_group
         self.loss_fn, self.grads_ready, self.record = loss_fn, grads_ready, record
         self.before_backward, self.grads_set = before_backward, grads_set
@@ -167,7 +171,7 @@ class PipelineExecutor:
     def _run(self, s: Schedule, inputs, targets) -> torch.Tensor | None:
         training = s is self.schedule
         has_first = any(s.stage_index(self.rank, c) == 0 for c in range(s.virtual_stages))
-        has_last = self.rank == (s.num_stages - 1) % s.pp_size
+        has_last = self.rank == s.place(s.num_stages - 1)[0]
         given = self.activation is not None     # then every rank checks what it was given
         xs, x_err = self._split_batch(inputs, has_first or (given and inputs is not None), 1)
         ts, t_err = self._split_batch(targets, has_last or (given and targets is not None), 3)
@@ -257,8 +261,17 @@ class PipelineExecutor:
             loss = y if self.stage_loss else self.loss_fn(y, st.ts[a.microbatch])
             st.losses.append(loss.detach())
             y = loss / self.schedule.num_microbatches
+        elif self._local(a.chunk, "SEND_F"):    # the next stage is on this rank: no message
+            st.recvs[("F", a.microbatch, s + 1)] = (y.detach(), [])
+            if not st.keep:                     # forward only: done with it
+                return
         st.live[(a.microbatch, a.chunk)] = _Live(x, y, captured)
         st.peak = max(st.peak, len(st.live))
+
+    def _local(self, chunk: int, kind: str) -> bool:
+        """Whether ``kind``'s neighbour stage of ``chunk`` is on this rank (a V's turn)."""
+        nb = self.schedule.neighbour(self.rank, chunk, kind)
+        return nb is not None and nb[0] == self.rank
 
     def _backward(self, st: _Step, a) -> None:
         s = self.schedule.stage_index(self.rank, a.chunk)
@@ -279,7 +292,11 @@ class PipelineExecutor:
                 self.grads_set(a.chunk, [p for p in self.stages[a.chunk].parameters()
                                          if p.grad is not None and id(p) not in late])
         if s > 0:
-            st.grads[key] = dx if dx is not None else torch.zeros_like(x)
+            dx = dx if dx is not None else torch.zeros_like(x)
+            if self._local(a.chunk, "SEND_B"):  # the previous stage is on this rank
+                st.recvs[("B", a.microbatch, s - 1)] = (dx, [])
+            else:
+                st.grads[key] = dx
 
     def _weight(self, st: _Step, a) -> None:
         backward_weight(st.live.pop((a.microbatch, a.chunk)).pending)
@@ -325,7 +342,7 @@ class PipelineExecutor:
         kind, m, receiver = msg
         sender = receiver - 1 if kind == "F" else receiver + 1
         here, there = (receiver, sender) if doing == "receiving" else (sender, receiver)
-        peer = there % self.schedule.pp_size
+        peer = self.schedule.place(there)[0]
         return (f"pipeline stage {here} (pp rank {self.rank}) {doing} "
                 f"{p2p.describe(kind, m, receiver)} {'from' if doing == 'receiving' else 'to'} "
                 f"stage {there} (pp rank {peer}, global rank {self._peers[peer]})")

@@ -7,13 +7,13 @@ posted as early as possible and the batches of a round pair up (placing a receiv
 its consumer instead deadlocks the interleaved schedule when batches block, as NCCL's do).
 
 References: GPipe (Huang et al. 2019); 1F1B (PipeDream-Flush, Narayanan et al. 2021); interleaved
-1F1B (Megatron-LM, Narayanan et al. 2021, sec. 2.2); ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline
-Parallelism", sec. 3).
+1F1B (Megatron-LM, Narayanan et al. 2021, sec. 2.2); ZB-H1 and ZB-V (Qi et al. 2024, "Zero Bubble
+Pipeline Parallelism", sec. 3 and 6).
 """
 from __future__ import annotations
 
 from ..mesh.layout import require_positive
-from .actions import Action, Schedule, ScheduleError
+from .actions import Action, Schedule, ScheduleError, rank_of, stage_of
 
 
 def gpipe(rank: int, pp: int, m: int, v: int) -> list[Action]:
@@ -82,8 +82,51 @@ def zero_bubble_h1(rank: int, pp: int, m: int, v: int) -> list[Action]:
     return order
 
 
+def zero_bubble_v(rank: int, pp: int, m: int, v: int) -> list[Action]:
+    """ZB-V: two chunks per rank in a V (rank r holds stages r and 2 pp - 1 - r), B and W
+    split; the order of the paper's section 6, as torch's ``ScheduleZBVZeroBubble`` runs it.
+
+    Written for n = max(m, 2 pp - 1) micro-batches, the actions of micro-batches past m then
+    dropped: warm-up, 2 (pp - r) - 1 forwards of chunk 0, then r pairs (F chunk 1, F chunk 0),
+    then pp - r rounds of chunk 1's F, B, W; the steady state alternates chunk 0's (F), B, W
+    with chunk 1's F, B, W; the cool-down runs r pairs of B (chunk 0, chunk 1), pp - r pairs of
+    chunk 0's B and W, then the W's left (chunk 1's, then chunk 0's). At most 2 pp
+    micro-batch chunks are alive on a rank: 1F1B's activation memory."""
+    n = max(m, 2 * pp - 1)
+    order: list[Action] = []
+    nxt = {"F": [0, 0], "B": [0, 0], "W": [0, 0]}    # per kind and chunk: the next micro-batch
+
+    def run(*steps: str) -> None:           # "F0": chunk 0's next F
+        for kind, chunk in ((x[0], int(x[1])) for x in steps):
+            order.append(Action(kind, nxt[kind][chunk], chunk))
+            nxt[kind][chunk] += 1
+
+    f, b, w = nxt["F"], nxt["B"], nxt["W"]
+    for _ in range(2 * (pp - rank) - 1):
+        run("F0")
+    for _ in range(rank):
+        run("F1", "F0")
+    for _ in range(pp - rank):
+        run("F1", "B1", "W1")
+    while f[1] < f[0] or f[0] < n:
+        if f[0] < n:
+            run("F0")
+        run("B0", "W0", "F1", "B1", "W1")
+    for _ in range(rank):
+        run("B0", "B1")
+    for _ in range(pp - rank):
+        run("B0", "W0")
+    while w[1] < b[1]:
+        run("W1")
+    while w[0] < b[0]:
+        run("W0")
+    return [a for a in order if a.microbatch < m]
+
+
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved,
-             "zb-h1": zero_bubble_h1}
+             "zb-h1": zero_bubble_h1, "zb-v": zero_bubble_v}
+# Where each schedule places its stages (fastpar.pipeline.actions.stage_of); "loop" otherwise.
+PLACEMENT = {"zb-v": "v"}
 
 
 def check_args(name: str, pp_size: int, num_microbatches: int, virtual_stages: int) -> None:
@@ -100,6 +143,10 @@ def check_args(name: str, pp_size: int, num_microbatches: int, virtual_stages: i
         if pp_size == 1 and virtual_stages > 1:
             raise ValueError(f"interleaved: virtual_stages={virtual_stages} needs pp_size > 1 "
                              f"(chunks interleave across ranks); pp_size=1 takes virtual_stages=1")
+    elif PLACEMENT.get(name) == "v":
+        if virtual_stages != 2:
+            raise ValueError(f"{name}: virtual_stages={virtual_stages}; a V-shape schedule "
+                             f"holds exactly two stages per rank (virtual_stages=2)")
     elif virtual_stages != 1:
         raise ValueError(f"{name}: virtual_stages={virtual_stages} needs the 'interleaved' "
                          f"schedule; {name!r} runs one stage per rank (virtual_stages=1)")
@@ -115,7 +162,8 @@ def build_schedule(name: str, pp_size: int, num_microbatches: int,
     check_args(name, pp_size, num_microbatches, virtual_stages)
     fn = SCHEDULES[name]
     compute = [fn(rank, pp_size, num_microbatches, virtual_stages) for rank in range(pp_size)]
-    return make_schedule(name, compute, pp_size, num_microbatches, virtual_stages)
+    return make_schedule(name, compute, pp_size, num_microbatches, virtual_stages,
+                         PLACEMENT.get(name, "loop"))
 
 
 def forward_schedule(schedule: Schedule) -> Schedule:
@@ -123,11 +171,11 @@ def forward_schedule(schedule: Schedule) -> Schedule:
     order, with their sends and receives, no backward."""
     compute = [[a for a in schedule.compute(r) if a.kind == "F"] for r in range(schedule.pp_size)]
     return make_schedule(schedule.name + "-forward", compute, schedule.pp_size,
-                         schedule.num_microbatches, schedule.virtual_stages)
+                         schedule.num_microbatches, schedule.virtual_stages, schedule.placement)
 
 
 def make_schedule(name: str, compute: list[list[Action]], pp_size: int, num_microbatches: int,
-                  virtual_stages: int = 1) -> Schedule:
+                  virtual_stages: int = 1, placement: str = "loop") -> Schedule:
     """A :class:`Schedule` from each rank's compute order (F / B / W), communication added.
 
     The communication is placed by playing the compute orders in lockstep rounds: in each round
@@ -136,7 +184,8 @@ def make_schedule(name: str, compute: list[list[Action]], pp_size: int, num_micr
     produced. A message is thus received in the round it is sent (receives are posted as early as
     they can be), and the batches of one round pair up exactly, so the schedule cannot deadlock
     even when each batch blocks until complete. A compute order that waits on itself raises
-    :class:`ScheduleError`.
+    :class:`ScheduleError`. ``placement`` (:func:`fastpar.pipeline.actions.stage_of`): where the
+    stages sit; a neighbour on the same rank takes the output with no message.
     """
     if len(compute) != pp_size:
         raise ValueError(f"{name}: compute orders for {len(compute)} ranks, pp_size={pp_size}")
@@ -149,7 +198,7 @@ def make_schedule(name: str, compute: list[list[Action]], pp_size: int, num_micr
             if pos[rank] == len(compute[rank]):
                 continue
             a = compute[rank][pos[rank]]
-            stage = a.chunk * pp_size + rank
+            stage = stage_of(placement, pp_size, rank, a.chunk)
             needs = (("F", a.microbatch, stage) if a.kind == "F" and stage > 0 else
                      ("B", a.microbatch, stage) if a.kind == "B" and stage < last else None)
             if needs is not None and needs not in arrived:
@@ -163,9 +212,11 @@ def make_schedule(name: str, compute: list[list[Action]], pp_size: int, num_micr
                 f"rank {r} waits at {compute[r][pos[r]]!r}" for r in range(pp_size)
                 if pos[r] < len(compute[r])))
         for rank, a in produced:                   # the round's batches
-            stage = a.chunk * pp_size + rank
+            stage = stage_of(placement, pp_size, rank, a.chunk)
             to = stage + 1 if a.kind == "F" else stage - 1
-            actions[rank].append(Action("SEND_" + a.kind, a.microbatch, a.chunk))
-            actions[to % pp_size].append(Action("RECV_" + a.kind, a.microbatch, to // pp_size))
+            to_rank, to_chunk = rank_of(placement, pp_size, to)
+            if to_rank != rank:                    # a local handoff needs no message
+                actions[rank].append(Action("SEND_" + a.kind, a.microbatch, a.chunk))
+                actions[to_rank].append(Action("RECV_" + a.kind, a.microbatch, to_chunk))
             arrived.add((a.kind, a.microbatch, to))
-    return Schedule(name, pp_size, num_microbatches, virtual_stages, actions)
+    return Schedule(name, pp_size, num_microbatches, virtual_stages, actions, placement)

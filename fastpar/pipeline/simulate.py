@@ -200,13 +200,14 @@ def _start(s: Schedule, rank: int, pos: list, running: list, arrival: dict, now:
 
 
 def _needs(s: Schedule, rank: int, a: Action):
-    """The message a compute action waits for, or None."""
-    stage = s.stage_index(rank, a.chunk)
-    if a.kind == "F" and stage > 0:
-        return ("F", a.microbatch, stage)
-    if a.kind == "B" and stage < s.num_stages - 1:
-        return ("B", a.microbatch, stage)
-    return None
+    """The message a compute action waits for, or None (none, or a handoff from a stage on
+    this rank, whose compute ran before it)."""
+    if a.kind not in ("F", "B"):
+        return None
+    nb = s.neighbour(rank, a.chunk, "RECV_" + a.kind)
+    if nb is None or nb[0] == rank:
+        return None
+    return (a.kind, a.microbatch, s.stage_index(rank, a.chunk))
 
 
 def chrome_trace(events: Sequence[Event], path: str | Path | None = None,

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..mesh.layout import require_positive
 from .partition import partition
+from .actions import stage_of
 
 
 class PipelineStage(nn.Module):
@@ -98,8 +99,11 @@ def build_stages(model: nn.Module | Callable[..., nn.Module], pp_rank: int, pp_s
                  virtual_stages: int = 1, *, parts: Sequence[range] | None = None,
                  layer_costs: Sequence[float] | None = None, num_blocks: int | None = None,
                  blocks: str = "blocks", first: Sequence[str] = ("embed",),
-                 last: Sequence[str] = ("norm", "head")) -> list[nn.Module]:
-    """This rank's stages, one per chunk: chunk ``c`` is stage ``c * pp_size + pp_rank``.
+                 last: Sequence[str] = ("norm", "head"),
+                 placement: str = "loop") -> list[nn.Module]:
+    """This rank's stages, one per chunk: chunk ``c`` is stage ``c * pp_size + pp_rank``
+    (``placement="v"``, two chunks: stages ``pp_rank`` and ``2 pp_size - 1 - pp_rank``;
+    :func:`fastpar.pipeline.actions.stage_of`).
 
     ``model`` is either a whole model whose blocks sit in ``model.<blocks>`` (cut into
     :class:`PipelineStage` views that share its modules), or a model provider, Megatron's
@@ -131,14 +135,16 @@ def build_stages(model: nn.Module | Callable[..., nn.Module], pp_rank: int, pp_s
                              f"{len(keys) + 2} (first modules, {len(keys)} blocks, last modules)")
         parts = partition(costs, pp_size, virtual_stages)
     parts = check_parts(parts, len(keys), num_stages)
+    if placement == "v" and virtual_stages != 2:
+        raise ValueError(f"build_stages: placement 'v' holds two chunks per rank, "
+                         f"virtual_stages={virtual_stages}")
+    where = [stage_of(placement, pp_size, pp_rank, c) for c in range(virtual_stages)]
     if provider:
-        return [_provided(model, c * pp_size + pp_rank, num_stages, parts)
-                for c in range(virtual_stages)]
+        return [_provided(model, s, num_stages, parts) for s in where]
     head = _optional_modules(model, first, "first")
     tail = _optional_modules(model, last, "last")
     stages = []
-    for chunk in range(virtual_stages):
-        s = chunk * pp_size + pp_rank
+    for s in where:
         stages.append(PipelineStage(s, num_stages, {keys[i]: container[keys[i]] for i in parts[s]},
                                     first=head if s == 0 else None,
                                     last=tail if s == num_stages - 1 else None, blocks_name=blocks))

@@ -17,6 +17,8 @@ from ..mesh.layout import require_positive
 from ..models.parallel_config import ParallelConfig
 from ..models import RECOMPUTE, GPTConfig
 from ..pipeline import build_schedule, partition, simulate
+from ..pipeline.actions import rank_of
+from ..pipeline.schedules import PLACEMENT
 from . import cost
 from .cost import FASTPAR, Features, Shape
 from .hardware import (ACCUMULATE_PASSES, BUCKET_COPY_PASSES, CPU_EMBED_OPS,
@@ -371,7 +373,7 @@ def memory_rows(work, cluster, cfg, feat=FASTPAR, ranges=None, peaks=None) -> li
     waiting = cost.waiting_grad_bytes(shape, E)
     rep = shape.tokens * m.d_model / (t if shape.sp else 1)
     for rank in range(pp):
-        mine = [s for s in range(len(ranges)) if s % pp == rank]
+        mine = stages_on(cfg, rank)
         # An MoE layer is whole on every TP rank (no SP): only the rest of the block is split.
         moe, rep_p = m.moe_params(cfg.ep), m.replicated_layer_params()
         block = (m.layer_params(cfg.ep) - moe - rep_p) / t + moe + rep_p   # on one TP rank
@@ -483,7 +485,8 @@ def _schedule(cfg: ParallelConfig, work: Workload, schedules: dict):
 def _cache_key(cfg: ParallelConfig) -> tuple:
     """What a configuration's per-stage costs depend on (the last item: a split backward)."""
     return (cfg.tp, cfg.pp, cfg.virtual_stages, cfg.micro_batch_size, cfg.recompute,
-            cfg.sequence_parallel, cfg.interleave, cfg.ep, cfg.ep_chunks, cfg.schedule == "zb-h1")
+            cfg.sequence_parallel, cfg.interleave, cfg.ep, cfg.ep_chunks,
+            cfg.schedule in SPLIT_SCHEDULES)
 
 
 def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
@@ -548,12 +551,23 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
     return est
 
 
+# The schedules whose backward is split into input and weight gradients (B and W).
+SPLIT_SCHEDULES = ("zb-h1", "zb-v")
+
+
+def stages_on(cfg: ParallelConfig, rank: int) -> list[int]:
+    """The model stages pipeline rank ``rank`` holds under ``cfg.schedule``'s placement
+    (``s % pp == rank`` looped; stages ``rank`` and ``2 pp - 1 - rank`` in a V)."""
+    placement = PLACEMENT.get(cfg.schedule, "loop") if cfg.pp > 1 else "loop"
+    return [s for s in range(cfg.pp * cfg.virtual_stages)
+            if rank_of(placement, cfg.pp, s)[0] == rank]
+
+
 def _tensors_per_gpu(m: GPTConfig, ranges, cfg: ParallelConfig) -> int:
     """Parameter tensors on the fullest pipeline rank (weights and biases)."""
     per_layer = (2 if m.norm == "layernorm" else 1) * 2 \
         + (5 + (1 if m.activation == "swiglu" else 0) + 2) * (2 if m.bias else 1)
-    layers = max(sum(len(ranges[s]) for s in range(len(ranges)) if s % cfg.pp == r)
-                 for r in range(cfg.pp))
+    layers = max(sum(len(ranges[s]) for s in stages_on(cfg, r)) for r in range(cfg.pp))
     return layers * per_layer + 3
 
 
@@ -596,10 +610,12 @@ def _peak_lower_bound(cfg: ParallelConfig, num_mb: int) -> int:
         return num_mb
     if cfg.schedule == "interleaved":
         return min(num_mb * v, (pp - 1) * 2 + (v - 1) * pp + 1)
+    if PLACEMENT.get(cfg.schedule) == "v":      # 2 (pp - r) - 1 warm-up forwards, then one
+        return min(2 * pp, 2 * num_mb)
     return min(pp, num_mb)
 
 
-def _step_lower_bound(fbw, pp: int, num_mb: int, split: bool) -> float:
+def _step_lower_bound(fbw, pp: int, num_mb: int, split: bool, stages=None) -> float:
     """Seconds no schedule of these per-stage (F, B, W) costs can beat (stage ``s`` on rank
     ``s % pp``), communication taken as free. Every rank ``r`` runs all its work, ``num_mb``
     times its stages' F + B + W, one action at a time; it cannot start before the first
@@ -607,8 +623,8 @@ def _step_lower_bound(fbw, pp: int, num_mb: int, split: bool) -> float:
     of the ``r`` stages below it is still to come. Without a split-off W a rank's last action
     is that backward (costing B + W); with one, only the W work can follow it."""
     best = 0.0
-    for r in range(pp):
-        mine = fbw[r::pp]
+    for r in range(pp):     # ``stages[r]``: rank r's stages (default looped; its first: r)
+        mine = fbw[r::pp] if stages is None else [fbw[i] for i in stages[r]]
         work = num_mb * sum(sum(row) for row in mine)
         head = sum(row[0] for row in fbw[:r])
         if split:
@@ -631,6 +647,7 @@ def candidates(work: Workload, cluster: Cluster, fixed: dict | None = None):
             for mbs in [x for x in pow2 if x <= 16 and work.global_batch % (x * dp) == 0]:
                 scheds = [("1f1b", 1)] if pp == 1 else \
                     [("1f1b", 1), ("zb-h1", 1), ("gpipe", 1)] + \
+                    [("zb-v", 2)] * (2 * pp <= m.n_layers) + \
                     [("interleaved", v) for v in (2, 3, 4, 5, 6, 8) if pp * v <= m.n_layers]
                 for name, v in scheds:
                     for rec in RECOMPUTE:
@@ -695,7 +712,8 @@ def search(work: Workload, cluster: Cluster, feat: Features = FASTPAR, fixed: di
             rejected["memory"] += 1
             too_big.append((need, cfg, ranges))
             continue
-        bounds.append((_step_lower_bound(fbw, cfg.pp, num_mb, key[-1]), cfg))
+        bounds.append((_step_lower_bound(fbw, cfg.pp, num_mb, key[-1],
+                                         [stages_on(cfg, r) for r in range(cfg.pp)]), cfg))
     bounds.sort(key=lambda x: x[0])
     found: list[Estimate] = []
     schedules: dict = {}

@@ -9,7 +9,7 @@ from functools import cached_property
 from ..mesh.layout import Layout, require_positive
 from ..models.parallel_config import ParallelConfig
 from ..models import GPTConfig, get_config
-from ..pipeline.schedules import build_schedule
+from ..pipeline.schedules import PLACEMENT, build_schedule
 from .init_from import source_config
 
 PRECISIONS = ("auto", "bf16", "amp", "fp32")
@@ -125,9 +125,13 @@ class TrainConfig(ParallelConfig):
         if self.grad_reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"--grad-reduce-dtype={self.grad_reduce_dtype!r} is not one of "
                              f"{REDUCE_DTYPES}")
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
+        if self.pp > 1 and PLACEMENT.get(self.schedule) == "v" and self.virtual_stages == 1:
+            object.__setattr__(self, "virtual_stages", 2)   # a V holds two stages per rank
+        if self.virtual_stages > 1 and self.schedule != "interleaved" and \
+                not (PLACEMENT.get(self.schedule) == "v" and self.virtual_stages == 2):
             raise ValueError(f"--virtual-stages={self.virtual_stages} needs "
-                             f"--schedule interleaved, not {self.schedule!r}")
+                             f"--schedule interleaved (or 2 with a V-shape schedule, the "
+                             f"default there), not {self.schedule!r}")
         if self.compile:
             self._check_compile(mc)
 

@@ -38,6 +38,7 @@ import fastpar
 from ..context_parallel import shard_sequence
 from ..data_parallel import DataParallel, DistributedOptimizer
 from ..mesh import Layout, Mesh, ep_groups, hsdp_expert_group, hsdp_groups
+from ..pipeline.schedules import PLACEMENT
 from ..pipeline.tied import embedding_group
 from ..mesh.profiling import span
 from ..mesh import collectives
@@ -75,7 +76,9 @@ def build_model(cfg: TrainConfig, mesh, device=None) -> list[GPT]:
                              device=device or mesh.device, cp_group=mesh.cp_group,
                              ep_group=mesh.ep_group, ep_chunks=cfg.ep_chunks)
     chunks = build_stages(make, mesh.pp_rank, mesh.pp_size, cfg.virtual_stages,
-                          num_blocks=mc.n_layers, layer_costs=mc.piece_flops(cfg.seq_len))
+                          num_blocks=mc.n_layers, layer_costs=mc.piece_flops(cfg.seq_len),
+                          placement=PLACEMENT.get(cfg.schedule, "loop") if mesh.pp_size > 1
+                          else "loop")
     if device is not None:
         for m in chunks:
             m.reset_buffers(mesh.device)
@@ -282,7 +285,8 @@ def setup(cfg: TrainConfig, layout: Layout | None = None) -> Run:
     mesh = fastpar.init(layout=lay, timeout=group_timeout(cfg.timeout), nccl_trace=str(trace / "rank_"))
     if cfg.ep > 1:      # the experts split over ep data-parallel ranks
         mesh.ep_group, mesh.expert_dp_group = ep_groups(mesh, cfg.ep, group_timeout(cfg.timeout))
-    if cfg.model_config.tie_embeddings:     # the first and last stage's embedding copies
+    if cfg.model_config.tie_embeddings and PLACEMENT.get(cfg.schedule) != "v":
+        # the first and last stage's embedding copies (in a V both are on pp rank 0)
         mesh.embed_group = embedding_group(mesh, group_timeout(cfg.timeout))
     torch.manual_seed(cfg.seed)
     sharded3 = fully_sharded(cfg, mesh)
