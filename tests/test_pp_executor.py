@@ -17,7 +17,8 @@ from fastpar.testing import run_ranks
 from pp_model import ToyModel, batch, loss_fn, shard_tp
 
 TOL = dict(atol=1e-5, rtol=1e-4)
-CONFIGS = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("zb-v", 2)]
+CONFIGS = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("zb-v", 2),
+           ("dualpipe-v", 2)]
 TOY_ACTIVATION = ((2, 5, 16), torch.float32)        # ToyModel: (micro-batch, seq, hidden)
 
 

@@ -74,14 +74,20 @@ def reference(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name, world, layout", [
-    ("pp2", 2, dict(pp=2)),
-    ("pp4", 4, dict(pp=4)),
-    ("pp2 dp2 zero1", 4, dict(pp=2, dp=2, zero=1)),
-    ("pp2 tp2", 4, dict(pp=2, tp=2)),
+    ("zb-v pp2", 2, dict(pp=2)),
+    ("zb-v pp4", 4, dict(pp=4)),
+    ("zb-v pp2 dp2 zero1", 4, dict(pp=2, dp=2, zero=1)),
+    ("zb-v pp2 tp2", 4, dict(pp=2, tp=2)),
+    ("dualpipe-v pp2", 2, dict(pp=2)),
+    ("dualpipe-v pp4", 4, dict(pp=4)),
+    ("dualpipe-v pp2 dp2 zero1", 4, dict(pp=2, dp=2, zero=1)),
+    ("dualpipe-v pp2 tp2", 4, dict(pp=2, tp=2)),
 ])
-def test_zb_v_trains_on_the_single_process_curve(name, world, layout, reference, tmp_path):
+def test_v_schedules_train_on_the_single_process_curve(name, world, layout, reference,
+                                                       tmp_path):
     preset, want = reference
-    on_the_curve(name, world, dict(layout, schedule="zb-v"), preset, RUN, want, tmp_path)
+    on_the_curve(name, world, dict(layout, schedule=name.split()[0]), preset, RUN, want,
+                 tmp_path)
 
 
 def test_the_dry_run_the_memory_model_and_the_planner_know_the_v():

@@ -62,18 +62,24 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Action:
-    """One step of one rank: ``kind`` on micro-batch ``microbatch`` of local chunk ``chunk``."""
+    """One step of one rank: ``kind`` on micro-batch ``microbatch`` of local chunk ``chunk``.
+
+    ``overlap`` (an F only): the F runs together with the B that follows it (another
+    micro-batch, the other chunk; DualPipe's overlapped forward and backward): the B's
+    computation fills the F's waits on its transfers (:mod:`fastpar.mesh.fill`)."""
 
     kind: str
     microbatch: int
     chunk: int = 0
+    overlap: bool = False
 
     @property
     def is_compute(self) -> bool:
         return self.kind in COMPUTE_KINDS
 
     def __repr__(self) -> str:
-        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "") + \
+            ("&" if self.overlap else "")
 
 
 @dataclass(frozen=True, eq=False)
@@ -185,6 +191,13 @@ def _check_shape(s) -> None:
                 raise ScheduleError(f"rank {rank} action {i} {a!r}: micro-batch {a.microbatch} "
                                     f"or chunk {a.chunk} out of range (num_microbatches="
                                     f"{s.num_microbatches}, virtual_stages={s.virtual_stages})")
+            if a.overlap:
+                b = acts[i + 1] if i + 1 < len(acts) else None
+                if a.kind != "F" or b is None or b.kind != "B" or \
+                        (b.microbatch, b.chunk) == (a.microbatch, a.chunk):
+                    raise ScheduleError(f"rank {rank} action {i} {a!r}: an overlapped action "
+                                        f"is an F directly followed by the B of another "
+                                        f"micro-batch or chunk it runs with, got {b!r}")
 
 
 def _check_compute(s) -> bool:

@@ -95,6 +95,19 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     parameters)``.
     Gradients of ``eager`` parameters (and of modules that cannot wait) are accumulated now.
     One ``autograd.grad`` per segment of ``captured``, the last first."""
+    steps = backward_input_steps(out, grad, x, captured, eager)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def backward_input_steps(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor,
+                         captured: Capture, eager: list[nn.Parameter]):
+    """:func:`backward_input` as a generator: it yields after each segment (a layer), so that
+    another micro-batch's forward can run it a segment at a time while its own transfers travel
+    (:mod:`fastpar.mesh.fill`); returns ``(dx, pending)``."""
     calls = Counter(id(m) for m, *_ in captured.outputs)
     late = [(y, k, ps) for m, y, k, ps in captured.outputs if y is not None and calls[id(m)] == 1]
     now = list(eager)
@@ -105,28 +118,31 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
                 now.append(p)
                 seen.add(id(p))
     cuts = captured.inputs
+    deferred = [p for _, _, ps in late for p in ps]
     pending, dx, sums = [], None, [None] * len(now)
-    with backward_phase("input", [p for _, _, ps in late for p in ps]):
-        for k in reversed(range(len(cuts) + 1)):
-            top = out if k == len(cuts) else cuts[k][1]
-            bottom = x if k == 0 else cuts[k - 1][0]
-            xs = [bottom] if bottom.requires_grad else []
-            mine = [(y, ps) for y, seg, ps in late if seg == k]
-            inputs = xs + [y for y, _ in mine] + now
-            if k < len(cuts) and grad is None:      # nothing reached the segment above
-                grad = torch.zeros_like(top)
+    for k in reversed(range(len(cuts) + 1)):
+        top = out if k == len(cuts) else cuts[k][1]
+        bottom = x if k == 0 else cuts[k - 1][0]
+        xs = [bottom] if bottom.requires_grad else []
+        mine = [(y, ps) for y, seg, ps in late if seg == k]
+        inputs = xs + [y for y, _ in mine] + now
+        if k < len(cuts) and grad is None:      # nothing reached the segment above
+            grad = torch.zeros_like(top)
+        with backward_phase("input", deferred):
             grads = torch.autograd.grad(top, inputs, grad_outputs=grad, retain_graph=True,
                                         allow_unused=True) if inputs else ()
-            input_done()                # (ZeRO-3 frees the layer's weights: W reads none)
-            grad = grads[0] if xs else None
-            n = len(xs)
-            # W starts from each output's place in the graph, not the tensor: an output no
-            # later operator saved (a row linear's, added into the residual) is freed now.
-            pending += [(get_gradient_edge(y), g, ps)
-                        for (y, ps), g in zip(mine, grads[n:n + len(mine)]) if g is not None]
-            for i, g in enumerate(grads[n + len(mine):]):
-                if g is not None:
-                    sums[i] = g if sums[i] is None else sums[i] + g
+        input_done()                # (ZeRO-3 frees the layer's weights: W reads none)
+        grad = grads[0] if xs else None
+        n = len(xs)
+        # W starts from each output's place in the graph, not the tensor: an output no
+        # later operator saved (a row linear's, added into the residual) is freed now.
+        pending += [(get_gradient_edge(y), g, ps)
+                    for (y, ps), g in zip(mine, grads[n:n + len(mine)]) if g is not None]
+        for i, g in enumerate(grads[n + len(mine):]):
+            if g is not None:
+                sums[i] = g if sums[i] is None else sums[i] + g
+        if k:
+            yield
     dx = grad
     with torch.no_grad():
         for p, g in zip(now, sums):

@@ -32,7 +32,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import p2p
-from .backward import Capture, backward_input, backward_weight, deferrable
+from .backward import Capture, backward_input_steps, backward_weight, deferrable
+from ..mesh import fill
 from ..mesh.profiling import span
 from .actions import Schedule
 from .schedules import forward_schedule
@@ -198,18 +199,25 @@ class PipelineExecutor:
                 i = j
                 continue
             a = acts[i]
-            if a.kind != "F" and self.before_backward is not None:
-                self.before_backward(a.chunk, i in self._final)
+            pair = acts[i + 1] if a.overlap and training else None
+            b = pair or a
+            if b.kind != "F" and self.before_backward is not None:
+                self.before_backward(b.chunk, (i + 1 if pair else i) in self._final)
             st.arrived, t0 = None, time.perf_counter()
-            with span("pipeline", a):
-                {"F": self._forward, "B": self._backward, "W": self._weight}[a.kind](st, a)
+            if pair is not None:        # F with the B of another micro-batch filling its waits
+                with span("pipeline", a, pair):
+                    self._overlapped(st, a, pair)
+            else:
+                with span("pipeline", a):
+                    {"F": self._forward, "B": self._backward, "W": self._weight}[a.kind](st, a)
             if self.record and training:            # compute time only, not the input's wait
-                t0 = st.arrived or t0
-                st.events.append(Event(self.rank, a, t0 - start, time.perf_counter() - start))
-            if training and i in self._chunk_done and self.grads_ready is not None:
-                self.grads_ready(a.chunk, self.stages[a.chunk])
+                t0, t1 = (st.arrived or t0) - start, time.perf_counter() - start
+                st.events += [Event(self.rank, x, t0, t1) for x in (a, pair) if x is not None]
+            for j in (i, i + 1) if pair is not None else (i,):
+                if training and j in self._chunk_done and self.grads_ready is not None:
+                    self.grads_ready(acts[j].chunk, self.stages[acts[j].chunk])
             st.sends = [x for x in st.sends if not all(w.is_completed() for w in x[0])]
-            i += 1
+            i += 2 if pair is not None else 1
         for works, _, msg in st.sends:
             p2p.wait(works, self._where(msg, "sending"))
         if training:
@@ -273,7 +281,20 @@ class PipelineExecutor:
         nb = self.schedule.neighbour(self.rank, chunk, kind)
         return nb is not None and nb[0] == self.rank
 
+    def _overlapped(self, st: _Step, f, b) -> None:
+        """DualPipe's overlapped pair: ``b``'s backward, a layer at a time, fills the waits of
+        ``f``'s forward on its transfers (:mod:`fastpar.mesh.fill`); what is left of it runs
+        after."""
+        steps = self._backward_steps(st, b)
+        with fill.filling(steps):
+            self._forward(st, f)
+        fill.drain(steps)
+
     def _backward(self, st: _Step, a) -> None:
+        fill.drain(self._backward_steps(st, a))
+
+    def _backward_steps(self, st: _Step, a):
+        """B as a generator: one step per layer of a split backward (one step otherwise)."""
         s = self.schedule.stage_index(self.rank, a.chunk)
         key = (a.microbatch, a.chunk)
         live = st.live[key]
@@ -284,8 +305,8 @@ class PipelineExecutor:
             dx = x.grad
             del st.live[key]                    # frees this micro-batch's activations
         else:
-            dx, live.pending = backward_input(live.out, grad, x, live.captured,
-                                              self._split[a.chunk][1])
+            dx, live.pending = yield from backward_input_steps(
+                live.out, grad, x, live.captured, self._split[a.chunk][1])
             live.x, live.out, live.captured = None, None, None    # W needs only `pending`
             if self.grads_set is not None:      # what B set by hand: all but W's parameters
                 late = {id(p) for _, _, params in live.pending for p in params}

@@ -123,10 +123,70 @@ def zero_bubble_v(rank: int, pp: int, m: int, v: int) -> list[Action]:
     return [a for a in order if a.microbatch < m]
 
 
+def dualpipe_v(rank: int, pp: int, m: int, v: int) -> list[Action]:
+    """DualPipeV (DeepSeek-V3's DualPipe cut in half, as torch's ``ScheduleDualPipeV`` orders
+    it): the V placement of ZB-V; in the steady state each F runs overlapped with the B of
+    another micro-batch on the other chunk (``Action.overlap``: the B's computation fills the
+    F's transfer waits). A B not split off from its W is followed by that W at once; the
+    split ones (the warm-up's chunk 1 and the cool-down's second half) queue their W, which
+    fill the gaps later. Needs m >= 2 pp.
+
+    Rank r: 2 (pp - r - 1) forwards of chunk 0; r + 1 pairs (F0, F1); pp - r - 1 rounds of
+    (B1 split, a queued W, F1); m - 2 pp + r + 1 rounds of the overlapped pairs F0&B1 and
+    F1&B0 (the last rank's first F0, B1 not overlapped); pp - r - 1 rounds of B1, F1&B0;
+    r + 1 rounds of B1, B0 (split from the middle round on); pp - r - 1 rounds of a queued W
+    and B0 (split); the queued W's."""
+    order: list[Action] = []
+    f_next, b_next, queued = [0, 0], [0, 0], []
+
+    def fwd(chunk: int, overlap: bool = False) -> None:
+        order.append(Action("F", f_next[chunk], chunk, overlap))
+        f_next[chunk] += 1
+
+    def bwd(chunk: int, split: bool = False) -> None:
+        mb = b_next[chunk]
+        b_next[chunk] += 1
+        order.append(Action("B", mb, chunk))
+        (queued.append if split else order.append)(Action("W", mb, chunk))
+
+    def weight() -> None:
+        if queued:
+            order.append(queued.pop(0))
+
+    for _ in range(2 * (pp - rank - 1)):
+        fwd(0)
+    for _ in range(rank + 1):
+        fwd(0)
+        fwd(1)
+    for _ in range(pp - rank - 1):
+        bwd(1, split=True)
+        weight()
+        fwd(1)
+    for i in range(m - 2 * pp + rank + 1):
+        fwd(0, overlap=not (i == 0 and rank == pp - 1))
+        bwd(1)
+        fwd(1, overlap=True)
+        bwd(0)
+    for _ in range(pp - rank - 1):
+        bwd(1)
+        fwd(1, overlap=True)
+        bwd(0)
+    rounds = rank + 1
+    for i in range(rounds):                  # split from the middle round on (odd ranks: from
+        bwd(1, split=i > rounds // 2 or (i == rounds // 2 and rank % 2 == 1))   # its B1)
+        bwd(0, split=i >= rounds // 2)
+    for _ in range(pp - rank - 1):
+        weight()
+        bwd(0, split=True)
+    while queued:
+        weight()
+    return order
+
+
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved,
-             "zb-h1": zero_bubble_h1, "zb-v": zero_bubble_v}
+             "zb-h1": zero_bubble_h1, "zb-v": zero_bubble_v, "dualpipe-v": dualpipe_v}
 # Where each schedule places its stages (fastpar.pipeline.actions.stage_of); "loop" otherwise.
-PLACEMENT = {"zb-v": "v"}
+PLACEMENT = {"zb-v": "v", "dualpipe-v": "v"}
 
 
 def check_args(name: str, pp_size: int, num_microbatches: int, virtual_stages: int) -> None:
@@ -147,6 +207,10 @@ def check_args(name: str, pp_size: int, num_microbatches: int, virtual_stages: i
         if virtual_stages != 2:
             raise ValueError(f"{name}: virtual_stages={virtual_stages}; a V-shape schedule "
                              f"holds exactly two stages per rank (virtual_stages=2)")
+        if name == "dualpipe-v" and num_microbatches < 2 * pp_size:
+            raise ValueError(f"dualpipe-v: num_microbatches={num_microbatches} must be at "
+                             f"least 2 * pp_size = {2 * pp_size} (its steady state overlaps "
+                             f"pairs of micro-batches on both stages of a rank)")
     elif virtual_stages != 1:
         raise ValueError(f"{name}: virtual_stages={virtual_stages} needs the 'interleaved' "
                          f"schedule; {name!r} runs one stage per rank (virtual_stages=1)")
@@ -154,7 +218,8 @@ def check_args(name: str, pp_size: int, num_microbatches: int, virtual_stages: i
 
 def build_schedule(name: str, pp_size: int, num_microbatches: int,
                    virtual_stages: int = 1) -> Schedule:
-    """The validated :class:`Schedule` ``name`` ("gpipe", "1f1b", "interleaved", "zb-h1").
+    """The validated :class:`Schedule` ``name`` ("gpipe", "1f1b", "interleaved", "zb-h1",
+    "zb-v", "dualpipe-v").
 
     ``schedule.actions[rank]`` is each rank's ordered action list; bad arguments raise
     ``ValueError`` naming the numbers.
@@ -169,7 +234,8 @@ def build_schedule(name: str, pp_size: int, num_microbatches: int,
 def forward_schedule(schedule: Schedule) -> Schedule:
     """The forward-only schedule of ``schedule`` (evaluation): each rank's forwards in the same
     order, with their sends and receives, no backward."""
-    compute = [[a for a in schedule.compute(r) if a.kind == "F"] for r in range(schedule.pp_size)]
+    compute = [[Action("F", a.microbatch, a.chunk) for a in schedule.compute(r) if a.kind == "F"]
+               for r in range(schedule.pp_size)]
     return make_schedule(schedule.name + "-forward", compute, schedule.pp_size,
                          schedule.num_microbatches, schedule.virtual_stages, schedule.placement)
 
@@ -185,7 +251,8 @@ def make_schedule(name: str, compute: list[list[Action]], pp_size: int, num_micr
     they can be), and the batches of one round pair up exactly, so the schedule cannot deadlock
     even when each batch blocks until complete. A compute order that waits on itself raises
     :class:`ScheduleError`. ``placement`` (:func:`fastpar.pipeline.actions.stage_of`): where the
-    stages sit; a neighbour on the same rank takes the output with no message.
+    stages sit; a neighbour on the same rank takes the output with no message. An overlapped F
+    and the B after it are one unit: they run in the same round, once both inputs are there.
     """
     if len(compute) != pp_size:
         raise ValueError(f"{name}: compute orders for {len(compute)} ranks, pp_size={pp_size}")
@@ -197,16 +264,18 @@ def make_schedule(name: str, compute: list[list[Action]], pp_size: int, num_micr
         for rank in range(pp_size):
             if pos[rank] == len(compute[rank]):
                 continue
-            a = compute[rank][pos[rank]]
-            stage = stage_of(placement, pp_size, rank, a.chunk)
-            needs = (("F", a.microbatch, stage) if a.kind == "F" and stage > 0 else
-                     ("B", a.microbatch, stage) if a.kind == "B" and stage < last else None)
-            if needs is not None and needs not in arrived:
+            unit = compute[rank][pos[rank]:pos[rank] + 1]
+            if unit[0].overlap:
+                unit = compute[rank][pos[rank]:pos[rank] + 2]
+            if not all(_has_input(a, stage_of(placement, pp_size, rank, a.chunk), last, arrived)
+                       for a in unit):
                 continue
-            actions[rank].append(a)
-            pos[rank], ran = pos[rank] + 1, True
-            if (a.kind == "F" and stage < last) or (a.kind == "B" and stage > 0):
-                produced.append((rank, a))
+            actions[rank] += unit
+            pos[rank], ran = pos[rank] + len(unit), True
+            for a in unit:
+                stage = stage_of(placement, pp_size, rank, a.chunk)
+                if (a.kind == "F" and stage < last) or (a.kind == "B" and stage > 0):
+                    produced.append((rank, a))
         if not ran:
             raise ScheduleError(f"schedule {name!r} deadlocks: " + "; ".join(
                 f"rank {r} waits at {compute[r][pos[r]]!r}" for r in range(pp_size)
@@ -220,3 +289,9 @@ def make_schedule(name: str, compute: list[list[Action]], pp_size: int, num_micr
                 actions[to_rank].append(Action("RECV_" + a.kind, a.microbatch, to_chunk))
             arrived.add((a.kind, a.microbatch, to))
     return Schedule(name, pp_size, num_microbatches, virtual_stages, actions, placement)
+
+
+def _has_input(a: Action, stage: int, last: int, arrived: set) -> bool:
+    needs = (("F", a.microbatch, stage) if a.kind == "F" and stage > 0 else
+             ("B", a.microbatch, stage) if a.kind == "B" and stage < last else None)
+    return needs is None or needs in arrived
