@@ -236,6 +236,7 @@ def moe_reference(tmp_path_factory):
     ("dp4 ep4", 4, dict(dp=4, ep=4)),
     ("dp2 pp2 ep2", 4, dict(dp=2, pp=2, ep=2)),
     ("dp2 pp2 ep2 zb-h1", 4, dict(dp=2, pp=2, ep=2, schedule="zb-h1")),
+    ("dp2 pp2 zero3 zb-h1", 4, dict(dp=2, pp=2, zero=3, schedule="zb-h1")),
     ("tp2", 2, dict(tp=2, dp=1)),
     ("tp2 dp2 ep2", 4, dict(tp=2, dp=2, ep=2)),
 ])

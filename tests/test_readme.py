@@ -143,6 +143,7 @@ HANDLERS = {
     "fastpar train --tp 2 --pp 2 --dp 1 --schedule 1f1b": layout_row(4),
     "fastpar train --model tiny-moe --ep 2": layout_row(2),
     "fastpar train --pp 2 --dp 1 --schedule zb-v": layout_row(2),
+    "fastpar train --pp 2 --dp 1 --schedule dualpipe-v": layout_row(2),
     "fastpar train --help": help_of,
     "fastpar info": help_of,
     "fastpar prepare-data": help_of,

@@ -17,6 +17,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
+import torch
+
 _work: list = []            # the iterators being filled from, innermost last
 _busy = False               # a step is running: its own waits do not fill
 
@@ -39,7 +41,8 @@ def fill() -> bool:
         return False
     _busy = True
     try:
-        next(_work[-1])
+        with torch.enable_grad():       # (a custom Function's forward runs without)
+            next(_work[-1])
         return True
     except StopIteration:
         return False

@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import kernels
-from ..mesh import collectives
+from ..mesh import collectives, fill
 from ..mesh.groups import group_rank, group_size
 
 
@@ -146,7 +146,12 @@ class Experts(nn.Module):
     """SwiGLU experts ``first`` .. ``first + n - 1`` of ``total``, their weights stacked:
     ``gate_up`` (n, 2F, D) (gate rows, then up rows), ``down`` (n, D, F). Each expert is drawn
     as in a stack of all ``total`` (the others' draws made and dropped), so expert parallelism's
-    shards are the slices of the whole."""
+    shards are the slices of the whole.
+
+    A split backward (zero-bubble schedules) computes their weight gradients in B, not W: the
+    grouped GEMMs' backward reads the weights, which ZeRO-3 frees once B has passed a layer."""
+
+    defer_weight_grad = False
 
     def __init__(self, n: int, d_model: int, ffn: int, device=None, dtype=None, *,
                  first: int = 0, total: int | None = None):
@@ -357,6 +362,7 @@ class _Send(torch.autograd.Function):
         flight.works = [_a2a(r, x, c.recv, c.send, flight.group) for r, x, c in
                         zip(flight.got, rows.split([sum(c.send) for c in chunks]), chunks)]
         if len(chunks) == 1:        # blocking: nothing computes while a transfer travels
+            fill.fill()             # (but another micro-batch's backward, paired with this)
             flight.works[0].wait()
         flight.rows = rows if flight.local is not None else None
         return rows.new_empty(0)
@@ -403,6 +409,7 @@ class _Finish(torch.autograd.Function):
             flight.local_saved = []
             own_part(0)
         for c, chunk in enumerate(chunks):
+            fill.fill()             # a paired micro-batch's backward step, if any (DualPipe)
             flight.works[c].wait()
             y, keep = _expert_forward(flight.experts, flight.got[c][chunk.perm], chunk.counts)
             saved.append(keep if flight.grad else None)
@@ -411,6 +418,7 @@ class _Finish(torch.autograd.Function):
         if local is not None:       # while the last chunk's return travels
             own_part(1)
         for w in returns:
+            fill.fill()
             w.wait()
         flight.saved, flight.works, flight.got, flight.rows = saved, None, None, None
         out = torch.cat(back)

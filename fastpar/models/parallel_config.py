@@ -28,8 +28,8 @@ class ParallelConfig:
     virtual_stages: int = 1             # model chunks per pipeline rank (interleaved)
     micro_batch_size: int = 1           # sequences per micro-batch
     schedule: str = "1f1b"              # pipeline schedule when pp > 1: gpipe | 1f1b |
-                                        # interleaved | zb-h1 | zb-v (V-shape, two stages per
-                                        # rank)
+                                        # interleaved | zb-h1 | zb-v | dualpipe-v (the V
+                                        # shapes: two stages per rank)
     recompute: str = "none"             # activation recomputation: none | selective | full
     sequence_parallel: bool = False     # sequence parallelism inside TP
     zero: int = 0                       # ZeRO stage over the DP group: 1 shards the optimizer

@@ -17,7 +17,8 @@ upstream of it, and a stage's W calls together grow as its layers squared.
 
 A module whose output is not a tensor, that runs twice in one forward, that is not called (its
 parameters used directly), or whose parameters are shared with another module cannot be split
-this way; its parameters get their gradients in B.
+this way, nor one that says so (``defer_weight_grad = False``: a backward that reads its weights,
+which ZeRO-3 frees after B); its parameters get their gradients in B.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def deferrable(stage: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter], l
     uses = Counter(id(p) for m in stage.modules() for p in m.parameters(recurse=False))
     leaves = [m for m in stage.modules()
               if not any(True for _ in m.children()) and _own(m)
+              and getattr(m, "defer_weight_grad", True)
               and all(uses[id(p)] == 1 for p in m.parameters(recurse=False))]
     late = {id(p) for m in leaves for p in _own(m)}
     eager = [p for p in stage.parameters() if p.requires_grad and id(p) not in late]

@@ -1,0 +1,244 @@
+"""DualPipeV (DeepSeek-V3's DualPipe cut in half into a V): ZB-V's placement, with each steady
+state F run together with another micro-batch's B on the rank's other chunk. Its order equals
+torch's ``ScheduleDualPipeV`` action for action; the simulator's step meets the closed form
+of the DualPipe paper's cost model; the overlapped B fills the F's expert-parallel transfer
+waits a layer at a time (the mechanism, recorded); with MoE under ep the trainer's loss curve
+is the single process's."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fastpar.pipeline import Action, build_schedule, simulate
+
+
+def _torch_order(pp, m, rank):
+    """torch's order in fastpar's terms: a full backward is B then W, an OVERLAP_F_B the F
+    (overlap) then the B and W of its backward."""
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+    from torch.distributed.pipelining.schedules import _ComputationType as T
+    ops = ScheduleDualPipeV._calculate_single_rank_operations(
+        SimpleNamespace(pp_group_size=pp, num_stages=2 * pp, _n_microbatches=m), rank)
+    out = []
+
+    def one(a, overlap=False):
+        chunk, mb, t = 0 if a.stage_index == rank else 1, a.microbatch_index, a.computation_type
+        out.extend({T.FORWARD: [Action("F", mb, chunk, overlap)],
+                    T.BACKWARD_INPUT: [Action("B", mb, chunk)],
+                    T.BACKWARD_WEIGHT: [Action("W", mb, chunk)],
+                    T.FULL_BACKWARD: [Action("B", mb, chunk), Action("W", mb, chunk)]}[t])
+    for a in ops:
+        if a is not None and a.computation_type == T.OVERLAP_F_B:
+            one(a.sub_actions[0], True)
+            one(a.sub_actions[1])
+        elif a is not None:
+            one(a)
+    return out
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
+def test_the_order_is_torchs_and_it_validates(pp):
+    for m in (2 * pp, 2 * pp + 1, 3 * pp, 4 * pp + 3):
+        s = build_schedule("dualpipe-v", pp, m, 2)
+        assert s.placement == "v" and s.split_backward
+        for r in range(pp):
+            assert s.compute(r) == _torch_order(pp, m, r), (pp, m, r)
+            # DualPipeV's activation memory: PP + 1 of the paper's (two-stage) units.
+            assert s.peak_activations[r] == 2 * pp + 1
+        pairs = sum(a.overlap for r in range(pp) for a in s.actions[r])
+        assert pairs == sum(2 * (m - 2 * pp + r + 1) + (pp - r - 1) for r in range(pp)) - 1
+    with pytest.raises(ValueError, match="num_microbatches=3 must be at least 2 \\* pp_size"):
+        build_schedule("dualpipe-v", 2, 3, 2)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("f, b, w", [(1, 1, 1), (2.5, 2.5, 2.5), (1, 2, 1), (2, 3, 1), (2, 1, 1)])
+def test_the_simulated_step_is_the_papers_closed_form(f, b, w):
+    """DualPipe's bubble (DeepSeek-V3, table 2) is (PP/2 - 1)(F&B + B - 3W) over PP ranks
+    holding two stages each; cut in half over pp ranks it is (pp - 1)(F&B + B - 3W). With F&B
+    = F + B + W (the pair's compute, without the communication it hides) and F = B = W, the
+    simulated step is every rank's 2m(F + B + W) plus exactly that. The expression is the
+    paper's approximation for other ratios (at W > B it turns negative); there the simulator
+    times the order itself, and its bubble is below 1F1B's (pp - 1)(F + B + W) on stages of
+    twice the layers."""
+    for pp in (2, 3, 4, 8):
+        for m in (2 * pp, 2 * pp + 1, 4 * pp):
+            sim = simulate(build_schedule("dualpipe-v", pp, m, 2), f=f, b=b, w=w)
+            fb = f + b + w
+            bubble = sim.step_time - 2 * m * fb
+            if f == b == w:
+                assert bubble == pytest.approx((pp - 1) * (fb + b - 3 * w))
+            one = simulate(build_schedule("1f1b", pp, m), f=2 * f, b=2 * b, w=2 * w)
+            assert one.step_time - 2 * m * fb == pytest.approx(2 * (pp - 1) * fb)
+            assert 0 < bubble < 2 * (pp - 1) * fb
+
+
+class _Block(nn.Module):
+    def __init__(self, d, ep_group):
+        super().__init__()
+        from fastpar.models.moe import MoE
+        self.lin = nn.Linear(d, d)
+        self.moe = MoE(d, 4, 2, 2 * d, ep_group=ep_group, ep_chunks=2)
+
+    def forward(self, x):
+        h = x + torch.tanh(self.lin(x))
+        return h + self.moe(h)[0]
+
+
+class _Stage(nn.Module):
+    def __init__(self, d, ep_group, stage, num_stages):
+        super().__init__()
+        self.layers = nn.ModuleList([_Block(d, ep_group) for _ in range(2)])
+        self.stage_index, self.num_stages = stage, num_stages
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _recorded(rank, world_size):
+    """pp2 x ep2 (ranks 0, 1 a pipeline; 0 and 2 share experts), two MoE layers per stage: one
+    step of DualPipeV and one of ZB-V (the same order but for the pairs), each recording every
+    all-to-all issued and waited for, every backward step filled in and the MoE backward's
+    compute; and the gradients of both."""
+    import fastpar.models.moe as moe_mod
+    from fastpar.mesh import fill
+    from fastpar.pipeline import PipelineExecutor
+    pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ep_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pp_rank, row = rank % 2, rank // 2
+    D, m, B, S = 32, 4, 2, 8
+    out = {}
+    for name in ("dualpipe-v", "zb-v"):
+        sched = build_schedule(name, 2, m, 2)
+        stages = []
+        for c in range(2):
+            s = sched.stage_index(pp_rank, c)
+            torch.manual_seed(100 + s)          # the same weights on both ep rows
+            stages.append(_Stage(D, ep_groups[pp_rank], s, 4))
+        events, real_a2a, real_fill = [], moe_mod._a2a, fill.fill
+        real_dx = moe_mod._expert_dx
+
+        def a2a(*args, **kwargs):
+            work, n = real_a2a(*args, **kwargs), len(events)
+            events.append(("issue", n))
+
+            class Work:
+                def wait(self):
+                    events.append(("wait", n))
+                    return work.wait()
+            return Work()
+
+        def filled():
+            events.append(("fill", None))
+            ran = real_fill()
+            events.append(("filled", ran))
+            return ran
+
+        def dx(*args, **kwargs):
+            events.append(("dx", None))
+            return real_dx(*args, **kwargs)
+        moe_mod._a2a, fill.fill, moe_mod._expert_dx = a2a, filled, dx
+        try:
+            torch.manual_seed(7 + row)          # each ep row its own batch
+            x = torch.randn(m * B, S, D)
+            t = torch.randn(m * B, S, D)
+            pipe = PipelineExecutor(stages, sched, pp_groups[row], activation=((B, S, D),
+                                    torch.float32), loss_fn=lambda y, t: (y - t).square().mean())
+            pipe.step(x, t)
+        finally:
+            moe_mod._a2a, fill.fill, moe_mod._expert_dx = real_a2a, real_fill, real_dx
+        grads = [p.grad.clone() for st in stages for p in st.parameters()]
+        out[name] = (events, grads)
+    return out
+
+
+def _in_flight_computes(events):
+    """How many MoE backward computations ran inside a filled step while a transfer issued
+    outside any filled step (a forward's) was in flight: issued, not yet waited for."""
+    inside, mine, flying, hidden = False, set(), set(), 0
+    for kind, n in events:
+        if kind == "fill":
+            inside = True
+        elif kind == "filled":
+            inside = False
+        elif kind == "issue" and not inside:
+            mine.add(n)
+            flying.add(n)
+        elif kind == "wait":
+            flying.discard(n)
+        elif kind == "dx" and inside and flying:
+            hidden += 1
+    return hidden
+
+
+@pytest.mark.timeout(150)
+def test_the_paired_backward_computes_while_the_forwards_transfers_travel():
+    """Under DualPipeV each overlapped F's MoE layers call for a step of the paired B before
+    each wait on their dispatch and return: that B's expert backward computes while the F's
+    all-to-alls are in flight (issued, not waited for). Under ZB-V (the same model, no pairs)
+    no backward computes while a forward's transfer travels. Both give the same gradients."""
+    from fastpar.testing import run_ranks
+    for rank, out in enumerate(run_ranks(_recorded, 4, timeout=120)):
+        dual, zbv = out["dualpipe-v"], out["zb-v"]
+        ran = [e for e in dual[0] if e == ("filled", True)]
+        assert ran, f"rank {rank}: no backward step filled a forward's wait"
+        assert _in_flight_computes(dual[0]) >= 2, rank
+        assert _in_flight_computes(zbv[0]) == 0, rank
+        assert not [e for e in zbv[0] if e == ("filled", True)], rank
+        for a, b in zip(dual[1], zbv[1]):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (rank, (a - b).abs().max())
+
+
+def test_a_step_inside_a_step_does_not_fill():
+    """A filled step's own waits (the backward's all-to-alls) run nothing: no recursion."""
+    from fastpar.mesh import fill
+    seen = []
+
+    def steps():
+        seen.append(fill.fill())        # inside a step: nothing runs
+        yield
+        seen.append("second")
+
+    it = steps()
+    with fill.filling(it):
+        assert fill.fill() is True
+        fill.fill()                     # runs the rest
+        assert fill.fill() is False     # exhausted: nothing runs
+    assert seen == [False, "second"]
+    assert fill.fill() is False         # outside: no work
+
+
+MOE_ONE = dict(micro_batch_size=1, steps=6)
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    from fastpar.testing import run_ranks
+    from test_moe import MOE_PRESET, MOE_RUN, _train
+    out = str(tmp_path_factory.mktemp("moe-one"))
+    return run_ranks(_train, 1, dict(MOE_RUN, **MOE_ONE, out=out), MOE_PRESET, init_pg=False,
+                     timeout=240)[0]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", [dict(ep=2), dict(ep=2, zero=3)], ids=["ep2", "ep2 zero3"])
+def test_moe_under_expert_parallelism_trains_on_the_single_process_curve(layout, moe_reference,
+                                                                         tmp_path):
+    """The trainer at dp2 x pp2 x ep2 with DualPipeV (four micro-batches of one sequence; the
+    pairs fill their MoE layers' transfer waits with the other micro-batch's backward), also
+    under ZeRO-3: the single process's loss curve, with the auxiliary loss, the loss-free
+    bias, a shared expert and a capacity that drops."""
+    from fastpar.testing import run_ranks
+    from test_moe import MOE_PRESET, MOE_RUN, _train
+    got = run_ranks(_train, 4, dict(MOE_RUN, **MOE_ONE, out=str(tmp_path), dp=2, pp=2,
+                                    schedule="dualpipe-v", **layout), MOE_PRESET,
+                    init_pg=False, timeout=240)[0]
+    want = moe_reference
+    assert len(got) == len(want) == MOE_ONE["steps"] and want[-1] < want[0]
+    for step, (a, b) in enumerate(zip(got, want), 1):     # ep's summation order: see test_moe
+        assert abs(a - b) <= 1e-4 * b, f"step {step}: {a} vs {b}"
