@@ -9,14 +9,17 @@ window, a barrier before it, the order rotated every round (a round's time the s
 the median over rounds). Every number in the table is the median over the runs, fastpar / torch
 the ratio of the two medians printed (each run's rows are kept in the JSON):
   torch   ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (v=2),
-          ScheduleInterleavedZeroBubble (one stage per rank: ZB-H1's setting)
-  fastpar gpipe, 1f1b, interleaved (v=2), zb-h1
+          ScheduleInterleavedZeroBubble (one stage per rank: ZB-H1's setting),
+          ScheduleZBVZeroBubble, ScheduleDualPipeV (two stages per rank in a V)
+  fastpar gpipe, 1f1b, interleaved (v=2), zb-h1, zb-v, dualpipe-v
 A second torch Schedule1F1B is measured like the others: the "A/A" row (its ratio to the first)
 is the noise of the comparison. Reported per schedule: step ms, fastpar / torch, GFLOP/s per rank, the bubble measured from the
 executor's timeline (idle / step, averaged over ranks, barrier before each step) and the bubble
 and step time that ``fastpar.pipeline.simulate`` predicts from the measured per-stage F / B / W
 costs and the measured one-way p2p time; fastpar 1f1b with p2p overlap off (each batch of sends
-and receives waited for at once); then zb-h1 against 1f1b. The measured step of each schedule is
+and receives waited for at once); then zb-h1 against 1f1b, and what the V placement buys: zb-v
+and dualpipe-v against zb-h1 (torch's and fastpar's). The model has no MoE layer, so
+DualPipeV's pairs hide nothing here: it measures the schedule, not the overlap. The measured step of each schedule is
 written as a Chrome trace and a Gantt chart (bench/results/pipeline_pp*_*.json / .png). On a
 2-core machine pp=4 runs four ranks on two cores: oversubscribed, so its absolute times mean
 little.
@@ -45,7 +48,9 @@ from fastpar.testing import run_ranks  # noqa: E402
 
 SCHEDULES = [("gpipe", 1, "ScheduleGPipe"), ("1f1b", 1, "Schedule1F1B"),
              ("interleaved", 2, "ScheduleInterleaved1F1B"),
-             ("zb-h1", 1, "ScheduleInterleavedZeroBubble")]
+             ("zb-h1", 1, "ScheduleInterleavedZeroBubble"),
+             ("zb-v", 2, "ScheduleZBVZeroBubble"), ("dualpipe-v", 2, "ScheduleDualPipeV")]
+SPLIT = ("zb-h1", "zb-v", "dualpipe-v")
 
 
 class Block(nn.Module):
@@ -73,21 +78,18 @@ def loss_fn(logits, targets):
 def _torch_step(model, mesh, pp, v, m, cls_name):
     from torch.distributed import pipelining
 
-    mods = build_stages(model, mesh.pp_rank, pp, v)
+    placement = "v" if cls_name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV") else "loop"
+    mods = build_stages(model, mesh.pp_rank, pp, v, placement=placement)
     stages = [pipelining.PipelineStage(s, s.stage_index, s.num_stages, mesh.device,
                                        group=mesh.pp_group) for s in mods]
     cls = getattr(pipelining, cls_name)
     single = cls_name in ("ScheduleGPipe", "Schedule1F1B")
     sched = cls(stages[0] if single else stages, n_microbatches=m, loss_fn=loss_fn)
-    first, last = mesh.pp_rank == 0, mesh.pp_rank == pp - 1
+    first = any(s.stage_index == 0 for s in mods)
+    last = any(s.stage_index == s.num_stages - 1 for s in mods)
 
     def step(x, y):
-        if first:
-            sched.step(x)
-        elif last:
-            sched.step(target=y)
-        else:
-            sched.step()
+        sched.step(*((x,) if first else ()), **({"target": y} if last else {}))
     return step, mods
 
 
@@ -146,9 +148,10 @@ def _measure(rank, world_size, a):
     variants, pipes = {}, {}
     for name, v, torch_cls in SCHEDULES:
         variants[f"torch {name}"] = _torch_step(copy.deepcopy(base), mesh, pp, v, a.m, torch_cls)
-        mods = build_stages(copy.deepcopy(base), rank, pp, v)
-        pipe = PipelineExecutor(mods, build_schedule(name, pp, a.m, v), mesh.pp_group,
-                                loss_fn=loss_fn, record=True)
+        sched = build_schedule(name, pp, a.m, v)
+        mods = build_stages(copy.deepcopy(base), rank, pp, v, placement=sched.placement)
+        pipe = PipelineExecutor(mods, sched, mesh.pp_group, loss_fn=loss_fn, record=True,
+                                activation=((a.micro, a.seq, a.hidden), torch.float32))
         pipes[name] = pipe
         variants[f"fastpar {name}"] = (lambda x, y, pipe=pipe: pipe.step(x, y), mods)
     # An A/A control: a second torch Schedule1F1B, measured like the others.
@@ -202,7 +205,7 @@ def _rows(pp, res, a, flops_per_step):
     sims = {}
     for name, v, torch_cls in SCHEDULES:
         fc, bc, wc = res[name]["costs"]
-        split = name == "zb-h1"
+        split = name in SPLIT
         sim = simulate(build_schedule(name, pp, a.m, v), f=fc, b=bc, w=wc if split else 0.0,
                        comm=comm)
         sims[name] = sim
@@ -225,6 +228,14 @@ def _rows(pp, res, a, flops_per_step):
                  "sim_ms": sims["zb-h1"].step_time / sims["1f1b"].step_time,
                  "bubble_meas": res["zb-h1"]["bubble"] - res["1f1b"]["bubble"],
                  "bubble_sim": sims["zb-h1"].bubble_fraction - sims["1f1b"].bubble_fraction})
+    for name, base in (("zb-v", "zb-h1"), ("dualpipe-v", "zb-h1"), ("zb-v", "1f1b"),
+                       ("dualpipe-v", "1f1b")):
+        rows.append({"pp": pp, "schedule": f"{name} / {base}", "torch": "V / one stage",
+                     "torch_ms": ms[f"torch {name}"] / ms[f"torch {base}"],
+                     "fastpar_ms": ms[f"fastpar {name}"] / ms[f"fastpar {base}"],
+                     "sim_ms": sims[name].step_time / sims[base].step_time,
+                     "bubble_meas": res[name]["bubble"] - res[base]["bubble"],
+                     "bubble_sim": sims[name].bubble_fraction - sims[base].bubble_fraction})
     return rows
 
 

@@ -62,6 +62,21 @@ class _Step:
     events: list = field(default_factory=list)
     arrived: float | None = None                     # when the current action's input arrived
     keep: bool = True                                # keep activations for backward
+    filled: float = 0.0                              # seconds the current pair's B took
+
+
+def _timed(steps, st: _Step):
+    """``steps``, adding the time each takes to ``st.filled`` (from zero)."""
+    st.filled = 0.0
+    while True:
+        t = time.perf_counter()
+        try:
+            next(steps)
+        except StopIteration:
+            st.filled += time.perf_counter() - t
+            return
+        st.filled += time.perf_counter() - t
+        yield
 
 
 class PipelineExecutor:
@@ -212,7 +227,11 @@ class PipelineExecutor:
                     {"F": self._forward, "B": self._backward, "W": self._weight}[a.kind](st, a)
             if self.record and training:            # compute time only, not the input's wait
                 t0, t1 = (st.arrived or t0) - start, time.perf_counter() - start
-                st.events += [Event(self.rank, x, t0, t1) for x in (a, pair) if x is not None]
+                if pair is None:
+                    st.events.append(Event(self.rank, a, t0, t1))
+                else:       # interleaved: shown as F, then B for the time B's steps took
+                    st.events += [Event(self.rank, a, t0, t1 - st.filled),
+                                  Event(self.rank, pair, t1 - st.filled, t1)]
             for j in (i, i + 1) if pair is not None else (i,):
                 if training and j in self._chunk_done and self.grads_ready is not None:
                     self.grads_ready(acts[j].chunk, self.stages[acts[j].chunk])
@@ -285,7 +304,7 @@ class PipelineExecutor:
         """DualPipe's overlapped pair: ``b``'s backward, a layer at a time, fills the waits of
         ``f``'s forward on its transfers (:mod:`fastpar.mesh.fill`); what is left of it runs
         after."""
-        steps = self._backward_steps(st, b)
+        steps = _timed(self._backward_steps(st, b), st)
         with fill.filling(steps):
             self._forward(st, f)
         fill.drain(steps)
