@@ -76,6 +76,24 @@ def test_the_simulated_step_is_the_papers_closed_form(f, b, w):
             assert 0 < bubble < 2 * (pp - 1) * fb
 
 
+@pytest.mark.fast
+def test_the_simulator_hides_a_pairs_fillable_waits():
+    """An overlapped F's fillable waits run under its B's compute: each pair's F takes its
+    compute plus what B could not cover; none hidden when nothing is fillable, and none under
+    ZB-V (no pairs)."""
+    s = build_schedule("dualpipe-v", 2, 8, 2)
+    cost = dict(f=1.0, b=1.0, w=1.0, waits=(0.5, 0.0, 0.0))
+    plain, filled = simulate(s, **cost, fillable=0.0), simulate(s, **cost)
+    pairs = [e for e in filled.events if e.action.overlap]
+    assert pairs and all(e.end - e.start == pytest.approx(1.5)
+                         for e in plain.events if e.action.kind == "F")
+    assert all(1.0 - 1e-9 <= e.end - e.start <= 1.5 + 1e-9 for e in pairs)
+    assert sum(e.end - e.start == pytest.approx(1.0) for e in pairs) >= len(pairs) // 2
+    assert filled.step_time < plain.step_time
+    zbv = build_schedule("zb-v", 2, 8, 2)
+    assert simulate(zbv, **cost).step_time == simulate(zbv, **cost, fillable=0.0).step_time
+
+
 class _Block(nn.Module):
     def __init__(self, d, ep_group):
         super().__init__()
@@ -242,3 +260,34 @@ def test_moe_under_expert_parallelism_trains_on_the_single_process_curve(layout,
     assert len(got) == len(want) == MOE_ONE["steps"] and want[-1] < want[0]
     for step, (a, b) in enumerate(zip(got, want), 1):     # ep's summation order: see test_moe
         assert abs(a - b) <= 1e-4 * b, f"step {step}: {a} vs {b}"
+
+
+def test_the_dry_run_the_memory_model_and_the_planner_know_dualpipe_v():
+    """8x7b on 1,024 ranks, tp2 (sp) x pp8 x dp64 with its experts over ep8: each pp rank
+    builds stages r and 15 - r, which the memory model counts (equal per role). DualPipeV's
+    pairs hide the MoE dispatch's forward waits behind the paired backward, but its steady
+    state runs full backwards (no W left to fill the bubble): at 32 micro-batches its step is
+    below ZB-V's and ZB-H1's on the same layout, at 16 (the fewest it takes, m = 2 pp) ZB-V's
+    is below it; the search picks accordingly."""
+    from fastpar.plan import BUILTIN, Cluster, Workload, planner
+    from fastpar.train import TrainConfig
+    from fastpar.train.dry_run import dry_run
+    steps = {}
+    for sched in ("zb-h1", "zb-v", "dualpipe-v"):
+        cfg = TrainConfig(model="8x7b", tp=2, pp=8, ep=8, seq_len=4096, global_batch_size=2048,
+                          micro_batch_size=1, zero=1, sequence_parallel=True, out="unused",
+                          schedule=sched)
+        rep = dry_run(cfg, 1024, "h100-80gb")
+        for r in rep.roles:
+            assert r.params == pytest.approx(r.model_params, rel=1e-6), r
+            assert r.total == pytest.approx(r.model_total, rel=1e-3), r
+        steps[sched] = rep.step_time_s
+    assert cfg.virtual_stages == 2 and rep.roles[0].layers[-1] == 31
+    assert steps["dualpipe-v"] < steps["zb-v"] < steps["zb-h1"], steps
+    fixed = {"tp": 2, "pp": 8, "ep": 8, "micro_batch_size": 1, "zero": 1,
+             "sequence_parallel": True, "recompute": "none"}
+    cluster = Cluster(1024, 8, BUILTIN["h100-80gb"])
+    for batch, first in ((2048, "dualpipe-v"), (1024, "zb-v")):
+        best, _ = planner.search(Workload(cfg.model_config, 4096, batch), cluster, fixed=fixed,
+                                 top=3)
+        assert best[0].config.schedule == first, (batch, [e.config.schedule for e in best])

@@ -162,6 +162,7 @@ class PipelineExecutor:
         self._final = {max(i for i, a in enumerate(acts) if a.kind == kind and a.chunk == c)
                        for kind in {"B", done} for c in range(schedule.virtual_stages)}
         self._forward_schedule: Schedule | None = None
+        self._points: dict = {}                 # chunk -> fill points its forward reaches
         self.peak_activations = 0
         self.events: list[Event] = []
         self.step_start = 0.0
@@ -223,8 +224,11 @@ class PipelineExecutor:
                 with span("pipeline", a, pair):
                     self._overlapped(st, a, pair)
             else:
+                calls = fill.calls
                 with span("pipeline", a):
                     {"F": self._forward, "B": self._backward, "W": self._weight}[a.kind](st, a)
+                if a.kind == "F":       # the fill points a forward of this chunk reaches
+                    self._points[a.chunk] = fill.calls - calls
             if self.record and training:            # compute time only, not the input's wait
                 t0, t1 = (st.arrived or t0) - start, time.perf_counter() - start
                 if pair is None:
@@ -304,8 +308,10 @@ class PipelineExecutor:
         """DualPipe's overlapped pair: ``b``'s backward, a layer at a time, fills the waits of
         ``f``'s forward on its transfers (:mod:`fastpar.mesh.fill`); what is left of it runs
         after."""
+        live = st.live[(b.microbatch, b.chunk)]
+        n = len(live.captured.inputs) + 1 if live.captured is not None else 1
         steps = _timed(self._backward_steps(st, b), st)
-        with fill.filling(steps):
+        with fill.filling(steps, n, self._points.get(f.chunk)):
             self._forward(st, f)
         fill.drain(steps)
 

@@ -66,12 +66,18 @@ class Simulation:
 
 
 def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
-             shared=None, post=0.0) -> Simulation:
+             shared=None, post=0.0, fillable=None) -> Simulation:
     """Time ``schedule`` with forward ``f``, input-gradient ``b``, weight-gradient ``w`` and
     per-message ``comm`` costs (see the module doc). Returns a :class:`Simulation`.
 
     ``waits``: optional (f, b, w) costs of the same shapes, the part of each action spent
-    waiting (on collectives) rather than computing; included in its time.
+    waiting (on collectives) rather than computing; included in its time. An overlapped F
+    (DualPipeV's pairs, :class:`~fastpar.pipeline.actions.Action` ``overlap``) hides up to
+    its B's compute of its waits: the pair takes F's compute and waits, plus B's, less
+    min(F's waits, B's compute), B's part starting no sooner than B's input has arrived.
+    ``fillable``: per stage, the part of F's waits the pair can hide (the waits a layer fills,
+    :mod:`fastpar.mesh.fill`: the MoE dispatch's); all of them if None.
+    (With ``shared`` the pairs run one after the other: gloo's transfers share the cores.)
     ``post``: the host time a rank spends issuing each send and each receive (gloo's isend /
     irecv take a few hundred us of the calling thread; a message leaves once its send is posted).
     ``shared``: (processes per pipeline rank, cores) when the ranks' processes share fewer CPU
@@ -92,6 +98,9 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
             raise ValueError(f"simulate: {name}={value!r} must be a number >= 0")
     if shared is not None:
         return _simulate_shared(s, cost, idle, comm, post, *shared)
+    compute = cost
+    fills = idle["F"] if fillable is None else [
+        min(x, y) for x, y in zip(_per_stage("fillable", fillable, s.num_stages), idle["F"])]
     cost = {k: [x + y for x, y in zip(cost[k], idle[k])] for k in cost}
     clock = [0.0] * s.pp_size
     pos = [0] * s.pp_size
@@ -107,6 +116,21 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
                     clock[rank] += post
                     if a.kind.startswith("SEND"):
                         arrival[s.message(rank, a)] = clock[rank] + comm
+                elif a.overlap:            # the pair: B's compute fills F's waits
+                    b = acts[pos[rank] + 1]
+                    need, need_b = _needs(s, rank, a), _needs(s, rank, b)
+                    if any(n is not None and n not in arrival for n in (need, need_b)):
+                        break
+                    i, j = s.stage_index(rank, a.chunk), s.stage_index(rank, b.chunk)
+                    fc, fw, bc, bw = compute["F"][i], idle["F"][i], compute["B"][j], idle["B"][j]
+                    start = max(clock[rank], arrival.get(need, 0.0))
+                    ready = max(start, arrival.get(need_b, 0.0))
+                    hidden = min(fills[i], bc, max(0.0, start + fc + fw - ready))
+                    mid = start + fc + fw - hidden
+                    end = max(mid + bc + bw, ready + bc + bw)
+                    events += [Event(rank, a, start, mid), Event(rank, b, mid, end)]
+                    clock[rank] = end
+                    pos[rank] += 1
                 else:
                     need = _needs(s, rank, a)
                     if need is not None and need not in arrival:

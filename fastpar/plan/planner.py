@@ -204,8 +204,10 @@ def _stage_costs(work, cluster, cfg, feat, split):
                     + (head[i] if s == stages - 1 else 0.0) for i in range(3)])
         waits.append([len(r) * layer_waits[i] + (embed_waits[i] if s == 0 else 0.0)
                       + (head_waits[i] if s == stages - 1 else 0.0) for i in range(3)])
+    # What DualPipeV's pairs can hide (fastpar/mesh/fill.py): the MoE dispatch's forward waits.
+    fills = [len(r) * ep_f for r in ranges]
     return fbw, ranges, (exp_f + exp_b) * max(len(r) for r in ranges), lc, \
-        (lc.cp_exposed_f + lc.cp_exposed_b) * max(len(r) for r in ranges), waits
+        (lc.cp_exposed_f + lc.cp_exposed_b) * max(len(r) for r in ranges), waits, fills
 
 
 def _sharing(cluster: Cluster, cfg: ParallelConfig) -> tuple[tuple | None, float]:
@@ -497,8 +499,8 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
     hw, m = cluster.hardware, work.model
     num_mb = cfg.num_microbatches(work.global_batch)
     sched = _schedule(cfg, work, {} if schedules is None else schedules)
-    fbw, ranges, tp_exposed, _, cp_exposed, waits = _stage_costs(work, cluster, cfg, feat,
-                                                                 sched.split_backward)
+    fbw, ranges, tp_exposed, _, cp_exposed, waits, fills = _stage_costs(
+        work, cluster, cfg, feat, sched.split_backward)
     shared, slow = _sharing(cluster, cfg)
     if shared is None and slow > 1:
         fbw = [[slow * (x - y) + y for x, y in zip(row, wrow)] for row, wrow in zip(fbw, waits)]
@@ -512,7 +514,7 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
     sim = simulate(sched, *([row[i] - wrow[i] for row, wrow in zip(fbw, waits)]
                             for i in range(3)), comm=p2p,
                    waits=[[wrow[i] for wrow in waits] for i in range(3)], shared=shared,
-                   post=hw.p2p_post_us * 1e-6)
+                   post=hw.p2p_post_us * 1e-6, fillable=fills)
     params, tensors = mem["params_per_gpu"], _tensors_per_gpu(m, ranges, cfg)
     dp_exposed = _dp_time(cluster, cfg, feat, params, fbw[-1][1] + fbw[-1][2],
                           max(sum(row) for row in fbw), num_mb,
@@ -552,7 +554,7 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
 
 
 # The schedules whose backward is split into input and weight gradients (B and W).
-SPLIT_SCHEDULES = ("zb-h1", "zb-v")
+SPLIT_SCHEDULES = ("zb-h1", "zb-v", "dualpipe-v")
 
 
 def stages_on(cfg: ParallelConfig, rank: int) -> list[int]:
@@ -648,6 +650,8 @@ def candidates(work: Workload, cluster: Cluster, fixed: dict | None = None):
                 scheds = [("1f1b", 1)] if pp == 1 else \
                     [("1f1b", 1), ("zb-h1", 1), ("gpipe", 1)] + \
                     [("zb-v", 2)] * (2 * pp <= m.n_layers) + \
+                    [("dualpipe-v", 2)] * (2 * pp <= m.n_layers and
+                                           work.global_batch // (mbs * dp) >= 2 * pp) + \
                     [("interleaved", v) for v in (2, 3, 4, 5, 6, 8) if pp * v <= m.n_layers]
                 for name, v in scheds:
                     for rec in RECOMPUTE:
