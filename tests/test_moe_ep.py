@@ -4,6 +4,7 @@ router's gradients equal the single-process layer's on each rank's tokens; each 
 gradient is the sum over the ranks of the reference's; at any number of chunks, with capacity,
 with shared experts, under bf16 autocast. The dispatch travels while experts compute (progress
 probe); one chunk: nothing in flight while the experts compute."""
+import contextlib
 import time
 
 import pytest
@@ -74,10 +75,10 @@ def test_expert_parallel_equals_one_rank(ep, chunks, kw, autocast):
     assert firsts == [r * 8 // ep for r in range(ep)]
 
 
-def _events(layer, phases=(), events=None):
-    """Forward and backward of ``layer``, recording in ``events`` (returned) each all-to-all
-    issued and waited for and each call of the expert ``phases``, in order."""
-    events = [] if events is None else events
+@contextlib.contextmanager
+def recording(events, phases=()):
+    """Within: each all-to-all the MoE layer issues and waits for, and each call of the expert
+    ``phases`` (functions of fastpar.models.moe), appended to ``events`` in order."""
     real_a2a, real = moe_mod._a2a, {k: getattr(moe_mod, k) for k in phases}
 
     def a2a(*args, **kwargs):
@@ -99,14 +100,22 @@ def _events(layer, phases=(), events=None):
     for k in real:
         setattr(moe_mod, k, probed(k))
     try:
-        x = torch.randn(16, 2, layer.router.weight.shape[1], requires_grad=True)
-        y = layer(x)[0]
-        events.append(("backward", None))
-        y.square().sum().backward()
+        yield events
     finally:
         moe_mod._a2a = real_a2a
         for k, f in real.items():
             setattr(moe_mod, k, f)
+
+
+def _events(layer, phases=(), events=None):
+    """Forward and backward of ``layer``, recording in ``events`` (returned) each all-to-all
+    issued and waited for and each call of the expert ``phases``, in order."""
+    events = [] if events is None else events
+    with recording(events, phases):
+        x = torch.randn(16, 2, layer.router.weight.shape[1], requires_grad=True)
+        y = layer(x)[0]
+        events.append(("backward", None))
+        y.square().sum().backward()
     return events
 
 

@@ -123,9 +123,9 @@ def _recorded(rank, world_size):
     step of DualPipeV and one of ZB-V (the same order but for the pairs), each recording every
     all-to-all issued and waited for, every backward step filled in and the MoE backward's
     compute; and the gradients of both."""
-    import fastpar.models.moe as moe_mod
     from fastpar.mesh import fill
     from fastpar.pipeline import PipelineExecutor
+    from test_moe_ep import recording
     pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     ep_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     pp_rank, row = rank % 2, rank // 2
@@ -138,38 +138,25 @@ def _recorded(rank, world_size):
             s = sched.stage_index(pp_rank, c)
             torch.manual_seed(100 + s)          # the same weights on both ep rows
             stages.append(_Stage(D, ep_groups[pp_rank], s, 4))
-        events, real_a2a, real_fill = [], moe_mod._a2a, fill.fill
-        real_dx = moe_mod._expert_dx
-
-        def a2a(*args, **kwargs):
-            work, n = real_a2a(*args, **kwargs), len(events)
-            events.append(("issue", n))
-
-            class Work:
-                def wait(self):
-                    events.append(("wait", n))
-                    return work.wait()
-            return Work()
+        events, real_fill = [], fill.fill
 
         def filled():
             events.append(("fill", None))
             ran = real_fill()
             events.append(("filled", ran))
             return ran
-
-        def dx(*args, **kwargs):
-            events.append(("dx", None))
-            return real_dx(*args, **kwargs)
-        moe_mod._a2a, fill.fill, moe_mod._expert_dx = a2a, filled, dx
+        fill.fill = filled
         try:
-            torch.manual_seed(7 + row)          # each ep row its own batch
-            x = torch.randn(m * B, S, D)
-            t = torch.randn(m * B, S, D)
-            pipe = PipelineExecutor(stages, sched, pp_groups[row], activation=((B, S, D),
-                                    torch.float32), loss_fn=lambda y, t: (y - t).square().mean())
-            pipe.step(x, t)
+            with recording(events, ("_expert_dx",)):
+                torch.manual_seed(7 + row)          # each ep row its own batch
+                x = torch.randn(m * B, S, D)
+                t = torch.randn(m * B, S, D)
+                pipe = PipelineExecutor(stages, sched, pp_groups[row],
+                                        activation=((B, S, D), torch.float32),
+                                        loss_fn=lambda y, t: (y - t).square().mean())
+                pipe.step(x, t)
         finally:
-            moe_mod._a2a, fill.fill, moe_mod._expert_dx = real_a2a, real_fill, real_dx
+            fill.fill = real_fill
         grads = [p.grad.clone() for st in stages for p in st.parameters()]
         out[name] = (events, grads)
     return out
@@ -189,7 +176,7 @@ def _in_flight_computes(events):
             flying.add(n)
         elif kind == "wait":
             flying.discard(n)
-        elif kind == "dx" and inside and flying:
+        elif kind == "_expert_dx" and inside and flying:
             hidden += 1
     return hidden
 
@@ -270,17 +257,11 @@ def test_the_dry_run_the_memory_model_and_the_planner_know_dualpipe_v():
     below ZB-V's and ZB-H1's on the same layout, at 16 (the fewest it takes, m = 2 pp) ZB-V's
     is below it; the search picks accordingly."""
     from fastpar.plan import BUILTIN, Cluster, Workload, planner
-    from fastpar.train import TrainConfig
-    from fastpar.train.dry_run import dry_run
+    from test_pp_zbv import dry_run_is_the_model
     steps = {}
     for sched in ("zb-h1", "zb-v", "dualpipe-v"):
-        cfg = TrainConfig(model="8x7b", tp=2, pp=8, ep=8, seq_len=4096, global_batch_size=2048,
-                          micro_batch_size=1, zero=1, sequence_parallel=True, out="unused",
-                          schedule=sched)
-        rep = dry_run(cfg, 1024, "h100-80gb")
-        for r in rep.roles:
-            assert r.params == pytest.approx(r.model_params, rel=1e-6), r
-            assert r.total == pytest.approx(r.model_total, rel=1e-3), r
+        cfg, rep = dry_run_is_the_model(dict(model="8x7b", tp=2, pp=8, ep=8,
+                                             global_batch_size=2048, schedule=sched))
         steps[sched] = rep.step_time_s
     assert cfg.virtual_stages == 2 and rep.roles[0].layers[-1] == 31
     assert steps["dualpipe-v"] < steps["zb-v"] < steps["zb-h1"], steps

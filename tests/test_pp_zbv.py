@@ -90,22 +90,30 @@ def test_v_schedules_train_on_the_single_process_curve(name, world, layout, refe
                  tmp_path)
 
 
+def dry_run_is_the_model(layout: dict):
+    """(config, report) of a dry run at 1,024 H100 ranks (4,096 tokens, one sequence per
+    micro-batch, ZeRO-1, sp) of ``layout``, each role's parameters and memory checked to equal
+    the memory model's."""
+    from fastpar.train import TrainConfig
+    from fastpar.train.dry_run import dry_run
+    cfg = TrainConfig(**dict(dict(seq_len=4096, micro_batch_size=1, zero=1,
+                                  sequence_parallel=True, out="unused"), **layout))
+    rep = dry_run(cfg, 1024, "h100-80gb")
+    for r in rep.roles:
+        assert r.params == pytest.approx(r.model_params, rel=1e-6), r
+        assert r.total == pytest.approx(r.model_total, rel=1e-3), r
+    return cfg, rep
+
+
 def test_the_dry_run_the_memory_model_and_the_planner_know_the_v():
     """70b on 1,024 ranks, tp8 x pp8 x dp16: each pp rank builds stages r and 15 - r, which
     the memory model counts (equal per role); the planner's step for ZB-V is below ZB-H1's and
     1F1B's on the same layout, and its search offers ZB-V."""
     from fastpar.plan import BUILTIN, Cluster, Workload, planner
-    from fastpar.train import TrainConfig
-    from fastpar.train.dry_run import dry_run
     steps = {}
     for sched in ("1f1b", "zb-h1", "zb-v"):
-        cfg = TrainConfig(model="70b", tp=8, pp=8, seq_len=4096, global_batch_size=256,
-                          micro_batch_size=1, zero=1, sequence_parallel=True, out="unused",
-                          schedule=sched)
-        rep = dry_run(cfg, 1024, "h100-80gb")
-        for r in rep.roles:
-            assert r.params == pytest.approx(r.model_params, rel=1e-6), r
-            assert r.total == pytest.approx(r.model_total, rel=1e-3), r
+        cfg, rep = dry_run_is_the_model(dict(model="70b", tp=8, pp=8, global_batch_size=256,
+                                             schedule=sched))
         steps[sched] = rep.step_time_s
     assert cfg.virtual_stages == 2
     assert steps["zb-v"] < steps["zb-h1"] < steps["1f1b"], steps

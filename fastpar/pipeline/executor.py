@@ -308,6 +308,8 @@ class PipelineExecutor:
         """DualPipe's overlapped pair: ``b``'s backward, a layer at a time, fills the waits of
         ``f``'s forward on its transfers (:mod:`fastpar.mesh.fill`); what is left of it runs
         after."""
+        if self.schedule.stage_index(self.rank, f.chunk) == 0:
+            st.arrived = time.perf_counter()    # F takes no input: the pair starts now
         live = st.live[(b.microbatch, b.chunk)]
         n = len(live.captured.inputs) + 1 if live.captured is not None else 1
         steps = _timed(self._backward_steps(st, b), st)
@@ -380,7 +382,8 @@ class PipelineExecutor:
     def _take(self, st: _Step, msg) -> torch.Tensor:
         buf, works = st.recvs.pop(msg)
         p2p.wait(works, self._where(msg, "receiving"))
-        st.arrived = time.perf_counter()
+        if st.arrived is None:                  # (a pair's B takes its input inside the F)
+            st.arrived = time.perf_counter()
         return buf
 
     def _where(self, msg, doing: str) -> str:
