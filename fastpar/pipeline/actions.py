@@ -343,17 +343,23 @@ def _peaks(s, split: bool) -> list[tuple]:
     """Per rank, after each compute action: the (micro-batch, chunk) pairs whose F has run and
     whose backward has not finished (B, or W when the schedule splits it off), and of those the
     ones whose B has run and whose W has not (they hold their weights' output gradients too).
+    A B whose W follows it directly is one pass (the executor runs both at once): done at B.
     Returns the pairs of counts not dominated by another point of the rank's order."""
     frontier = []
     for acts in s.actions:
         live = waiting = 0
         points = {(0, 0)}
-        for a in acts:
+        order = [a for a in acts if a.is_compute]
+        full = {i for i, (a, b) in enumerate(zip(order, order[1:])) if a.kind == "B" and
+                b.kind == "W" and (a.microbatch, a.chunk) == (b.microbatch, b.chunk)}
+        for i, a in enumerate(order):
             if a.kind == "F":
                 live += 1
+            elif a.kind == "B" and i in full:       # its W right after: one pass does both
+                live -= 1
             elif a.kind == "B":
                 live, waiting = (live, waiting + 1) if split else (live - 1, waiting)
-            elif a.kind == "W":
+            elif a.kind == "W" and i - 1 not in full:
                 live, waiting = live - 1, waiting - 1
             points.add((live, waiting))
         frontier.append(tuple(sorted(p for p in points if not any(

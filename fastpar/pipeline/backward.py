@@ -106,10 +106,27 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
 
 
 def backward_input_steps(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor,
-                         captured: Capture, eager: list[nn.Parameter]):
+                         captured: Capture, eager: list[nn.Parameter], full: bool = False):
     """:func:`backward_input` as a generator: it yields after each segment (a layer), so that
     another micro-batch's forward can run it a segment at a time while its own transfers travel
-    (:mod:`fastpar.mesh.fill`); returns ``(dx, pending)``."""
+    (:mod:`fastpar.mesh.fill`); returns ``(dx, pending)``. ``full=True``: a backward whose W
+    would follow at once (DualPipeV's unsplit ones): one ``autograd.backward`` per segment
+    computes every gradient into ``.grad`` (the parameters' hooks fire as autograd goes, as in
+    an unsplit schedule) and frees the graph; ``pending`` is empty."""
+    cuts = captured.inputs
+    if full:
+        for k in reversed(range(len(cuts) + 1)):
+            top = out if k == len(cuts) else cuts[k][1]
+            bottom = x if k == 0 else cuts[k - 1][0]
+            if k < len(cuts) and grad is None:      # nothing reached the segment above
+                grad = torch.zeros_like(top)
+            if top.requires_grad:       # into .grad as autograd goes (hooks fire as usual)
+                torch.autograd.backward(top, grad)
+            input_done()
+            grad = bottom.grad if bottom.requires_grad else None
+            if k:
+                yield
+        return grad, []
     calls = Counter(id(m) for m, *_ in captured.outputs)
     late = [(y, k, ps) for m, y, k, ps in captured.outputs if y is not None and calls[id(m)] == 1]
     now = list(eager)
@@ -119,7 +136,6 @@ def backward_input_steps(out: torch.Tensor, grad: torch.Tensor | None, x: torch.
             if id(p) not in seen:
                 now.append(p)
                 seen.add(id(p))
-    cuts = captured.inputs
     deferred = [p for _, _, ps in late for p in ps]
     pending, dx, sums = [], None, [None] * len(now)
     for k in reversed(range(len(cuts) + 1)):

@@ -163,6 +163,12 @@ class PipelineExecutor:
                        for kind in {"B", done} for c in range(schedule.virtual_stages)}
         self._forward_schedule: Schedule | None = None
         self._points: dict = {}                 # chunk -> fill points its forward reaches
+        # Split backwards whose W comes right after their B (DualPipeV's unsplit ones): one
+        # pass computes both, the W has nothing left to do.
+        order = schedule.compute(self.rank)
+        self._full = {(a.microbatch, a.chunk) for a, b in zip(order, order[1:])
+                      if a.kind == "B" and b.kind == "W" and
+                      (a.microbatch, a.chunk) == (b.microbatch, b.chunk)}
         self.peak_activations = 0
         self.events: list[Event] = []
         self.step_start = 0.0
@@ -333,9 +339,11 @@ class PipelineExecutor:
             del st.live[key]                    # frees this micro-batch's activations
         else:
             dx, live.pending = yield from backward_input_steps(
-                live.out, grad, x, live.captured, self._split[a.chunk][1])
+                live.out, grad, x, live.captured, self._split[a.chunk][1],
+                full=(a.microbatch, a.chunk) in self._full)
             live.x, live.out, live.captured = None, None, None    # W needs only `pending`
-            if self.grads_set is not None:      # what B set by hand: all but W's parameters
+            if self.grads_set is not None and key not in self._full:
+                # What B set by hand: all but W's parameters (a full one: none, autograd did).
                 late = {id(p) for _, _, params in live.pending for p in params}
                 self.grads_set(a.chunk, [p for p in self.stages[a.chunk].parameters()
                                          if p.grad is not None and id(p) not in late])

@@ -612,8 +612,8 @@ def _peak_lower_bound(cfg: ParallelConfig, num_mb: int) -> int:
         return num_mb
     if cfg.schedule == "interleaved":
         return min(num_mb * v, (pp - 1) * 2 + (v - 1) * pp + 1)
-    if PLACEMENT.get(cfg.schedule) == "v":      # 2 (pp - r) - 1 warm-up forwards, then one
-        return min(2 * pp, 2 * num_mb)
+    if PLACEMENT.get(cfg.schedule) == "v":      # 2 pp - 1 warm-up forwards of chunk 0 (as
+        return min(2 * pp - 1, num_mb) + 1      # many as there are), then chunk 1's first
     return min(pp, num_mb)
 
 
