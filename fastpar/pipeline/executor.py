@@ -282,10 +282,10 @@ class PipelineExecutor:
             x.requires_grad_(x.is_floating_point())
         last = s == self.schedule.num_stages - 1
         args = (x, st.ts[a.microbatch]) if last and self.stage_loss else (x,)
-        captured = None
-        if self._split is not None:
+        captured, key = None, (a.microbatch, a.chunk)
+        if self._split is not None:     # a full backward needs only the layer cuts
             leaves, _, cuts = self._split[a.chunk]
-            with Capture(leaves, cuts) as captured:
+            with Capture([] if key in self._full else leaves, cuts) as captured:
                 y = self.stages[a.chunk](*args)
         else:
             y = self.stages[a.chunk](*args)
