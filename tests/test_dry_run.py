@@ -187,3 +187,28 @@ def test_expert_parallelism_at_1024_ranks_divides_the_experts():
         dense = a.params - experts / 8
         assert b.optimizer * 1e9 == pytest.approx(
             12 * (dense / 16 + experts / 8 / 2), rel=1e-3)
+
+
+def test_tp_folded_into_expert_parallelism_at_1024_ranks():
+    """Mixtral 8x7B's shape at tp2 SP x pp4 x dp128 with TP folded into ep (ep 8: whole TP
+    groups of 4 dp ranks): each TP rank holds other experts, one per layer, half of what the
+    unfolded ep 4 holds (its TP ranks the same two), and the experts' ZeRO-1 state is cut over
+    their 32 replicas; built parameters and memory equal the memory model."""
+    kw = dict(model="8x7b", tp=2, pp=4, seq_len=4096, global_batch_size=1024, zero=1,
+              sequence_parallel=True, recompute="full")
+    plain = dry_run(_cfg(**kw, ep=4), 1024, "h100-80gb")
+    folded = dry_run(_cfg(**kw, ep=8, ep_fold_tp=True), 1024, "h100-80gb")
+    _check_against_the_model(folded, 1024, 4, 32)
+    assert folded.layout.endswith("(ep8)"), folded.layout
+    experts = 8 * 3 * 4096 * 14336 * 8      # a stage's 8 layers' experts
+    for a, b in zip(plain.roles, folded.roles):
+        assert a.params - b.params == pytest.approx(experts / 8, rel=1e-6)
+        dense = b.params - experts / 8
+        assert b.optimizer * 1e9 == pytest.approx(12 * (dense / 128 + experts / 8 / 32),
+                                                  rel=1e-3)
+        assert b.total < a.total
+    with pytest.raises(ValueError, match="ep=6 is not a multiple of tp=4"):
+        dry_run(_cfg(**dict(kw, tp=4), ep=6, ep_fold_tp=True), 1024, "h100-80gb")
+    with pytest.raises(ValueError, match="needs tp > 1 and --sequence-parallel"):
+        dry_run(_cfg(**dict(kw, sequence_parallel=False), ep=8, ep_fold_tp=True), 1024,
+                "h100-80gb")

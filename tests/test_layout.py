@@ -143,3 +143,24 @@ def test_one_replica_of_each_shard_is_copy_zero(kwargs):
         assert m.group_ranks("dp-cp").index(m.rank) == m.replica_rank
     writers = [(m.tp_rank, m.pp_rank) for m in meshes if m.replica_rank == 0]
     assert sorted(writers) == sorted({(m.tp_rank, m.pp_rank) for m in meshes})
+
+
+@pytest.mark.parametrize("world, tp, pp, cp, ep", [(16, 2, 2, 1, 4), (16, 2, 1, 2, 8),
+                                                   (32, 4, 2, 1, 8), (8, 2, 1, 1, 2)])
+def test_folded_ep_groups_are_whole_tp_groups(world, tp, pp, cp, ep):
+    """TP folded into ep: every ep group is whole TP groups of ep / tp dp x cp ranks of one
+    stage, every rank in one; the ranks holding the same experts are those the unfolded
+    ep / tp would pair (the same TP rank: the replicas' ZeRO shards stay inside dp x cp)."""
+    from fastpar.mesh import ep_ranks
+    lay = fastpar.layout(world, tp=tp, pp=pp, cp=cp)
+    blocks, across = ep_ranks(lay, ep, fold_tp=True)
+    assert sorted(r for b in blocks for r in b) == list(range(world))
+    for b in blocks:
+        assert len(b) == ep and len({lay.coords(r).pp for r in b}) == 1
+        for r in b:
+            assert set(lay.group_of("tp", r)) <= set(b)
+    assert across == ep_ranks(lay, ep // tp)[1]
+    for a in across:
+        assert len({lay.coords(r).tp for r in a}) == 1
+        assert all(len(set(a) & set(b)) == 1 for b in blocks if lay.coords(b[0]).pp ==
+                   lay.coords(a[0]).pp)

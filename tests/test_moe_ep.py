@@ -154,26 +154,33 @@ def test_own_rows_compute_while_the_transfers_travel():
         assert not [n for e, n in bwd[:dw[-1]] if e == "wait" and n in returns], bwd
 
 
-def _sequence_parallel(rank, world_size, ep):
+def _sequence_parallel(rank, world_size, ep, fold):
     """Each TP rank routes its shard of the sequence (``sp_group``), with expert parallelism
     over ``ep`` ranks of another dimension when ep > 1 (world = tp2 x ep)."""
-    from fastpar.tensor_parallel import reduce_replicated_grads
+    from fastpar.tensor_parallel import partial_grad_params, reduce_replicated_grads
     tp = 2
     tp_groups = [dist.new_group(list(range(i, i + tp))) for i in range(0, world_size, tp)]
     ep_groups = [dist.new_group(list(range(i, world_size, tp))) for i in range(tp)]
-    me_tp, me_ep = rank % tp, rank // tp
+    me_tp, me_seq = rank % tp, rank // tp
+    # Folded, the ep group is every rank (whole TP groups): rank r holds experts slice r.
+    ep_group = dist.group.WORLD if fold else ep_groups[me_tp] if ep > 1 else None
+    me_ep = rank if fold else me_seq
     kw = dict(n_shared=1, shared_gate=True, aux_loss_coef=0.1)
     torch.manual_seed(0)
     ref = MoE(32, 8, 2, 48, **kw)
     torch.manual_seed(0)
-    got = MoE(32, 8, 2, 48, sp_group=tp_groups[rank // tp], ep_chunks=2,
-              ep_group=ep_groups[me_tp] if ep > 1 else None, **kw)
+    got = MoE(32, 8, 2, 48, sp_group=tp_groups[rank // tp], ep_chunks=2, ep_group=ep_group, **kw)
+    assert got.folded == fold
+    # Folded, the experts are not replicated over TP: no partial gradients to sum there.
+    partial = {id(p) for p in partial_grad_params([got])}
+    assert all((id(p) in partial) != fold for p in got.experts.parameters())
+    assert id(got.router.weight) in partial
     with torch.no_grad():
         for name, p in got.named_parameters():
             q = ref.get_parameter(name)
             n = p.shape[0]
             p.copy_(q[me_ep * n:(me_ep + 1) * n] if name.startswith("experts.") else q)
-    torch.manual_seed(10 + me_ep)               # each ep rank its own sequence, cut over tp
+    torch.manual_seed(10 + me_seq)              # each TP group its own sequence, cut over tp
     x = torch.randn(12, 2, 32)
     w = torch.randn(12, 2, 32)
     xr = x.clone().requires_grad_()
@@ -188,22 +195,26 @@ def _sequence_parallel(rank, world_size, ep):
     for name, p in got.named_parameters():
         q = ref.get_parameter(name).grad
         if name.startswith("experts."):
-            q = q.clone()
-            dist.all_reduce(q, group=ep_groups[me_tp]) if ep > 1 else None
+            q = q.clone()       # every sequence's gradient, summed
+            dist.all_reduce(q, group=ep_groups[me_tp]) if world_size > tp else None
             n = p.shape[0]
             q = q[me_ep * n:(me_ep + 1) * n]
         torch.testing.assert_close(p.grad, q, atol=1e-5, rtol=1e-5, msg=name)
     return True
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-def test_sequence_parallel_equals_one_rank(ep):
+@pytest.mark.parametrize("ep, fold", [(1, False), (2, False), (2, True), (4, True)],
+                         ids=["tp2", "tp2 ep2", "tp2 ep2 folded", "tp2 x 2 ep4 folded"])
+def test_sequence_parallel_equals_one_rank(ep, fold):
     """Under SP each TP rank runs the layer on its shard of the tokens: its outputs and input
     gradients are the single-process layer's rows; the auxiliary loss counts over the whole
     sequence, so once the replicated parameters' partial gradients are summed over TP
     (``reduce_replicated_grads``) every gradient is the reference's (each expert's summed over
-    the ep ranks, which route other sequences)."""
-    assert all(run_ranks(_sequence_parallel, 2 * ep, ep, timeout=90))
+    the ep ranks, which route other sequences). Folded (the ep group holds the TP group: each
+    TP rank other experts), the experts' gradients need no sum over TP: the all-to-alls'
+    backward brings every TP rank's rows' share."""
+    world = ep if fold else 2 * ep
+    assert all(run_ranks(_sequence_parallel, world, ep, fold, timeout=90))
 
 
 def test_bad_sizes_are_refused():

@@ -930,3 +930,23 @@ def test_expert_parallelism_in_the_model():
     assert plain.memory_gb_per_gpu - chunked.memory_gb_per_gpu > 50 and not plain.fits
     best, _ = planner.search(work, cluster, top=3)
     assert best and all(e.config.ep > 1 for e in best)
+
+
+def test_tp_folded_into_expert_parallelism_in_the_planner():
+    """Folded, an ep group is whole TP groups: at tp2 ep8 its all-to-alls stay inside a node of
+    8 (unfolded, 8 dp ranks tp apart span two nodes), at the unfolded layout's memory; and it
+    holds half the experts per rank of the unfolded ep4 whose all-to-alls span the same node.
+    The search offers it wherever SP is on."""
+    m = get_config("8x7b")
+    work, cluster = Workload(m, 4096, 512), Cluster(64, 8, BUILTIN["h100-80gb"])
+    base = ParallelConfig(2, 4, 8, 1, 1, "1f1b", "full", True)
+    plain8, fold8, plain4 = (evaluate(work, cluster, dataclasses.replace(base, **kw)) for kw in (
+        dict(ep=8), dict(ep=8, ep_fold_tp=True), dict(ep=4)))
+    assert fold8.step_time_s < plain8.step_time_s
+    assert fold8.memory_gb_per_gpu == pytest.approx(plain8.memory_gb_per_gpu)
+    assert fold8.memory_gb_per_gpu < plain4.memory_gb_per_gpu - 10
+    found = {(c.ep, c.ep_fold_tp, c.sequence_parallel) for c in planner.candidates(
+        work, cluster, dict(tp=2, pp=4, schedule="1f1b", recompute="full", zero=0,
+                            micro_batch_size=1))}
+    assert (8, True, True) in found and (4, True, True) in found
+    assert not any(fold and not sp for _, fold, sp in found)

@@ -1,9 +1,10 @@
 """DualPipeV (DeepSeek-V3's DualPipe cut in half into a V): ZB-V's placement, with each steady
 state F run together with another micro-batch's B on the rank's other chunk. Its order equals
 torch's ``ScheduleDualPipeV`` action for action; the simulator's step meets the closed form
-of the DualPipe paper's cost model; the overlapped B fills the F's expert-parallel transfer
-waits a layer at a time (the mechanism, recorded); with MoE under ep the trainer's loss curve
+of the DualPipe paper's cost model; the overlapped F and B take turns at their expert-parallel
+transfer waits, each computing while the other's travel (the mechanism, recorded); with MoE under ep the trainer's loss curve
 is the single process's."""
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -83,7 +84,7 @@ def test_the_simulator_hides_a_pairs_fillable_waits():
     ZB-V (no pairs)."""
     s = build_schedule("dualpipe-v", 2, 8, 2)
     cost = dict(f=1.0, b=1.0, w=1.0, waits=(0.5, 0.0, 0.0))
-    plain, filled = simulate(s, **cost, fillable=0.0), simulate(s, **cost)
+    plain, filled = simulate(s, **cost, fillable=(0.0, 0.0)), simulate(s, **cost)
     pairs = [e for e in filled.events if e.action.overlap]
     assert pairs and all(e.end - e.start == pytest.approx(1.5)
                          for e in plain.events if e.action.kind == "F")
@@ -91,7 +92,16 @@ def test_the_simulator_hides_a_pairs_fillable_waits():
     assert sum(e.end - e.start == pytest.approx(1.0) for e in pairs) >= len(pairs) // 2
     assert filled.step_time < plain.step_time
     zbv = build_schedule("zb-v", 2, 8, 2)
-    assert simulate(zbv, **cost).step_time == simulate(zbv, **cost, fillable=0.0).step_time
+    assert simulate(zbv, **cost).step_time == \
+        simulate(zbv, **cost, fillable=(0.0, 0.0)).step_time
+    # The other way: a pair's B waits under its F's compute.
+    back = dict(f=1.0, b=1.0, w=1.0, waits=(0.0, 0.5, 0.0))
+    plain, filled = simulate(s, **back, fillable=(0.0, 0.0)), simulate(s, **back)
+    shorter = [e for e in filled.events if e.action.kind == "B" and e.end - e.start < 1.5 - 1e-9]
+    assert len(shorter) >= len(pairs) // 2 and filled.step_time < plain.step_time
+    assert simulate(s, **back, fillable=(1.0, 0.0)).step_time == plain.step_time
+    with pytest.raises(ValueError, match="fillable=0.5 must be"):
+        simulate(s, **back, fillable=0.5)
 
 
 class _Block(nn.Module):
@@ -138,7 +148,7 @@ def _recorded(rank, world_size):
             s = sched.stage_index(pp_rank, c)
             torch.manual_seed(100 + s)          # the same weights on both ep rows
             stages.append(_Stage(D, ep_groups[pp_rank], s, 4))
-        events, real_fill = [], fill.fill
+        events, real_fill = _Threads(), fill.fill
 
         def filled():
             events.append(("fill", None))
@@ -147,7 +157,7 @@ def _recorded(rank, world_size):
             return ran
         fill.fill = filled
         try:
-            with recording(events, ("_expert_dx",)):
+            with recording(events, ("_expert_forward", "_expert_dx")):
                 torch.manual_seed(7 + row)          # each ep row its own batch
                 x = torch.randn(m * B, S, D)
                 t = torch.randn(m * B, S, D)
@@ -162,60 +172,76 @@ def _recorded(rank, world_size):
     return out
 
 
-def _in_flight_computes(events):
-    """How many MoE backward computations ran inside a filled step while a transfer issued
-    outside any filled step (a forward's) was in flight: issued, not yet waited for."""
-    inside, mine, flying, hidden = False, set(), set(), 0
-    for kind, n in events:
-        if kind == "fill":
-            inside = True
-        elif kind == "filled":
-            inside = False
-        elif kind == "issue" and not inside:
-            mine.add(n)
+class _Threads(list):
+    """Events, each with the name of the thread that appended it (a pair's sides run on
+    threads of their own, ``fastpar-pair-first`` and ``-second``, the rest on the caller's)."""
+
+    def append(self, e):
+        super().append((*e, threading.current_thread().name))
+
+
+def _hidden(events, issuer: str, computes: str) -> int:
+    """How many ``computes`` (an expert phase) ran on another thread while a transfer issued
+    on a thread named ``issuer`` was in flight (issued, not yet waited for)."""
+    flying, hidden = set(), 0
+    for kind, n, t in events:
+        if kind == "issue" and t == issuer:
             flying.add(n)
         elif kind == "wait":
             flying.discard(n)
-        elif kind == "_expert_dx" and inside and flying:
+        elif kind == computes and t != issuer and flying:
             hidden += 1
     return hidden
 
 
 @pytest.mark.timeout(150)
-def test_the_paired_backward_computes_while_the_forwards_transfers_travel():
-    """Under DualPipeV each overlapped F's MoE layers call for a step of the paired B before
-    each wait on their dispatch and return: that B's expert backward computes while the F's
-    all-to-alls are in flight (issued, not waited for). Under ZB-V (the same model, no pairs)
-    no backward computes while a forward's transfer travels. Both give the same gradients."""
+def test_the_pairs_forward_and_backward_compute_while_the_others_transfers_travel():
+    """Under DualPipeV an overlapped F and its paired B take turns at their MoE layers' waits
+    on a dispatch or a return: the B's expert backward computes while the F's all-to-alls are
+    in flight (issued, not waited for), and the F's experts compute while the B's are. Under
+    ZB-V (the same model, no pairs) neither happens: everything runs on one thread, and no
+    fill point lets anything in. Both give the same gradients."""
     from fastpar.testing import run_ranks
     for rank, out in enumerate(run_ranks(_recorded, 4, timeout=120)):
         dual, zbv = out["dualpipe-v"], out["zb-v"]
-        ran = [e for e in dual[0] if e == ("filled", True)]
-        assert ran, f"rank {rank}: no backward step filled a forward's wait"
-        assert _in_flight_computes(dual[0]) >= 2, rank
-        assert _in_flight_computes(zbv[0]) == 0, rank
-        assert not [e for e in zbv[0] if e == ("filled", True)], rank
+        assert [e for e in dual[0] if e[:2] == ("filled", True)], rank
+        assert _hidden(dual[0], "fastpar-pair-first", "_expert_dx") >= 2, rank
+        assert _hidden(dual[0], "fastpar-pair-second", "_expert_forward") >= 2, rank
+        assert {t for _, _, t in zbv[0]} == {"MainThread"}, rank
+        assert not [e for e in zbv[0] if e[:2] == ("filled", True)], rank
         for a, b in zip(dual[1], zbv[1]):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (rank, (a - b).abs().max())
 
 
-def test_a_step_inside_a_step_does_not_fill():
-    """A filled step's own waits (the backward's all-to-alls) run nothing: no recursion."""
+def test_a_pair_takes_turns_at_its_fill_points():
+    """``fill.pair`` runs the first side to its first fill point, then the second to its
+    first, and so on; a side that ends leaves the other to run on without pausing; the sides
+    run with the caller's grad mode; an error in a side is raised by ``pair``; outside a pair
+    a fill point runs nothing."""
     from fastpar.mesh import fill
     seen = []
 
-    def steps():
-        seen.append(fill.fill())        # inside a step: nothing runs
-        yield
-        seen.append("second")
+    def side(name, points):
+        def run():
+            for i in range(points):
+                seen.append((name, i, torch.is_grad_enabled()))
+                seen.append((name, "ran other", fill.fill()))
+            seen.append((name, "end", None))
+        return run
 
-    it = steps()
-    with fill.filling(it):
-        assert fill.fill() is True
-        fill.fill()                     # runs the rest
-        assert fill.fill() is False     # exhausted: nothing runs
-    assert seen == [False, "second"]
-    assert fill.fill() is False         # outside: no work
+    with torch.no_grad():
+        times = fill.pair(side("F", 3), side("B", 1))
+    assert seen == [("F", 0, False), ("B", 0, False), ("F", "ran other", True),
+                    ("F", 1, False), ("B", "ran other", True), ("B", "end", None),
+                    ("F", "ran other", True), ("F", 2, False), ("F", "ran other", False),
+                    ("F", "end", None)]
+    assert len(times) == 2 and min(times) >= 0
+    assert fill.fill() is False
+
+    def broken():
+        raise ValueError("in a side")
+    with pytest.raises(ValueError, match="in a side"):
+        fill.pair(side("F", 2), broken)
 
 
 MOE_ONE = dict(micro_batch_size=1, steps=6)
@@ -252,7 +278,7 @@ def test_moe_under_expert_parallelism_trains_on_the_single_process_curve(layout,
 def test_the_dry_run_the_memory_model_and_the_planner_know_dualpipe_v():
     """8x7b on 1,024 ranks, tp2 (sp) x pp8 x dp64 with its experts over ep8: each pp rank
     builds stages r and 15 - r, which the memory model counts (equal per role). DualPipeV's
-    pairs hide the MoE dispatch's forward waits behind the paired backward, but its steady
+    pairs hide the MoE dispatch's waits behind each other's compute, but its steady
     state runs full backwards (no W left to fill the bubble): at 32 micro-batches its step is
     below ZB-V's and ZB-H1's on the same layout, at 16 (the fewest it takes, m = 2 pp) ZB-V's
     is below it; the search picks accordingly."""
@@ -265,7 +291,7 @@ def test_the_dry_run_the_memory_model_and_the_planner_know_dualpipe_v():
         steps[sched] = rep.step_time_s
     assert cfg.virtual_stages == 2 and rep.roles[0].layers[-1] == 31
     assert steps["dualpipe-v"] < steps["zb-v"] < steps["zb-h1"], steps
-    fixed = {"tp": 2, "pp": 8, "ep": 8, "micro_batch_size": 1, "zero": 1,
+    fixed = {"tp": 2, "pp": 8, "ep": 8, "ep_fold_tp": False, "micro_batch_size": 1, "zero": 1,
              "sequence_parallel": True, "recompute": "none"}
     cluster = Cluster(1024, 8, BUILTIN["h100-80gb"])
     for batch, first in ((2048, "dualpipe-v"), (1024, "zb-v")):

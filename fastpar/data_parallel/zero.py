@@ -478,7 +478,7 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, groups=(),
-                        counted=None, ep_group=None) -> torch.Tensor:
+                        counted=None, ep_group=None, ep_counted: bool = True) -> torch.Tensor:
         """Clip the mean gradient by its global norm; returns that norm (before clipping) as
         a 0-dim tensor, computed and applied on the device (no host sync).
 
@@ -487,7 +487,9 @@ class DistributedOptimizer:
         says whether this rank counts parameter ``p`` (e.g. parameters replicated over TP only
         on tp rank 0). Without them the norm is that of this model replica. ``ep_group``:
         the expert-parallel parameters' part is first summed over it (each rank holds other
-        experts; the rest of the model is the same on all of them).
+        experts; the rest of the model is the same on all of them); ``ep_counted`` False: this
+        rank does not add that sum (the ep group spans a group of ``groups``, whose sum adds
+        it once from another rank).
         """
         if self.overlap_step:
             raise RuntimeError("clip_grad_norm_ cannot run with overlap_step=True: each bucket "
@@ -518,6 +520,8 @@ class DistributedOptimizer:
             if sharded and self.model.expert_group is not None:
                 collectives.all_reduce(mine, op=op, group=self.model.expert_group)
             collectives.all_reduce(mine, op=op, group=ep_group)
+            if not ep_counted:
+                mine.zero_()
             local = torch.maximum(local, mine) if inf else local + mine
         for group in groups:
             collectives.all_reduce(local, op=op, group=group)

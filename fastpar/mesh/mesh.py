@@ -302,15 +302,53 @@ def hsdp_expert_group(mesh: Mesh, shard: int, ep: int, timeout: float | timedelt
     return mine
 
 
-def ep_groups(mesh: Mesh, ep: int, timeout: float | timedelta = 600.0):
-    """Expert parallelism's two groups inside this rank's dp x cp group: ``(ep_group,
-    expert_dp_group)``. The ep group is ``ep`` consecutive ranks (with the tp-cp-dp-pp order
-    the nearest ones: the all-to-alls stay inside a node where they can), each holding
-    ``n_experts / ep`` of every MoE layer's experts; the ranks at the same place of every ep
-    group hold the same experts and sum their gradients (Megatron's expert-data-parallel
-    group). ``ep`` must divide dp x cp (checked before any collective)."""
+def ep_ranks(layout, ep: int, fold_tp: bool = False) -> tuple[list[list[int]], list[list[int]]]:
+    """Every ep group and every expert-data-parallel group of ``layout``, as rank lists (pure
+    arithmetic; :func:`ep_groups` creates them). Unfolded, an ep group is ``ep`` consecutive
+    ranks of a dp x cp group (the same TP rank). With ``fold_tp`` (Megatron's MoE parallel
+    folding) it is the union over the TP ranks of ``ep / tp`` such ranks: whole TP groups, so
+    each TP rank holds other experts; the ranks holding the same experts are then still those
+    at the same place of a dp x cp group's blocks of ``ep / tp``."""
+    k = ep // layout.tp if fold_tp else ep
+    blocks, across, by_stage = [], [], {}
+    for ranks in layout.groups("dp-cp" if layout.cp > 1 else "dp"):
+        cut = [ranks[i:i + k] for i in range(0, len(ranks), k)]
+        across += [ranks[j::k] for j in range(k)]
+        if not fold_tp:
+            blocks += cut
+            continue
+        # The dp x cp groups of one stage (one per TP rank) list their ranks in the same
+        # (dp, cp) order: block i of each is the same dp x cp ranks.
+        stage = by_stage.setdefault(layout.coords(ranks[0]).pp, [[] for _ in cut])
+        for i, block in enumerate(cut):
+            stage[i] += block
+    for stage in by_stage.values():
+        blocks += [sorted(b) for b in stage]
+    return blocks, across
+
+
+def ep_groups(mesh: Mesh, ep: int, timeout: float | timedelta = 600.0, fold_tp: bool = False):
+    """Expert parallelism's two groups: ``(ep_group, expert_dp_group)``. The ep group is ``ep``
+    consecutive ranks of this rank's dp x cp group (with the tp-cp-dp-pp order the nearest
+    ones: the all-to-alls stay inside a node where they can), each holding ``n_experts / ep``
+    of every MoE layer's experts; the ranks at the same place of every ep group hold the same
+    experts and sum their gradients (Megatron's expert-data-parallel group). ``ep`` must divide
+    dp x cp. ``fold_tp``: the ep group is whole TP groups of ``ep / tp`` such ranks
+    (:func:`ep_ranks`), ``ep`` a multiple of tp. Checked before any collective."""
+    lay = mesh.layout
+    k = ep // lay.tp if fold_tp and isinstance(ep, int) else ep
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or \
-            (mesh.dp_size * mesh.cp_size) % ep:
+            (fold_tp and ep % lay.tp) or (mesh.dp_size * mesh.cp_size) % k:
         raise ValueError(f"--ep={ep!r} must be a divisor of dp x cp = {mesh.dp_size} x "
-                         f"{mesh.cp_size}")
-    return _blocks(mesh, ep, timeout)
+                         f"{mesh.cp_size}" + (f" times tp={lay.tp} (folded)" if fold_tp else ""))
+    if not fold_tp:
+        return _blocks(mesh, ep, timeout)
+    timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    options = group_options(dist.get_backend())
+    mine = {}
+    for kind, groups in zip(("block", "across"), ep_ranks(lay, ep, True)):
+        for g in groups:
+            group = dist.new_group(g, timeout=timeout, pg_options=options)
+            if mesh.rank in g:
+                mine[kind] = group
+    return mine["block"], mine["across"]

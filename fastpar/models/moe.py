@@ -32,6 +32,7 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -371,6 +372,7 @@ class _Send(torch.autograd.Function):
     def backward(ctx, _):
         flight = ctx.flight
         for w in flight.works:
+            fill.fill()             # a paired micro-batch's forward, if any (DualPipe)
             w.wait()
         back, flight.works = flight.got, None
         dx = torch.cat(back)
@@ -409,7 +411,7 @@ class _Finish(torch.autograd.Function):
             flight.local_saved = []
             own_part(0)
         for c, chunk in enumerate(chunks):
-            fill.fill()             # a paired micro-batch's backward step, if any (DualPipe)
+            fill.fill()             # a paired micro-batch's backward, if any (DualPipe)
             flight.works[c].wait()
             y, keep = _expert_forward(flight.experts, flight.got[c][chunk.perm], chunk.counts)
             saved.append(keep if flight.grad else None)
@@ -443,12 +445,14 @@ class _Finish(torch.autograd.Function):
                 parts.append((saved, keep, counts))
             flight.local_dx = torch.cat(own)
         for c, chunk in enumerate(chunks):
+            fill.fill()
             works[c].wait()
             dx, keep = _expert_dx(flight.saved[c], got[c][chunk.perm], chunk.counts)
             kept.append(keep)
             back.append(dx.new_empty((sum(chunk.send), D)))
             returns.append(_a2a(back[c], _fill(dx, chunk), chunk.send, chunk.recv, group))
         if len(chunks) == 1:        # blocking: nothing computes while a transfer travels
+            fill.fill()             # (but another micro-batch's forward, paired with this)
             returns[0].wait()
         # The weight gradients, while the returns travel.
         parts += [(flight.saved[c], kept[c], chunk.counts) for c, chunk in enumerate(chunks)]
@@ -461,6 +465,7 @@ class _Finish(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:     # no _Send backward to come (rows need no grad)
             flight.local_dx = None
             for w in returns:
+                fill.fill()
                 w.wait()
         return g.new_zeros(0), None, dgu.to(ctx.dtype), dd.to(ctx.dtype)
 
@@ -507,9 +512,16 @@ class MoE(nn.Module):
         # (one small all-reduce per group).
         self.cp_group = cp_group if group_size(cp_group) > 1 else None
         self.sp_group = sp_group if group_size(sp_group) > 1 else None
+        # TP folded into expert parallelism (the ep group holds the TP group's ranks): each TP
+        # rank holds other experts, their gradients summed over TP by the all-to-alls already.
+        self.folded = self.sp_group is not None and self.ep_group is not None and set(
+            dist.get_process_group_ranks(self.sp_group)) <= set(
+            dist.get_process_group_ranks(self.ep_group))
         if self.sp_group is not None:
             from ..tensor_parallel.sharding import mark_partial_grads
             for m in self.modules():
+                if self.folded and m is self.experts:
+                    continue
                 names = [n for n, _ in m.named_parameters(recurse=False)]
                 if names:
                     mark_partial_grads(m, *names)

@@ -56,6 +56,17 @@ class ParallelConfig:
     ep_chunks: int = 2                  # dispatch each MoE layer's tokens in this many chunks,
                                         # each chunk's all-to-all travelling while another's
                                         # experts compute (1: one blocking all-to-all each way)
+    ep_fold_tp: bool = False            # fold TP into expert parallelism (Megatron's MoE
+                                        # parallel folding, expert TP 1): an ep group is whole
+                                        # TP groups of ep / tp data-parallel ranks, so each TP
+                                        # rank holds other experts instead of the same ones
+                                        # (needs --sequence-parallel; ep a multiple of tp)
+
+    @property
+    def ep_dp(self) -> int:
+        """Data- (and context-) parallel ranks in an ep group: ``ep``, or ``ep / tp`` when TP
+        is folded into it."""
+        return self.ep // self.tp if self.ep_fold_tp else self.ep
 
     def num_microbatches(self, global_batch: int, dp: int | None = None) -> int:
         return global_batch // (self.micro_batch_size * (dp or self.dp))
@@ -100,20 +111,32 @@ class ParallelConfig:
         if self.cp > 1:
             check_seq_len(seq_len, self.cp)
         model.check_tp(self.tp)
-        if self.ep > 1:
+        if self.ep > 1 or self.ep_fold_tp:
+            k = self.ep_dp
+            fold = self.ep_fold_tp
             bad = [why for wrong, why in (
                 (not model.n_experts, "the model has no experts (n_experts=0)"),
                 (model.n_experts % self.ep, f"n_experts={model.n_experts} is not a multiple "
                                             f"of ep={self.ep}"),
-                ((dp * self.cp) % self.ep, f"ep={self.ep} does not divide dp x cp = "
-                                           f"{dp} x {self.cp}"),
-                (0 < self.dp_shard < dp and (self.dp_shard * self.cp) % self.ep,
-                 f"ep={self.ep} does not divide an HSDP shard group of dp_shard x cp = "
+                (fold and (self.tp < 2 or not self.sequence_parallel),
+                 f"folding TP into ep needs tp > 1 and --sequence-parallel (each TP rank routes "
+                 f"its own tokens; got tp={self.tp}, sequence_parallel="
+                 f"{self.sequence_parallel})"),
+                (fold and self.ep % self.tp, f"ep={self.ep} is not a multiple of tp={self.tp} "
+                                             f"(folded, an ep group is whole TP groups)"),
+                (not (fold and self.ep % self.tp) and (dp * self.cp) % k,
+                 f"ep={self.ep}" + (f" / tp = {k}" if fold else "") +
+                 f" does not divide dp x cp = {dp} x {self.cp}"),
+                (0 < self.dp_shard < dp and not (fold and self.ep % self.tp) and
+                 (self.dp_shard * self.cp) % k,
+                 f"ep={self.ep}" + (f" / tp = {k}" if fold else "") +
+                 f" does not divide an HSDP shard group of dp_shard x cp = "
                  f"{self.dp_shard} x {self.cp} ranks (the experts' replicas are sharded "
                  f"inside it)"))
                    if wrong]
             if bad:
-                raise ValueError(f"--ep={self.ep}: " + "; ".join(bad))
+                raise ValueError(f"--ep={self.ep}" + (" --ep-fold-tp" if fold else "") + ": " +
+                                 "; ".join(bad))
         if model.n_layers < self.pp * self.virtual_stages:
             raise ValueError(f"the model has {model.n_layers} layers, fewer than pp x virtual "
                              f"stages = {self.pp} x {self.virtual_stages}")

@@ -65,8 +65,9 @@ class Action:
     """One step of one rank: ``kind`` on micro-batch ``microbatch`` of local chunk ``chunk``.
 
     ``overlap`` (an F only): the F runs together with the B that follows it (another
-    micro-batch, the other chunk; DualPipe's overlapped forward and backward): the B's
-    computation fills the F's waits on its transfers (:mod:`fastpar.mesh.fill`)."""
+    micro-batch, the other chunk; DualPipe's overlapped forward and backward): the two take
+    turns at their transfers' waits, each computing while the other's travel
+    (:mod:`fastpar.mesh.fill`)."""
 
     kind: str
     microbatch: int

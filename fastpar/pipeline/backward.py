@@ -107,9 +107,8 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
 
 def backward_input_steps(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor,
                          captured: Capture, eager: list[nn.Parameter], full: bool = False):
-    """:func:`backward_input` as a generator: it yields after each segment (a layer), so that
-    another micro-batch's forward can run it a segment at a time while its own transfers travel
-    (:mod:`fastpar.mesh.fill`); returns ``(dx, pending)``. ``full=True``: a backward whose W
+    """:func:`backward_input` as a generator: it yields after each segment (a layer);
+    returns ``(dx, pending)``. ``full=True``: a backward whose W
     would follow at once (DualPipeV's unsplit ones): one ``autograd.backward`` per segment
     computes every gradient into ``.grad`` (the parameters' hooks fire as autograd goes, as in
     an unsplit schedule) and frees the graph; ``pending`` is empty."""

@@ -62,21 +62,7 @@ class _Step:
     events: list = field(default_factory=list)
     arrived: float | None = None                     # when the current action's input arrived
     keep: bool = True                                # keep activations for backward
-    filled: float = 0.0                              # seconds the current pair's B took
-
-
-def _timed(steps, st: _Step):
-    """``steps``, adding the time each takes to ``st.filled`` (from zero)."""
-    st.filled = 0.0
-    while True:
-        t = time.perf_counter()
-        try:
-            next(steps)
-        except StopIteration:
-            st.filled += time.perf_counter() - t
-            return
-        st.filled += time.perf_counter() - t
-        yield
+    filled: float = 0.0                              # seconds the current pair's B ran
 
 
 class PipelineExecutor:
@@ -162,7 +148,6 @@ class PipelineExecutor:
         self._final = {max(i for i, a in enumerate(acts) if a.kind == kind and a.chunk == c)
                        for kind in {"B", done} for c in range(schedule.virtual_stages)}
         self._forward_schedule: Schedule | None = None
-        self._points: dict = {}                 # chunk -> fill points its forward reaches
         # Split backwards whose W comes right after their B (DualPipeV's unsplit ones): one
         # pass computes both, the W has nothing left to do.
         order = schedule.compute(self.rank)
@@ -226,15 +211,12 @@ class PipelineExecutor:
             if b.kind != "F" and self.before_backward is not None:
                 self.before_backward(b.chunk, (i + 1 if pair else i) in self._final)
             st.arrived, t0 = None, time.perf_counter()
-            if pair is not None:        # F with the B of another micro-batch filling its waits
+            if pair is not None:        # F and the B of another micro-batch, taking turns
                 with span("pipeline", a, pair):
                     self._overlapped(st, a, pair)
             else:
-                calls = fill.calls
                 with span("pipeline", a):
                     {"F": self._forward, "B": self._backward, "W": self._weight}[a.kind](st, a)
-                if a.kind == "F":       # the fill points a forward of this chunk reaches
-                    self._points[a.chunk] = fill.calls - calls
             if self.record and training:            # compute time only, not the input's wait
                 t0, t1 = (st.arrived or t0) - start, time.perf_counter() - start
                 if pair is None:
@@ -311,17 +293,12 @@ class PipelineExecutor:
         return nb is not None and nb[0] == self.rank
 
     def _overlapped(self, st: _Step, f, b) -> None:
-        """DualPipe's overlapped pair: ``b``'s backward, a layer at a time, fills the waits of
-        ``f``'s forward on its transfers (:mod:`fastpar.mesh.fill`); what is left of it runs
-        after."""
+        """DualPipe's overlapped pair: ``f``'s forward and ``b``'s backward as two coroutines
+        taking turns at their transfers' waits (:func:`fastpar.mesh.fill.pair`): each one's
+        all-to-alls travel while the other computes."""
         if self.schedule.stage_index(self.rank, f.chunk) == 0:
             st.arrived = time.perf_counter()    # F takes no input: the pair starts now
-        live = st.live[(b.microbatch, b.chunk)]
-        n = len(live.captured.inputs) + 1 if live.captured is not None else 1
-        steps = _timed(self._backward_steps(st, b), st)
-        with fill.filling(steps, n, self._points.get(f.chunk)):
-            self._forward(st, f)
-        fill.drain(steps)
+        st.filled = fill.pair(lambda: self._forward(st, f), lambda: self._backward(st, b))[1]
 
     def _backward(self, st: _Step, a) -> None:
         fill.drain(self._backward_steps(st, a))

@@ -126,8 +126,8 @@ def zero_bubble_v(rank: int, pp: int, m: int, v: int) -> list[Action]:
 def dualpipe_v(rank: int, pp: int, m: int, v: int) -> list[Action]:
     """DualPipeV (DeepSeek-V3's DualPipe cut in half, as torch's ``ScheduleDualPipeV`` orders
     it): the V placement of ZB-V; in the steady state each F runs overlapped with the B of
-    another micro-batch on the other chunk (``Action.overlap``: the B's computation fills the
-    F's transfer waits). A B not split off from its W is followed by that W at once; the
+    another micro-batch on the other chunk (``Action.overlap``: each computes while the
+    other's transfers travel). A B not split off from its W is followed by that W at once; the
     split ones (the warm-up's chunk 1 and the cool-down's second half) queue their W, which
     fill the gaps later. Needs m >= 2 pp.
 

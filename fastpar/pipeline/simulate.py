@@ -72,11 +72,12 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
 
     ``waits``: optional (f, b, w) costs of the same shapes, the part of each action spent
     waiting (on collectives) rather than computing; included in its time. An overlapped F
-    (DualPipeV's pairs, :class:`~fastpar.pipeline.actions.Action` ``overlap``) hides up to
-    its B's compute of its waits: the pair takes F's compute and waits, plus B's, less
-    min(F's waits, B's compute), B's part starting no sooner than B's input has arrived.
-    ``fillable``: per stage, the part of F's waits the pair can hide (the waits a layer fills,
-    :mod:`fastpar.mesh.fill`: the MoE dispatch's); all of them if None.
+    (DualPipeV's pairs, :class:`~fastpar.pipeline.actions.Action` ``overlap``) and its B take
+    turns at their waits (:func:`fastpar.mesh.fill.pair`): the pair takes both's compute and
+    waits, less min(F's waits, B's compute) and min(B's waits, F's compute), B's part starting
+    no sooner than B's input has arrived (only F's compute after that hides B's waits).
+    ``fillable``: ``(f, b)``, each a number or one per stage: the part of F's and of B's
+    waits the pair can hide (the waits with a fill point: the MoE dispatch's); all if None.
     (With ``shared`` the pairs run one after the other: gloo's transfers share the cores.)
     ``post``: the host time a rank spends issuing each send and each receive (gloo's isend /
     irecv take a few hundred us of the calling thread; a message leaves once its send is posted).
@@ -99,8 +100,13 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
     if shared is not None:
         return _simulate_shared(s, cost, idle, comm, post, *shared)
     compute = cost
-    fills = idle["F"] if fillable is None else [
-        min(x, y) for x, y in zip(_per_stage("fillable", fillable, s.num_stages), idle["F"])]
+    if fillable is not None and (not isinstance(fillable, (tuple, list)) or
+                                 len(fillable) != 2):
+        raise ValueError(f"simulate: fillable={fillable!r} must be (f, b), each a number or "
+                         f"one per stage")
+    fills = {k: idle[k] if fillable is None else [
+        min(x, y) for x, y in zip(_per_stage(f"fillable {k}", v, s.num_stages), idle[k])]
+        for k, v in zip("FB", fillable or (None, None))}
     cost = {k: [x + y for x, y in zip(cost[k], idle[k])] for k in cost}
     clock = [0.0] * s.pp_size
     pos = [0] * s.pp_size
@@ -125,9 +131,10 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
                     fc, fw, bc, bw = compute["F"][i], idle["F"][i], compute["B"][j], idle["B"][j]
                     start = max(clock[rank], arrival.get(need, 0.0))
                     ready = max(start, arrival.get(need_b, 0.0))
-                    hidden = min(fills[i], bc, max(0.0, start + fc + fw - ready))
+                    hidden = min(fills["F"][i], bc, max(0.0, start + fc + fw - ready))
+                    hidden_b = min(fills["B"][j], max(0.0, start + fc - ready))
                     mid = start + fc + fw - hidden
-                    end = max(mid + bc + bw, ready + bc + bw)
+                    end = max(mid, ready) + bc + bw - hidden_b
                     events += [Event(rank, a, start, mid), Event(rank, b, mid, end)]
                     clock[rank] = end
                     pos[rank] += 1

@@ -15,7 +15,7 @@ from ..train.config import TrainConfig
 from ..train.flags import add_flags, flags_of
 
 _FIXED = ("virtual_stages", "micro_batch_size", "schedule", "recompute", "cp", "zero", "ep",
-          "ep_chunks")
+          "ep_chunks", "ep_fold_tp")
 # The layout fields a plan can pin, as fastpar train names them (dp follows from --gpus).
 LAYOUT_FLAGS = ("tp", "pp") + _FIXED + ("sequence_parallel", "dp_shard")
 
@@ -132,7 +132,7 @@ def describe_layout(cfg: ParallelConfig) -> str:
         (cfg.virtual_stages > 1) + [f"mbs={cfg.micro_batch_size}"]
     words += [cfg.schedule] * (cfg.pp > 1) + ["sp"] * cfg.sequence_parallel + \
         [f"zero{cfg.zero}"] * bool(cfg.zero) + [f"hsdp{cfg.dp_shard}"] * bool(cfg.dp_shard) + \
-        [f"ep={cfg.ep}"] * (cfg.ep > 1)
+        [f"ep={cfg.ep}" + (" fold-tp" if cfg.ep_fold_tp else "")] * (cfg.ep > 1)
     return " ".join(words) + f", {cfg.recompute} recompute"
 
 

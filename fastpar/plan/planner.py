@@ -133,8 +133,10 @@ def _stage_costs(work, cluster, cfg, feat, split):
         exp_f = (1 - q) * exp_f + q * max(0.0, exp_f - lc.b)
         exp_b = (1 - q) * exp_b + q * max(0.0, exp_b - lc.f)
     # Expert parallelism: each MoE layer's dispatch, over ep consecutive dp ranks (tp apart),
-    # pipelined with its experts in ep_chunks chunks (on a CPU gloo shares the cores).
-    ep_f, ep_b = cost.ep_alltoall(shape, hw, cfg.ep, cfg.ep_chunks, cluster.link_gbps(t * cfg.ep),
+    # or folded over ep consecutive ranks (whole TP groups), pipelined with its experts in
+    # ep_chunks chunks (on a CPU gloo shares the cores).
+    span = cfg.ep if cfg.ep_fold_tp else t * cfg.ep
+    ep_f, ep_b = cost.ep_alltoall(shape, hw, cfg.ep, cfg.ep_chunks, cluster.link_gbps(span),
                                   overlap=hw.kind != "cpu")
     exp_f, exp_b = exp_f + ep_f, exp_b + ep_b
     layer = (lc.f + exp_f + lc.cp_exposed_f, lc.b + exp_b + lc.cp_exposed_b, lc.w)
@@ -204,8 +206,9 @@ def _stage_costs(work, cluster, cfg, feat, split):
                     + (head[i] if s == stages - 1 else 0.0) for i in range(3)])
         waits.append([len(r) * layer_waits[i] + (embed_waits[i] if s == 0 else 0.0)
                       + (head_waits[i] if s == stages - 1 else 0.0) for i in range(3)])
-    # What DualPipeV's pairs can hide (fastpar/mesh/fill.py): the MoE dispatch's forward waits.
-    fills = [len(r) * ep_f for r in ranges]
+    # What DualPipeV's pairs can hide (fastpar/mesh/fill.py): the MoE dispatch's waits, the
+    # forward's under the paired backward's compute and the backward's under the forward's.
+    fills = ([len(r) * ep_f for r in ranges], [len(r) * ep_b for r in ranges])
     return fbw, ranges, (exp_f + exp_b) * max(len(r) for r in ranges), lc, \
         (lc.cp_exposed_f + lc.cp_exposed_b) * max(len(r) for r in ranges), waits, fills
 
@@ -304,8 +307,8 @@ def expert_view(cfg: ParallelConfig) -> ParallelConfig:
     reduced, and their ZeRO shards cut, over their replicas, dp x cp / ep ranks
     (fastpar/data_parallel/reducer.py ``place``); under HSDP over those inside a shard group,
     dp_shard x cp / ep ranks (``fastpar.mesh.hsdp_expert_group``)."""
-    return dataclasses.replace(cfg, dp=(cfg.dp or 1) * cfg.cp // cfg.ep, cp=1, ep=1,
-                               dp_shard=cfg.dp_shard * cfg.cp // cfg.ep)
+    return dataclasses.replace(cfg, dp=(cfg.dp or 1) * cfg.cp // cfg.ep_dp, cp=1, ep=1,
+                               ep_fold_tp=False, dp_shard=cfg.dp_shard * cfg.cp // cfg.ep_dp)
 
 
 def shard_size(cfg: ParallelConfig) -> int:
@@ -487,7 +490,7 @@ def _schedule(cfg: ParallelConfig, work: Workload, schedules: dict):
 def _cache_key(cfg: ParallelConfig) -> tuple:
     """What a configuration's per-stage costs depend on (the last item: a split backward)."""
     return (cfg.tp, cfg.pp, cfg.virtual_stages, cfg.micro_batch_size, cfg.recompute,
-            cfg.sequence_parallel, cfg.interleave, cfg.ep, cfg.ep_chunks,
+            cfg.sequence_parallel, cfg.interleave, cfg.ep, cfg.ep_chunks, cfg.ep_fold_tp,
             cfg.schedule in SPLIT_SCHEDULES)
 
 
@@ -673,13 +676,18 @@ def candidates(work: Workload, cluster: Cluster, fixed: dict | None = None):
                                             pass
                                 # Interleaved pairs of micro-batches where they hide
                                 # something (cfg.check refuses them elsewhere); the experts
-                                # split over ep dp ranks (the default two chunks).
-                                eps = [e for e in pow2 if e <= dp * cp and
+                                # split over ep dp ranks (the default two chunks), or under
+                                # SP over whole TP groups of them (TP folded into ep).
+                                eps = [(e, False) for e in pow2 if e <= dp * cp and
                                        (dp * cp) % e == 0 and m.n_experts % e == 0] \
-                                    if m.n_experts else [1]
-                                for il, ep in itertools.product(
+                                    if m.n_experts else [(1, False)]
+                                if m.n_experts and sp:
+                                    eps += [(tp * e, True) for e, _ in eps
+                                            if m.n_experts % (tp * e) == 0]
+                                for il, (ep, fold) in itertools.product(
                                         (1, 2) if tp > 1 and pp == 1 else (1,), eps):
-                                    one = dataclasses.replace(cfg, interleave=il, ep=ep)
+                                    one = dataclasses.replace(cfg, interleave=il, ep=ep,
+                                                              ep_fold_tp=fold)
                                     if any(getattr(one, k) != val for k, val in fixed.items()):
                                         continue
                                     try:

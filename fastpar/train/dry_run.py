@@ -112,7 +112,8 @@ def dry_run(cfg, world_size: int, hardware: str = "h100-80gb") -> DryRunReport:
         with _fake_world(first, world_size):
             mesh = init(layout=lay)
             if cfg.ep > 1:
-                mesh.ep_group, mesh.expert_dp_group = ep_groups(mesh, cfg.ep)
+                mesh.ep_group, mesh.expert_dp_group = ep_groups(mesh, cfg.ep,
+                                                                fold_tp=cfg.ep_fold_tp)
             with torch.device("meta"):
                 chunks = build_model(cfg, dataclasses.replace(mesh, device=torch.device("meta")))
         params = [q for c in chunks for q in c.parameters()]
@@ -129,7 +130,7 @@ def dry_run(cfg, world_size: int, hardware: str = "h100-80gb") -> DryRunReport:
         # Expert parallelism: the experts' buckets are sharded over their replicas only.
         held = [s.padded_numel for s in specs if experts[s.indices[0]]]
         if held and cfg.zero and shard > 1:
-            stepped += sum(held) // (shard // cfg.ep) - sum(held) // shard
+            stepped += sum(held) // (shard // cfg.ep_dp) - sum(held) // shard
         row = rows[p]
         weight, grad, opt = planner.bytes_per_param(layout, feat, hw)
         weights = n * weight

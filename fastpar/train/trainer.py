@@ -135,7 +135,7 @@ def _wrap(cfg: TrainConfig, chunks, mesh):
         shard, replicate = hsdp_groups(mesh, cfg.dp_shard, group_timeout(cfg.timeout))
         groups = dict(dp_group=shard, replicate_group=replicate)
         if mesh.expert_dp_group is not None:    # the experts' replicas inside the shard group
-            groups["expert_group"] = hsdp_expert_group(mesh, cfg.dp_shard, cfg.ep,
+            groups["expert_group"] = hsdp_expert_group(mesh, cfg.dp_shard, cfg.ep_dp,
                                                        group_timeout(cfg.timeout))
     ddp = DataParallel(nn.ModuleList(chunks), main_grads=mixed, reduce_dtype=reduce_dtype,
                        units=units, device=mesh.device, **groups)
@@ -177,11 +177,15 @@ def _clip(chunks, mesh, max_norm: float, opt: DistributedOptimizer) -> torch.Ten
     replicated over TP counted once, pipeline stages summed, a tied embedding's last-stage
     copy not counted); returns it, on the device."""
     sharded = {id(p) for p, split in tp_params(chunks) if split}
+    # TP folded into ep: every TP rank holds other experts, their norm summed over the ep group
+    # (which holds the TP group) and added once, on TP rank 0.
+    fold = any(getattr(m, "folded", False) for c in chunks for m in c.modules())
     return opt.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"),
                                groups=[mesh.tp_group, mesh.pp_group],
                                counted=lambda p: not getattr(p, "tied_copy", False) and (
-                                   id(p) in sharded or mesh.tp_rank == 0),
-                               ep_group=mesh.ep_group)
+                                   id(p) in sharded or mesh.tp_rank == 0 or
+                                   fold and getattr(p, "expert_parallel", False)),
+                               ep_group=mesh.ep_group, ep_counted=not fold or mesh.tp_rank == 0)
 
 
 def _init_from(path, chunks, mesh, say) -> None:
@@ -283,8 +287,9 @@ def setup(cfg: TrainConfig, layout: Layout | None = None) -> Run:
     if torch.cuda.is_available():
         trace.mkdir(parents=True, exist_ok=True)
     mesh = fastpar.init(layout=lay, timeout=group_timeout(cfg.timeout), nccl_trace=str(trace / "rank_"))
-    if cfg.ep > 1:      # the experts split over ep data-parallel ranks
-        mesh.ep_group, mesh.expert_dp_group = ep_groups(mesh, cfg.ep, group_timeout(cfg.timeout))
+    if cfg.ep > 1:      # the experts split over ep data-parallel ranks (or TP groups' ranks)
+        mesh.ep_group, mesh.expert_dp_group = ep_groups(mesh, cfg.ep, group_timeout(cfg.timeout),
+                                                        fold_tp=cfg.ep_fold_tp)
     if cfg.model_config.tie_embeddings and PLACEMENT.get(cfg.schedule) != "v":
         # the first and last stage's embedding copies (in a V both are on pp rank 0)
         mesh.embed_group = embedding_group(mesh, group_timeout(cfg.timeout))
@@ -403,7 +408,8 @@ def read_back(run: Run, pending: PendingSteps, tokens: int, flops: float) -> lis
         val = evaluate_hook(run, step) if i == len(done) - 1 else None
         rows.append(run.metrics.log(step, loss, host["lr"], tokens, host["step_time"], flops,
                                     run.mesh.world_size, skipped=not ok, val_loss=val,
-                                    extra=dict(zip(host["moe"], moe))))
+                                    extra={"grad_norm": float(norm),
+                                           **dict(zip(host["moe"], moe))}))
     return rows
 
 
