@@ -22,7 +22,10 @@
 #   tp-nccl    40  the extension's ops, the overlapped TP Functions under CUDA bf16 autocast,
 #                  DataParallel's CUDA path, mixed precision, ZeRO-3 built on the meta device
 #                  (its gather stream, its memory freed), on a one-rank NCCL group
-#                  (tests/test_tp_gpu.py -m gpu)
+#                  (tests/test_tp_gpu.py -m gpu); DualPipeV's pair (two threads taking
+#                  turns, the backward's on autograd's device thread) on a CUDA side stream
+#                  under bf16 autocast, against its sides run one after the other
+#                  (tests/test_pp_dualpipe.py -m gpu)
 #   accuracy   60  norms at hidden 8192 / 16384, cross-entropy at 16K x 128K, the MoE grouped
 #                  GEMM at 16K rows x 4096 -> 14336, compiled, against
 #                  torch (tests/test_kernel_gpu_accuracy.py -m gpu); the CP ring's flash /
@@ -162,7 +165,7 @@ tp_nccl() {
   if [[ $CPU_RUN == 1 ]]; then   # the same checks on gloo and CPU autocast
     FASTPAR_GPU_DRY_RUN=1 pytest_run -s -m gpu tests/test_tp_gpu.py
   else
-    TRITON_INTERPRET=0 pytest_run -s -m gpu tests/test_tp_gpu.py
+    TRITON_INTERPRET=0 pytest_run -s -m gpu tests/test_tp_gpu.py tests/test_pp_dualpipe.py
   fi
 }
 

@@ -4,6 +4,7 @@ torch's ``ScheduleDualPipeV`` action for action; the simulator's step meets the 
 of the DualPipe paper's cost model; the overlapped F and B take turns at their expert-parallel
 transfer waits, each computing while the other's travel (the mechanism, recorded); with MoE under ep the trainer's loss curve
 is the single process's."""
+import contextlib
 import threading
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fastpar.mesh import fill
 from fastpar.pipeline import Action, build_schedule, simulate
 
 
@@ -298,3 +300,73 @@ def test_the_dry_run_the_memory_model_and_the_planner_know_dualpipe_v():
         best, _ = planner.search(Workload(cfg.model_config, 4096, batch), cluster, fixed=fixed,
                                  top=3)
         assert best[0].config.schedule == first, (batch, [e.config.schedule for e in best])
+
+
+class _Waits(torch.autograd.Function):
+    """A layer that would wait on a transfer in its forward and its backward: a fill point in
+    each (as the MoE layer's dispatch)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        fill.fill()
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        fill.fill()
+        return g * 2
+
+
+def _pair_run(device: str, paired: bool):
+    """Micro-batch 0's backward and micro-batch 1's forward, as a pair or one after the other,
+    under bf16 autocast on a side stream (CUDA): the loss, every gradient, and the threads the
+    fill points were reached on."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 64, device=device) for _ in range(3)]
+    seen = []
+
+    def net(x):
+        for layer in layers:
+            seen.append(threading.current_thread().name)
+            x = _Waits.apply(layer(x)).relu()
+        return x.float().square().mean()
+
+    x0, x1 = (torch.randn(32, 64, device=device) for _ in range(2))
+    stream = torch.cuda.Stream() if device == "cuda" else None
+    out = {}
+    with torch.autocast(device, torch.bfloat16), \
+            (torch.cuda.stream(stream) if stream else contextlib.nullcontext()):
+        y0 = net(x0)
+
+        def f():
+            out["y1"] = net(x1)
+
+        def b():
+            y0.backward()
+        if paired:
+            fill.pair(f, b)
+        else:
+            f()
+            b()
+        out["y1"].backward()
+    if stream is not None:
+        torch.cuda.current_stream().wait_stream(stream)
+    return out["y1"].detach(), [p.grad.clone() for m in layers for p in m.parameters()], seen
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                        reason="needs a CUDA GPU (bench/gpu_check.sh runs it)")])])
+def test_a_pair_equals_its_two_sides_run_one_after_the_other(device):
+    """A pair (the forward of one micro-batch, the backward of another) under bf16 autocast, on a
+    CUDA side stream: each side runs with the caller's autocast and stream (the forward's
+    layers ran on the pair's first thread), the turns at the fill points (forward and backward;
+    on CUDA the backward's are reached on autograd's device thread) neither hang nor change
+    a number: the loss and every gradient equal the sides run one after the other (to the
+    last bits a kernel's choice could move on a GPU)."""
+    y, grads, seen = _pair_run(device, True)
+    y_ref, ref, _ = _pair_run(device, False)
+    assert "fastpar-pair-first" in seen
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-7)
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
