@@ -161,3 +161,21 @@ def test_nothing_fits_says_the_smallest_need_and_the_limit(capsys):
     assert "more than the 40 GB of a100-40gb" in out
     assert f"({rejected['memory']:,} configurations rejected for memory)" in out
     assert "optimizer" in out and "activations" in out
+
+
+def test_tp_folded_into_ep_in_the_table_and_the_train_command(capsys):
+    """``--ep-fold-tp`` evaluates the folded layout (the table's fold column), refuses it
+    without SP in one line, and a search pinned to it prints a train command carrying it."""
+    moe = ["plan", "--model", "8x7b", "--gpus", "64", "--seq-len", "4096",
+           "--global-batch-size", "512", "--recompute", "full"]
+    assert main(moe + ["--tp", "2", "--pp", "4", "--ep", "8", "--ep-fold-tp",
+                       "--sequence-parallel"]) == 0
+    header, row = capsys.readouterr().out.splitlines()[:2]
+    assert row.split()[header.split().index("fold")] == "on"
+    assert main(moe + ["--tp", "2", "--pp", "4", "--ep", "8", "--ep-fold-tp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--sequence-parallel" in err
+    assert main(moe + ["--tp", "2", "--ep", "8", "--ep-fold-tp", "--top", "1",
+                       "--schedule", "1f1b", "--micro-batch-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "--ep 8 --ep-fold-tp --sequence-parallel" in out and "--dry-run" in out

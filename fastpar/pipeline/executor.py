@@ -148,6 +148,7 @@ class PipelineExecutor:
         self._final = {max(i for i, a in enumerate(acts) if a.kind == kind and a.chunk == c)
                        for kind in {"B", done} for c in range(schedule.virtual_stages)}
         self._forward_schedule: Schedule | None = None
+        self._points: dict = {}     # (kind, chunk) -> fill points it reached when run alone
         # Split backwards whose W comes right after their B (DualPipeV's unsplit ones): one
         # pass computes both, the W has nothing left to do.
         order = schedule.compute(self.rank)
@@ -215,8 +216,10 @@ class PipelineExecutor:
                 with span("pipeline", a, pair):
                     self._overlapped(st, a, pair)
             else:
+                calls = fill.calls
                 with span("pipeline", a):
                     {"F": self._forward, "B": self._backward, "W": self._weight}[a.kind](st, a)
+                self._points[a.kind, a.chunk] = fill.calls - calls
             if self.record and training:            # compute time only, not the input's wait
                 t0, t1 = (st.arrived or t0) - start, time.perf_counter() - start
                 if pair is None:
@@ -298,6 +301,12 @@ class PipelineExecutor:
         all-to-alls travel while the other computes."""
         if self.schedule.stage_index(self.rank, f.chunk) == 0:
             st.arrived = time.perf_counter()    # F takes no input: the pair starts now
+        if self._points.get(("F", f.chunk)) == 0 and self._points.get(("B", b.chunk)) == 0:
+            self._forward(st, f)                # no fill point on either side (seen alone):
+            t = time.perf_counter()             # nothing to take turns at
+            self._backward(st, b)
+            st.filled = time.perf_counter() - t
+            return
         st.filled = fill.pair(lambda: self._forward(st, f), lambda: self._backward(st, b))[1]
 
     def _backward(self, st: _Step, a) -> None:

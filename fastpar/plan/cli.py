@@ -166,7 +166,7 @@ def train_command(cfg: ParallelConfig, work: Workload, cluster: Cluster,
 _COLUMNS = (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("v", "virtual_stages"),
             ("mbs", "micro_batch_size"), ("schedule", "schedule"), ("recompute", "recompute"),
             ("sp", "sequence_parallel"), ("zero", "zero"), ("shard", "dp_shard"), ("ep", "ep"),
-            ("step s", "step_time_s"),
+            ("fold", "ep_fold_tp"), ("step s", "step_time_s"),
             ("TFLOP/s", "tflops_per_gpu"), ("MFU", "mfu"), ("GB/GPU", "memory_gb_per_gpu"),
             ("bubble", "bubble_fraction"))
 
