@@ -59,12 +59,13 @@ def free_port() -> int:
 
 
 # Ranks are forked from one server process that has imported torch and fastpar already (the
-# trainer and the plotting its metrics do included): a fresh interpreter spends seconds of CPU
-# importing them, more than most tests' ranks then compute. The server imports and runs nothing
+# trainer and the plotting its metrics do included, and torch._dynamo, which torch.optim imports
+# when the first optimizer is built: 1.3 s of CPU per rank otherwise): a fresh interpreter
+# spends seconds of CPU importing them, more than most tests' ranks then compute. The server imports and runs nothing
 # else (no thread pool exists to be forked). Its environment is the one it started with, so each
 # rank takes the caller's whole environment and applies what is read only at start: the thread
 # count and glibc's allocator thresholds (mallopt); fastpar reads its own variables when called.
-_PRELOAD = ["torch", "torch.distributed", "fastpar.extension", "fastpar.mesh",
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "fastpar.extension", "fastpar.mesh",
             "fastpar.train.trainer", "matplotlib.pyplot"]
 _context = None
 
