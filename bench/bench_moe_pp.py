@@ -1,13 +1,13 @@
 """MoE under a pipeline: DualPipeV's overlapped pairs (each micro-batch's expert all-to-alls
 travelling while the paired one computes, both ways) against ZB-V on the same V placement.
 
-    python bench/bench_moe_pp.py [--seq-len 256] [--rounds 6] [--iters 2]
-    python bench/repeat.py --runs 3 -- ../shared/tools/shaped-link 1gbit \\
-        python bench/bench_moe_pp.py --label 1gbit                   # a table for RESULTS
+    python bench/bench_moe_pp.py [--seq-len 256] [--moe-ffn 512] [--rounds 6] [--iters 2]
+    python bench/repeat.py --runs 3 -- ../shared/tools/shaped-link 100mbit \\
+        python bench/bench_moe_pp.py --moe-ffn 128 --rounds 4 --iters 1 --label 100mbit
 
 Four gloo ranks: pp2 x dp2, the experts split over the two dp ranks of each stage (ep 2), each
 pp rank holding stages r and 3 - r (the V). The model: 8 blocks, d 256, 8 heads, every MLP a
-mixture of 8 SwiGLU experts of 512, top 2, dropless, ``--micro`` micro-batches of one sequence
+mixture of 8 SwiGLU experts of 512 (``--moe-ffn``), top 2, dropless, ``--micro`` micro-batches of one sequence
 per rank per step. Each step is the pipeline's whole forward and backward (every all-to-all,
 every p2p transfer inside the window); no optimizer step and no data-parallel reduction. Measured
 with bench/common.py's ``compare`` (order rotated every round, ``--iters`` steps per timed
@@ -52,7 +52,7 @@ VARIANTS = ("dualpipe-v", "dualpipe-v-serial", "zb-v", "zb-v-again", "floor")
 
 def config(a) -> GPTConfig:
     return GPTConfig(vocab_size=256, n_layers=8, d_model=256, n_heads=8,
-                     max_seq_len=a["seq_len"], n_experts=8, moe_top_k=2, moe_ffn=512,
+                     max_seq_len=a["seq_len"], n_experts=8, moe_top_k=2, moe_ffn=a["moe_ffn"],
                      moe_aux_loss=0.01)
 
 
@@ -122,12 +122,14 @@ def main(argv=None) -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--micro", type=int, default=8, help="micro-batches per step (>= 4)")
     ap.add_argument("--ep-chunks", type=int, default=2)
+    ap.add_argument("--moe-ffn", type=int, default=512, help="each expert's inner size: the "
+                    "smaller, the more the all-to-alls weigh against the experts' compute")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--label", default="loopback")
     args = ap.parse_args(argv)
     a = dict(seq_len=args.seq_len, micro=args.micro, ep_chunks=args.ep_chunks,
-             rounds=args.rounds, iters=args.iters)
+             moe_ffn=args.moe_ffn, rounds=args.rounds, iters=args.iters)
     out = run_ranks(_rank, 4, a, init_pg=False, timeout=1800)[0]
     result = out["result"]
     med = result["median"]
@@ -138,7 +140,7 @@ def main(argv=None) -> None:
     for k in ("dualpipe-v", "dualpipe-v-serial"):
         rows.append(dict(variant=f"hidden ({k})",
                          hidden=1 - (med[k] - floor) / exposed if exposed > 0 else None))
-    print(f"{args.label}: MoE GPT (8 blocks, d 256, 8 experts of 512, top 2), pp2 x ep2 (4 "
+    print(f"{args.label}: MoE GPT (8 blocks, d 256, 8 experts of {args.moe_ffn}, top 2), pp2 x ep2 (4 "
           f"ranks), {args.micro} micro-batches of 1 x {args.seq_len} tokens per rank per step; "
           f"about {out['hop'] / 1e6:.2f} MB per rank per all-to-all per layer")
     common.report(f"moe_pp_{args.label}", rows,
