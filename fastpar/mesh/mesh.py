@@ -341,12 +341,10 @@ def ep_groups(mesh: Mesh, ep: int, timeout: float | timedelta = 600.0, fold_tp: 
             (fold_tp and ep % lay.tp) or (mesh.dp_size * mesh.cp_size) % k:
         raise ValueError(f"--ep={ep!r} must be a divisor of dp x cp = {mesh.dp_size} x "
                          f"{mesh.cp_size}" + (f" times tp={lay.tp} (folded)" if fold_tp else ""))
-    if not fold_tp:
-        return _blocks(mesh, ep, timeout)
     timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
     options = group_options(dist.get_backend())
     mine = {}
-    for kind, groups in zip(("block", "across"), ep_ranks(lay, ep, True)):
+    for kind, groups in zip(("block", "across"), ep_ranks(lay, ep, fold_tp)):
         for g in groups:
             group = dist.new_group(g, timeout=timeout, pg_options=options)
             if mesh.rank in g:
