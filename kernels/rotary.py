@@ -2,7 +2,8 @@
 
 q (B, T, Hq, D) and k (B, T, Hk, D) in any strides with a contiguous last dim; ``cos`` and
 ``sin`` (>= T, R/2) hold ``cos(t * theta_i)``, ``sin(t * theta_i)`` for the R <= D rotated
-dims of each head (GPT-NeoX / Llama "rotate half" layout). With ``x1 = x[:R/2]``,
+dims of each head, or (B, >= T, R/2) a table per sequence (positions that restart at each
+document of a packed row) (GPT-NeoX / Llama "rotate half" layout). With ``x1 = x[:R/2]``,
 ``x2 = x[R/2:R]`` of one head at position t:
 
     y1 = x1 * cos - x2 * sin
@@ -26,11 +27,11 @@ from .launch import check_float, checked_grid, warps_for
 
 @triton.jit
 def _rotary_fwd_kernel(
-    x_ptr, y_ptr, cos_ptr, sin_ptr,       # x, y (B, T, H, D); cos, sin (>= T, R2)
+    x_ptr, y_ptr, cos_ptr, sin_ptr,       # x, y (B, T, H, D); cos, sin ([B,] >= T, R2)
     T, H, D, R2,                          # sizes; R2 = rotated dims / 2
     sx_b, sx_t, sx_h,                     # x strides (the last dim is contiguous)
     sy_b, sy_t, sy_h,                     # y strides (y may be x: in place)
-    stride_cos,                           # row stride of cos and sin
+    stride_cos_b, stride_cos,             # cos and sin strides: sequence (0: one table), row
     CONJUGATE: tl.constexpr, COPY_REST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R2: tl.constexpr, BLOCK_REST: tl.constexpr,
 ):
@@ -40,8 +41,9 @@ def _rotary_fwd_kernel(
     cols = tl.arange(0, BLOCK_R2)
     col_ok = cols < R2
     mask = (heads < H)[:, None] & col_ok[None, :]
-    c = tl.load(cos_ptr + t * stride_cos + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + t * stride_cos + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    row = b * stride_cos_b + t * stride_cos
+    c = tl.load(cos_ptr + row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if CONJUGATE:
         s = -s
     h64 = heads.to(tl.int64)[:, None]     # heads * stride may pass 2^31 in a (B, H, T, D) view
@@ -65,16 +67,22 @@ def _check_shapes(q, k, cos, sin):
         if x.dim() != 4 or x.shape[:2] != q.shape[:2] or x.shape[3] != q.shape[3]:
             raise ValueError(f"rotary: {name} {tuple(x.shape)} must be (B, T, H, D) with the B, "
                              f"T and D of q {tuple(q.shape)}")
-    T, D = q.shape[1], q.shape[3]
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] < T or 2 * cos.shape[1] > D:
+    B, T, D = q.shape[0], q.shape[1], q.shape[3]
+    if cos.shape != sin.shape or cos.dim() not in (2, 3) or cos.shape[-2] < T or \
+            2 * cos.shape[-1] > D or (cos.dim() == 3 and cos.shape[0] != B):
         raise ValueError(f"rotary: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be "
-                         f"(>= T, R/2) with T={T} and R <= D={D}")
+                         f"(>= T, R/2) or (B, >= T, R/2) with B={B}, T={T} and R <= D={D}")
+
+
+def _angles(t: torch.Tensor, T: int, dtype) -> torch.Tensor:
+    """cos or sin ([B,] >= T, R/2) -> its first T rows, broadcastable to (B, T, 1, R/2)."""
+    return (t[:T] if t.dim() == 2 else t[:, :T]).unsqueeze(-2).to(dtype)
 
 
 def _launch(x: torch.Tensor, y: torch.Tensor, cos, sin, conjugate: bool) -> None:
     """Rotate x (B, T, H, D) into y (which may be x)."""
     B, T, H, D = x.shape
-    R2 = cos.shape[1]
+    R2 = cos.shape[-1]
     if x.numel() == 0 or R2 == 0:
         if y is not x:
             y.copy_(x)
@@ -87,7 +95,8 @@ def _launch(x: torch.Tensor, y: torch.Tensor, cos, sin, conjugate: bool) -> None
     copy_rest = y is not x and 2 * R2 < D
     BLOCK_REST = triton.next_power_of_2(D - 2 * R2) if copy_rest else 1
     _rotary_fwd_kernel[checked_grid("rotary", B * T, triton.cdiv(H, BLOCK_H))](
-        x, y, cos, sin, T, H, D, R2, *x.stride()[:3], *y.stride()[:3], cos.stride(0),
+        x, y, cos, sin, T, H, D, R2, *x.stride()[:3], *y.stride()[:3],
+        cos.stride(0) if cos.dim() == 3 else 0, cos.stride(-2),
         CONJUGATE=conjugate, COPY_REST=copy_rest,
         BLOCK_H=BLOCK_H, BLOCK_R2=BLOCK_R2, BLOCK_REST=BLOCK_REST,
         num_warps=warps_for(2 * BLOCK_H * BLOCK_R2))
@@ -135,8 +144,8 @@ def _rotate_torch(x, cos, sin, conjugate: bool) -> torch.Tensor:
     """x (B, T, H, D) rotated (by -theta when ``conjugate``) into a new (B, T, H, D) tensor in
     x's dtype, in fp32 arithmetic: a few whole-tensor torch ops (no Python per head)."""
     ct = torch.promote_types(x.dtype, torch.float32)
-    T, D, r2 = x.shape[1], x.shape[3], cos.shape[1]
-    c, s = cos[:T, None, :].to(ct), sin[:T, None, :].to(ct)            # (T, 1, R/2)
+    T, D, r2 = x.shape[1], x.shape[3], cos.shape[-1]
+    c, s = _angles(cos, T, ct), _angles(sin, T, ct)                     # ([B,] T, 1, R/2)
     xf = x.to(ct)
     x1, x2 = xf[..., :r2], xf[..., r2:2 * r2]
     y = torch.empty(x.shape, dtype=ct, device=x.device)
@@ -171,8 +180,8 @@ def rotary_reference(q, k, cos, sin, inplace=False):
         if x is None:
             return None
         ct = torch.promote_types(x.dtype, torch.float32)
-        T, r2 = x.shape[1], cos.shape[1]
-        c, s = cos[:T, None, :].to(ct), sin[:T, None, :].to(ct)        # (T, 1, R/2)
+        T, r2 = x.shape[1], cos.shape[-1]
+        c, s = _angles(cos, T, ct), _angles(sin, T, ct)                 # ([B,] T, 1, R/2)
         x1, x2 = x[..., :r2].to(ct), x[..., r2:2 * r2].to(ct)
         y = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * r2:].to(ct)], -1)
         return x.copy_(y) if inplace else y.to(x.dtype)
@@ -182,7 +191,7 @@ def rotary_reference(q, k, cos, sin, inplace=False):
 def rotary(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
            inplace: bool = False):
     """Rotate ``q`` (B, T, Hq, D) and ``k`` (B, T, Hk, D) (or None) by the angles whose
-    ``cos``/``sin`` (>= T, R/2) are given; returns ``(q_rot, k_rot)``. With ``inplace`` q and
+    ``cos``/``sin`` (>= T, R/2), or (B, >= T, R/2) per sequence, are given; returns ``(q_rot, k_rot)``. With ``inplace`` q and
     k are overwritten and returned. Triton on CUDA (see :func:`fastpar.kernels.impl_for`),
     elsewhere torch ops (:class:`RotaryTorchFunction`; in place or under torch.compile, the
     plain reference)."""

@@ -38,7 +38,11 @@ from ..mesh import collectives
 from ..mesh.groups import Group, group_rank, group_size
 from ..mesh.profiling import span
 from . import blocks
-from .sharding import visible_block
+from .sharding import document_blocks, row_starts, visible_block
+
+# Block pairs (one sequence's query chunk x key chunk with something to compute) the ring
+# computed and skipped, forward, with packed documents: what the documents save.
+BLOCK_PAIRS = {"computed": 0, "skipped": 0}
 
 _KV_TAG, _DKV_TAG = 11, 12          # gloo matches on (source, tag); NCCL ignores tags
 
@@ -98,29 +102,57 @@ def _comm_stream(device: torch.device):
     return torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
+def _sub_blocks(src: int, r: int, cp: int, c: int, docs: list | None) -> list:
+    """(batch rows, query rows, key cols, causal) of step ``src``: the whole batch's one block
+    (:func:`visible_block`), or with packed documents each sequence's sub-blocks
+    (:func:`document_blocks`)."""
+    if docs is None:
+        return [(slice(None), *visible_block(src, r, c))]
+    out = []
+    for b, starts in enumerate(docs):
+        found = document_blocks(starts, 2 * c * cp, src, r, cp)
+        pairs = {(rows.start // c, cols.start // c) for rows, cols, _ in found}
+        full = len(visible_block_pairs(src, r))
+        BLOCK_PAIRS["computed"] += len(pairs)
+        BLOCK_PAIRS["skipped"] += full - len(pairs)
+        out += [(slice(b, b + 1), rows, cols, causal) for rows, cols, causal in found]
+    return out
+
+
+def visible_block_pairs(src: int, r: int) -> list[tuple[int, int]]:
+    """The (local query chunk, local key chunk) pairs the causal mask leaves anything in."""
+    if src == r:
+        return [(0, 0), (1, 0), (1, 1)]
+    return [(0, 0), (1, 0)] if src < r else [(1, 0), (1, 1)]
+
+
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                  overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  overlap: bool, docs: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the local queries over every CP rank's k/v, passed around the ring:
-    out (B, h, S_local, hd) in q's dtype and its lse (B, h, S_local) fp32, both contiguous."""
+    out (B, h, S_local, hd) in q's dtype and its lse (B, h, S_local) fp32, both contiguous.
+    ``docs``: each sequence's document starts (packed documents), or None."""
     cp, r = group_size(group), group_rank(group)
     c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
     stream = _comm_stream(q.device)
     kv = torch.stack([k, v])                      # (2, B, h_kv, S_local, hd): one message
     out = lse = None
+    if docs is not None:                          # merged into from nothing, block by block
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
     for i in range(cp):
         src = (r - i) % cp
         if i + 1 < cp:                            # the next step's k/v moves during this one
             nxt = torch.empty_like(kv)
             works = _start_ring(kv, nxt, group, _KV_TAG, overlap, stream)
-        rows, cols, causal = visible_block(src, r, c)
-        with span("cp attention block", i):
-            blk_out, blk_lse = blocks.block_forward(
-                q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale)
-        if out is None:                           # step 0 is causal: it covers every row
-            out = blk_out.to(torch.float32, memory_format=torch.contiguous_format)
-            lse = blk_lse.to(torch.float32, memory_format=torch.contiguous_format)
-        else:
-            blocks.merge_(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
+        for bs, rows, cols, causal in _sub_blocks(src, r, cp, c, docs):
+            with span("cp attention block", i):
+                blk_out, blk_lse = blocks.block_forward(
+                    q[bs, :, rows], kv[0][bs, :, cols], kv[1][bs, :, cols], causal, scale)
+            if out is None:                       # step 0 is causal: it covers every row
+                out = blk_out.to(torch.float32, memory_format=torch.contiguous_format)
+                lse = blk_lse.to(torch.float32, memory_format=torch.contiguous_format)
+            else:
+                blocks.merge_(out[bs, :, rows], lse[bs, :, rows], blk_out, blk_lse)
         if i + 1 < cp:
             with span("cp wait k/v", i + 1):
                 _wait(works)
@@ -130,7 +162,8 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist
 
 def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup,
-                   overlap: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   overlap: bool, docs: list | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq here; dk/dv ride the ring behind their k/v back to their owner. Returns dq, dk, dv
     in the dtypes of q, k, v (accumulated in fp32)."""
     cp, r = group_size(group), group_rank(group)
@@ -145,20 +178,23 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         if i + 1 < cp:
             nxt = torch.empty_like(kv)
             kv_works = _start_ring(kv, nxt, group, _KV_TAG, overlap, stream)
-        rows, cols, causal = visible_block(src, r, c)
-        with span("cp attention block backward", i):
-            dq_b, dk_b, dv_b = blocks.block_backward(
-                q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout[:, :, rows],
-                out[:, :, rows], lse[:, :, rows], causal, scale)
-        dq[:, :, rows] += dq_b
+        grads = []
+        for bs, rows, cols, causal in _sub_blocks(src, r, cp, c, docs):
+            with span("cp attention block backward", i):
+                dq_b, dk_b, dv_b = blocks.block_backward(
+                    q[bs, :, rows], kv[0][bs, :, cols], kv[1][bs, :, cols], dout[bs, :, rows],
+                    out[bs, :, rows], lse[bs, :, rows], causal, scale)
+            dq[bs, :, rows] += dq_b
+            grads.append((bs, cols, dk_b, dv_b))
         if dkv_in is None:                        # step 0: src is this rank, a fresh one
             dkv = torch.zeros((2,) + k.shape, dtype=torch.float32, device=k.device)
         else:                                     # src's, one hop behind its k/v
             with span("cp wait dk/dv", i):
                 _wait(dkv_works)
             dkv = dkv_in
-        dkv[0][:, :, cols] += dk_b
-        dkv[1][:, :, cols] += dv_b
+        for bs, cols, dk_b, dv_b in grads:
+            dkv[0][bs, :, cols] += dk_b
+            dkv[1][bs, :, cols] += dv_b
         # On to r + 1: the next rank that sees src's k/v, or, after the last step, src.
         dkv_in = torch.empty_like(dkv)
         dkv_works = _start_ring(dkv, dkv_in, group, _DKV_TAG, overlap, stream)
@@ -177,14 +213,27 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 @torch.library.custom_op("fastpar::ring_attention_fwd", mutates_args=())
 def ring_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
-                       overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ring attention forward over the process group named ``group_name``: (out, lse)."""
+                       overlap: bool, bounds: list[int] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention forward over the process group named ``group_name``: (out, lse).
+    ``bounds``: packed documents' starts (:func:`ring_attention`)."""
     with torch.autocast(q.device.type, enabled=False):
-        return _ring_forward(q, k, v, _resolve_process_group(group_name), overlap)
+        return _ring_forward(q, k, v, _resolve_process_group(group_name), overlap,
+                             _docs(bounds, q.shape[0]))
+
+
+def _docs(bounds: list[int] | None, batch: int) -> list | None:
+    if bounds is None:
+        return None
+    docs = row_starts(list(bounds))
+    if len(docs) != batch:
+        raise ValueError(f"ring_attention: bounds describe {len(docs)} sequences, q holds "
+                         f"{batch}")
+    return docs
 
 
 @ring_attention_fwd.register_fake
-def _ring_attention_fwd_fake(q, k, v, group_name, overlap):
+def _ring_attention_fwd_fake(q, k, v, group_name, overlap, bounds=None):
     """Shapes and dtypes only (torch.compile's tracing): out like q, contiguous; lse fp32."""
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
@@ -192,37 +241,39 @@ def _ring_attention_fwd_fake(q, k, v, group_name, overlap):
 @torch.library.custom_op("fastpar::ring_attention_bwd", mutates_args=())
 def ring_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, group_name: str,
-                       overlap: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       overlap: bool, bounds: list[int] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ring attention backward from the final (out, lse): (dq, dk, dv)."""
     with torch.autocast(q.device.type, enabled=False):
         return _ring_backward(dout, q, k, v, out, lse, _resolve_process_group(group_name),
-                              overlap)
+                              overlap, _docs(bounds, q.shape[0]))
 
 
 @ring_attention_bwd.register_fake
-def _ring_attention_bwd_fake(dout, q, k, v, out, lse, group_name, overlap):
+def _ring_attention_bwd_fake(dout, q, k, v, out, lse, group_name, overlap, bounds=None):
     """Shapes and dtypes only: dq, dk, dv like q, k, v, contiguous."""
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, group_name, overlap = inputs
+    q, k, v, group_name, overlap, bounds = inputs
     ctx.save_for_backward(q, k, v, *output)
-    ctx.group_name, ctx.overlap = group_name, overlap
+    ctx.group_name, ctx.overlap, ctx.bounds = group_name, overlap, bounds
 
 
 def _backward(ctx, dout, _dlse):
     # lse is an output for the backward's sake only: its gradient is never used.
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = ring_attention_bwd(dout, q, k, v, out, lse, ctx.group_name, ctx.overlap)
-    return dq, dk, dv, None, None
+    dq, dk, dv = ring_attention_bwd(dout, q, k, v, out, lse, ctx.group_name, ctx.overlap,
+                                    ctx.bounds)
+    return dq, dk, dv, None, None, None
 
 
 ring_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: Group,
-                   overlap: bool = True) -> torch.Tensor:
+                   overlap: bool = True, bounds: list[int] | None = None) -> torch.Tensor:
     """Causal attention over the global sequence, split over ``cp_group`` in the load-balanced
     layout (:func:`.sharding.shard_sequence` along dim 2).
 
@@ -232,6 +283,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: 
     transfer as soon as it is posted (same numbers, no overlap). Under autocast q, k, v are cast
     to the autocast dtype first, as SDPA's are, and the blocks compute in it; the merge and the
     gradient accumulators are fp32 either way.
+
+    ``bounds`` (packed documents): each sequence's document starts in the whole sequence,
+    flattened (per sequence its count, then the starts: :attr:`fastpar.models.documents.
+    Documents.bounds`); a query then sees the keys of its own document only, and the block
+    pairs no document connects are skipped (:func:`.sharding.document_blocks`).
     """
     if cp_group is not None and group_rank(cp_group) < 0:
         raise ValueError(f"ring_attention: rank {dist.get_rank()} is not in cp_group")
@@ -242,7 +298,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: 
         dtype = torch.get_autocast_dtype(device)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     with torch.autocast(device, enabled=False):
-        if cp == 1:
+        if cp == 1 and bounds is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                   enable_gqa=q.shape[1] != k.shape[1])
-        return ring_attention_fwd(q, k, v, cp_group.group_name, overlap)[0]
+        if cp == 1:
+            raise ValueError("ring_attention: bounds need a CP group of 2 or more ranks "
+                             "(one rank: fastpar.models.documents.document_attention)")
+        return ring_attention_fwd(q, k, v, cp_group.group_name, overlap, bounds)[0]

@@ -88,3 +88,46 @@ def visible_block(src: int, cp_rank: int, chunk: int) -> tuple[slice, slice, boo
     if src < cp_rank:
         return slice(None), slice(0, chunk), False
     return slice(chunk, None), slice(None), False
+
+
+def document_blocks(starts: list[int], seq_len: int, src: int, cp_rank: int, cp_size: int
+                    ) -> list[tuple[slice, slice, bool]]:
+    """:func:`visible_block` for one sequence of packed documents (each document's start index
+    in ``starts``; a query sees the keys of its own document only): the (rows, cols, causal)
+    sub-blocks of this rank's local queries and CP rank ``src``'s local keys that a document
+    connects, in local indices. Empty: the pair is skipped. A chunk pair holds at most one
+    sub-block per document, and a pair of different chunks at most one (the document that runs
+    from the key chunk into the query chunk)."""
+    c = seq_len // (2 * cp_size)
+    ends = starts[1:] + [seq_len]
+    out = []
+    for qi, qc in enumerate(chunk_ids(cp_rank, cp_size)):
+        for ki, kc in enumerate(chunk_ids(src, cp_size)):
+            if kc > qc:
+                continue
+            q0, k0 = qc * c, kc * c
+            if kc == qc:                          # the diagonal: each document's square
+                for s, e in zip(starts, ends):
+                    a, b = max(s, q0), min(e, q0 + c)
+                    if a < b:
+                        rows = slice(qi * c + a - q0, qi * c + b - q0)
+                        out.append((rows, rows if qi == ki else
+                                    slice(ki * c + a - k0, ki * c + b - k0), True))
+                continue
+            last = k0 + c - 1                     # the document of the key chunk's last token
+            d = max(i for i, s in enumerate(starts) if s <= last)
+            if ends[d] > q0:
+                rows = slice(qi * c, qi * c + min(ends[d], q0 + c) - q0)
+                cols = slice(ki * c + max(starts[d], k0) - k0, ki * c + c)
+                out.append((rows, cols, False))
+    return out
+
+
+def row_starts(bounds: list[int]) -> list[list[int]]:
+    """Each row's document starts from their flattened form (per row: count, then starts)."""
+    rows, i = [], 0
+    while i < len(bounds):
+        n = bounds[i]
+        rows.append(list(bounds[i + 1:i + 1 + n]))
+        i += 1 + n
+    return rows

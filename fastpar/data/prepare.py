@@ -1,4 +1,4 @@
-"""``fastpar prepare-data``: text files -> a data folder of token files.
+"""``fastpar prepare-data``: text files, or fine-tuning examples, -> a data folder of token files.
 
 Each input file is one document. The last documents (about ``--val-fraction`` of the input's
 bytes, at least one) go to ``val.bin``, the rest to ``train.bin``; a single document is cut at
@@ -7,6 +7,15 @@ that token separates the documents of a split. A ``.bin`` in an input folder is 
 file is never read as text). The folder is written under a temporary name and renamed into place,
 so an error leaves nothing behind; a destination that holds anything is refused unless
 ``--overwrite`` moves it aside (:func:`fastpar.train.outdir.fresh_folder`).
+
+Inputs ending in ``.jsonl`` are fine-tuning examples instead, one per line, each one document
+(:mod:`fastpar.data.sft`): the last ``--val-fraction`` of the examples go to val.bin, and each
+split gets a loss mask beside it (``train.mask.bin``, ``val.mask.bin``: :mod:`fastpar.data.masks`).
+Text files and ``.jsonl`` inputs are never mixed in one folder.
+
+With ``--tokenizer PATH`` the folder also gets the tokenizer's ``tokenizer_config.json`` and
+``chat_template.jinja`` when they lie beside its tokenizer.json (its special tokens and chat
+template).
 """
 from __future__ import annotations
 
@@ -18,8 +27,10 @@ import numpy as np
 
 from .sources import VAL_FRACTION, text_files
 from ..train.outdir import check_fresh, fresh_folder
+from . import sft
 from .token_file import TokenFileWriter, TokenHeader
-from .tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_file
+from .tokenizer import (TOKENIZER_FILE, ByteTokenizer, HFTokenizer, chat_template,
+                        copy_tokenizer_config, load_tokenizer, tokenizer_file)
 
 DEFAULT_VOCAB = 8192                     # of the byte-level BPE that --tokenizer gpt2 trains
 EOS = "<|endoftext|>"                    # GPT-2's end-of-text token, the BPE's only special
@@ -34,16 +45,23 @@ class Prepared:
     tokenizer: str                       # "bytes", "gpt2" or the tokenizer.json used
     train: TokenHeader
     val: TokenHeader
+    trained: tuple[int, int] | None = None      # fine-tuning data: trained tokens of train, val
 
 
 def add_prepare_data(sub) -> None:
     p = sub.add_parser("prepare-data", help="tokenize text files into fastpar token files",
                        description="Tokenize text files into a data folder for fastpar train "
                        "--data: DATA/train.bin, DATA/val.bin (the held-out split) and, unless "
-                       "the tokenizer is bytes, DATA/tokenizer.json.")
+                       "the tokenizer is bytes, DATA/tokenizer.json; from .jsonl fine-tuning "
+                       "examples also DATA/train.mask.bin and DATA/val.mask.bin (which tokens "
+                       "are trained).")
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="text files and folders of text files (recursively, hidden files "
-                        "skipped); each file is one document")
+                        "skipped); each file is one document. Or fine-tuning examples: .jsonl "
+                        "files of {\"prompt\": ..., \"response\": ...} or {\"messages\": "
+                        "[{\"role\": ..., \"content\": ...}, ...]} (rendered with the "
+                        "tokenizer's chat template), one per line, the prompt not trained "
+                        "(train.mask.bin, val.mask.bin)")
     p.add_argument("--tokenizer", required=True, metavar="{bytes,gpt2,PATH}",
                    help="bytes: UTF-8 bytes (vocabulary 256); gpt2: GPT-2's scheme, a "
                         "byte-level BPE with <|endoftext|>, trained here on the input (GPT-2's "
@@ -63,16 +81,28 @@ def add_prepare_data(sub) -> None:
     p.add_argument("--seed", type=int, default=None, metavar="S",
                    help="shuffle the documents with this seed before splitting (default: "
                         "keep their order)")
+    p.add_argument("--prompt-field", default=None, metavar="NAME",
+                   help=f"the prompt's field in .jsonl examples (default {sft.PROMPT_FIELD!r})")
+    p.add_argument("--response-field", default=None, metavar="NAME",
+                   help=f"the response's field in .jsonl examples (default "
+                        f"{sft.RESPONSE_FIELD!r})")
 
 
 def run_prepare_data(args) -> int:
     try:
         done = prepare_data(args.inputs, args.tokenizer, args.out, args.vocab_size,
-                            args.val_fraction, args.seed, args.overwrite)
+                            args.val_fraction, args.seed, args.overwrite, args.prompt_field,
+                            args.response_field)
     except ValueError as e:
         print(f"fastpar prepare-data: error: {e}", file=sys.stderr)
         return 2
     t, v = done.train, done.val
+    if done.trained is not None:
+        print(f"fastpar prepare-data: wrote {done.out}: train.bin {t.n_tokens:,} tokens in "
+              f"{t.n_docs} example(s), {done.trained[0]:,} trained; val.bin {v.n_tokens:,} "
+              f"tokens in {v.n_docs}, {done.trained[1]:,} trained; vocabulary {t.vocab_size} "
+              f"({done.tokenizer})")
+        return 0
     print(f"fastpar prepare-data: wrote {done.out}: train.bin {t.n_tokens:,} tokens in "
           f"{t.n_docs} document(s), val.bin {v.n_tokens:,} tokens in {v.n_docs}; vocabulary "
           f"{t.vocab_size} ({done.tokenizer})")
@@ -81,22 +111,69 @@ def run_prepare_data(args) -> int:
 
 def prepare_data(inputs, tokenizer: str, out, vocab_size: int | None = None,
                  val_fraction: float = VAL_FRACTION, seed: int | None = None,
-                 overwrite: bool = False) -> Prepared:
+                 overwrite: bool = False, prompt_field: str | None = None,
+                 response_field: str | None = None) -> Prepared:
     """Tokenize ``inputs`` into ``out``/{train,val}.bin (see the module docstring)."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"--val-fraction={val_fraction} must be in (0, 1)")
     out = Path(out)
     files = input_files(inputs, exclude=out)
     _check_tokenizer(tokenizer, vocab_size)
+    if _fine_tuning(files, prompt_field, response_field):
+        return _prepare_sft(files, tokenizer, out, vocab_size, val_fraction, seed, overwrite,
+                            prompt_field or sft.PROMPT_FIELD, response_field or sft.RESPONSE_FIELD)
     check_fresh(out, "--out", overwrite, "prepare-data")
     if seed is not None:
         files = [files[i] for i in np.random.default_rng(seed).permutation(len(files))]
     with fresh_folder(out, "--out", overwrite, "prepare-data") as tmp:
         tok = _make_tokenizer(tokenizer, files, vocab_size or DEFAULT_VOCAB)
-        if not isinstance(tok, ByteTokenizer):
-            tok.save(tmp / TOKENIZER_FILE)
+        _save_tokenizer(tok, tokenizer, tmp)
         train, val = _write_splits(files, tok, tmp, val_fraction)
     return Prepared(out, tokenizer if tokenizer in ("bytes", "gpt2") else tok.name, train, val)
+
+
+def _fine_tuning(files: list[Path], prompt_field: str | None,
+                 response_field: str | None) -> bool:
+    """Whether the inputs are fine-tuning examples (.jsonl), refusing a mix with text files."""
+    jsonl = [f for f in files if f.suffix.lower() == ".jsonl"]
+    text = next((f for f in files if f.suffix.lower() != ".jsonl"), None)
+    if jsonl and text is not None:
+        raise ValueError(f"the inputs mix fine-tuning examples ({str(jsonl[0])!r}) and text "
+                         f"files ({str(text)!r}): prepare each kind into its own data folder")
+    for flag, value in (("--prompt-field", prompt_field), ("--response-field", response_field)):
+        if value is not None and not jsonl:
+            raise ValueError(f"{flag} {value!r} is for .jsonl inputs only (fine-tuning "
+                             "examples); the inputs are text files")
+    return bool(jsonl)
+
+
+def _prepare_sft(files, tokenizer: str, out: Path, vocab_size: int | None, val_fraction: float,
+                 seed: int | None, overwrite: bool, prompt_field: str,
+                 response_field: str) -> Prepared:
+    """The data folder of the fine-tuning examples in the .jsonl ``files`` (module docstring)."""
+    check_fresh(out, "--out", overwrite, "prepare-data")
+    examples = sft.read_examples(files, prompt_field, response_field)
+    if seed is not None:
+        examples = [examples[i] for i in np.random.default_rng(seed).permutation(len(examples))]
+    chat = chat_template(tokenizer) if tokenizer not in ("bytes", "gpt2") else None
+    sft.check_chat(examples, chat, tokenizer)
+    with fresh_folder(out, "--out", overwrite, "prepare-data") as tmp:
+        texts = (t for ex in examples for t in ex.texts())
+        tok = _make_tokenizer(tokenizer, files, vocab_size or DEFAULT_VOCAB, texts)
+        _save_tokenizer(tok, tokenizer, tmp)
+        train, val, trained = sft.write_sft_splits(examples, tok, chat, tmp, val_fraction)
+    return Prepared(out, tokenizer if tokenizer in ("bytes", "gpt2") else tok.name, train, val,
+                    trained)
+
+
+def _save_tokenizer(tok, spec: str, folder: Path) -> None:
+    """The tokenizer.json that decodes the data (none for bytes) and, from --tokenizer PATH,
+    the config files beside it."""
+    if isinstance(tok, ByteTokenizer):
+        return
+    tok.save(folder / TOKENIZER_FILE)
+    if spec != "gpt2":
+        copy_tokenizer_config(tokenizer_file(spec), folder)
 
 
 def input_files(inputs, exclude: Path | None = None) -> list[Path]:
@@ -155,7 +232,8 @@ def _read(f: Path, as_bytes: bool) -> str | bytes:
                          "--tokenizer bytes") from None
 
 
-def _make_tokenizer(spec: str, files: list[Path], vocab_size: int):
+def _make_tokenizer(spec: str, files: list[Path], vocab_size: int, texts=None):
+    """The tokenizer ``spec`` names; for gpt2 a BPE trained on ``texts`` (default: the files')."""
     if spec != "gpt2":
         return load_tokenizer(spec)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -167,12 +245,15 @@ def _make_tokenizer(spec: str, files: list[Path], vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
+    if texts is not None:
+        bpe.train_from_iterator(texts, trainer)
+        return HFTokenizer(bpe, "gpt2", EOS)
     with _progress(files, "training BPE") as bar:
-        def texts():
+        def file_texts():
             for f in files:
                 yield _read(f, as_bytes=False)
                 bar.update(f.stat().st_size)
-        bpe.train_from_iterator(texts(), trainer, length=len(files))
+        bpe.train_from_iterator(file_texts(), trainer, length=len(files))
     return HFTokenizer(bpe, "gpt2", EOS)
 
 

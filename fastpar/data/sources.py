@@ -184,6 +184,20 @@ def load_tokens(path: str | None = None, max_bytes: int | None = DEFAULT_MAX_BYT
     return tokens
 
 
+def load_documents(path: str | None, split: str = "train"
+                   ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(tokens, document start offsets, loss mask) of one split: the offsets of a token file
+    (None for a raw source) and the mask ``prepare-data`` wrote beside it
+    (:func:`fastpar.data.masks.read_mask`; None when there is none)."""
+    tokens = load_tokens(path, split=split)
+    f = _split_file(path, split)
+    if f is None:
+        return tokens, None, None
+    from .masks import read_mask
+
+    return tokens, read_token_file(f)[1], read_mask(f)
+
+
 def data_vocab(path: str | None) -> int | None:
     """The vocabulary size a source was tokenized with: its header's, 256 for text (bytes),
     None for a legacy headerless .bin."""
@@ -269,6 +283,11 @@ def describe_data(path: str | os.PathLike | None) -> dict:
     if files:
         fmt = "prepared" if p.is_dir() else "token-file"
         headers = {s: _hash_token_file(digest, s, f) for s, f in files.items()}
+        from .masks import mask_file
+
+        for s, f in files.items():      # a loss mask changes what is trained
+            if mask_file(f).is_file():
+                _hash_token_file(digest, f"{s} mask", mask_file(f))
         if p.is_dir() and (p / TOKENIZER_FILE).is_file():  # how the ids decode is part of it
             _hash_file(digest, TOKENIZER_FILE, p / TOKENIZER_FILE, None)
         vocab = next(iter(headers.values())).vocab_size

@@ -3,10 +3,18 @@
 ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size`` and ``eos_id`` (or None).
 ``encode_document`` is what a data file holds: a special token's text in a document is plain text,
 so the only end-of-text tokens are the document boundaries ``prepare-data`` puts there.
+
+A Hugging Face tokenizer may come with a chat template (:func:`chat_template`): the Jinja
+``chat_template`` of the ``tokenizer_config.json`` beside its ``tokenizer.json``, rendered as
+``transformers``' ``apply_chat_template`` renders it (:func:`render_chat`).
 """
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +23,9 @@ from .token_file import TOKENIZER_FILE
 
 # End-of-text tokens of common tokenizers, tried in order when tokenizer_config.json names none.
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
+TOKENIZER_CONFIG = "tokenizer_config.json"      # beside tokenizer.json: special tokens, template
+CHAT_TEMPLATE_FILE = "chat_template.jinja"       # newer model directories keep the template here
+CONFIG_FILES = (TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE)   # go wherever their tokenizer.json goes
 
 
 class ByteTokenizer:
@@ -125,11 +136,108 @@ def load_tokenizer(spec: str | Path):
 
 def _configured_eos(folder: Path) -> str | None:
     """The eos_token a Hugging Face model directory's tokenizer_config.json names, if any."""
+    return _configured_token(_tokenizer_config(folder), "eos_token")
+
+
+def _tokenizer_config(folder: Path) -> dict:
+    """A model directory's tokenizer_config.json; {} when it has none (or an unreadable one)."""
     try:
-        eos = json.loads((folder / "tokenizer_config.json").read_text()).get("eos_token")
-    except (OSError, ValueError, AttributeError):
+        config = json.loads((folder / TOKENIZER_CONFIG).read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _configured_token(config: dict, key: str) -> str | None:
+    """A special token of tokenizer_config.json: a string, or an AddedToken's ``content``."""
+    tok = config.get(key)
+    return tok.get("content") if isinstance(tok, dict) else tok if isinstance(tok, str) else None
+
+
+def copy_tokenizer_config(src: str | Path | None, folder: str | Path) -> None:
+    """Make ``folder`` (where a copy of the tokenizer.json ``src`` goes) hold the
+    :data:`CONFIG_FILES` beside ``src``, so that its special tokens and chat template travel
+    with it: each is copied (written under a temporary name, then renamed), and one that ``src``
+    lacks, or all of them for ``src`` None (bytes), is removed from ``folder``."""
+    for name in CONFIG_FILES:
+        there, here = Path(src).parent / name if src else None, Path(folder) / name
+        if there is not None and there.is_file():
+            tmp = here.with_name(f".{name}.tmp")
+            shutil.copyfile(there, tmp)
+            os.replace(tmp, here)
+        else:
+            here.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A chat template and the special tokens it is rendered with."""
+
+    source: str                 # the Jinja text
+    path: str                   # the file it was read from
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return render_chat(self.source, messages, add_generation_prompt, self.bos_token,
+                           self.eos_token)
+
+
+def chat_template(spec: str | Path) -> ChatTemplate | None:
+    """The chat template of the tokenizer ``spec`` (a tokenizer.json or a folder holding one):
+    ``chat_template.jinja`` beside it, else the ``chat_template`` of the ``tokenizer_config.json``
+    beside it (a string, or the one named "default" of a list of named templates); None when it
+    has none."""
+    path = tokenizer_file(spec)
+    if path is None:
         return None
-    return eos.get("content") if isinstance(eos, dict) else eos if isinstance(eos, str) else None
+    config = _tokenizer_config(path.parent)
+    special = {k: _configured_token(config, k) or "" for k in ("bos_token", "eos_token")}
+    if (path.parent / CHAT_TEMPLATE_FILE).is_file():
+        where = path.parent / CHAT_TEMPLATE_FILE
+        return ChatTemplate(where.read_text(encoding="utf-8"), str(where), **special)
+    source = config.get("chat_template")
+    if isinstance(source, list):        # [{"name": "default", "template": ...}, ...]
+        source = next((t.get("template") for t in source
+                       if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not isinstance(source, str) or not source:
+        return None
+    return ChatTemplate(source, str(path.parent / TOKENIZER_CONFIG), **special)
+
+
+def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = False,
+                bos_token: str = "", eos_token: str = "") -> str:
+    """``messages`` rendered with the Jinja chat ``template`` as ``transformers`` renders it
+    (sandboxed, ``trim_blocks`` and ``lstrip_blocks``, ``raise_exception``, an unescaped
+    ``tojson``). A template that does not compile or raises is a ValueError."""
+    import jinja2
+
+    try:
+        return _compile_chat(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token, eos_token=eos_token)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat template error: {e}") from None
+
+
+@lru_cache(maxsize=8)
+def _compile_chat(template: str):
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
 
 
 def tokenizer_for_data(path: str | Path | None):

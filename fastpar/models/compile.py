@@ -29,11 +29,12 @@ from .layers import ParallelTransformerLayer
 
 def _block_forward(compiled):
     """A block's forward that runs ``compiled`` (the class's forward, compiled), or the eager
-    forward when a KV cache is given."""
+    forward when a KV cache or packed documents are given (their boundaries are host integers
+    that differ every batch: compiled, each batch would be a new graph)."""
 
-    def forward(self, x, rope=None, recompute_core=False, kv=None):
-        if kv is not None:
-            return type(self).forward(self, x, rope, recompute_core, kv)
+    def forward(self, x, rope=None, recompute_core=False, kv=None, docs=None):
+        if kv is not None or docs is not None:
+            return type(self).forward(self, x, rope, recompute_core, kv, docs)
         return compiled(self, x, rope, recompute_core)
 
     return forward

@@ -165,19 +165,23 @@ class GPT(nn.Module):
             if isinstance(getattr(m, "router", None), nn.Module) and m.router.bias.is_meta:
                 m.router.bias = torch.zeros(m.router.n_experts, device=device)
 
-    def embed_tokens(self, tokens, start: int = 0, looked_up=None):
-        """(B, S) ids at positions ``start`` .. start + S - 1 -> (S, B, D) hidden, or
-        (S/tp, B, D) under sequence parallelism. ``looked_up``: the embedding's output for
-        ``tokens``, already computed."""
+    def embed_tokens(self, tokens, start: int = 0, looked_up=None, positions=None):
+        """(B, S) ids at positions ``start`` .. start + S - 1 (or ``positions`` (B, S), this
+        rank's) -> (S, B, D) hidden, or (S/tp, B, D) under sequence parallelism. ``looked_up``:
+        the embedding's output for ``tokens``, already computed."""
         x = self.embed(tokens.t().contiguous()) if looked_up is None else looked_up
         if not self.config.rotary:
             S = tokens.shape[1]
-            pos = self.pos_embed.weight[start:start + S] if self.cp_group is None else \
-                self.pos_embed.weight[self._positions(S)]
+            if positions is not None:                           # (S, B, D): per sequence
+                pos = self.pos_embed.weight[positions.t()]
+            else:
+                pos = self.pos_embed.weight[start:start + S] if self.cp_group is None else \
+                    self.pos_embed.weight[self._positions(S)]
+                pos = pos[:, None, :]
             if self.sp:     # this rank's rows: a partial gradient (marked in __init__)
                 tp, r = group_size(self.tp_group), group_rank(self.tp_group)
                 pos = pos.chunk(tp, 0)[r]
-            x = x + pos[:, None, :]
+            x = x + pos
         # Dropout as the blocks do it (a Philox mask fixed by seed and offset): under SP each
         # rank's offset is where its sequence shard starts, so the shards' masks are the slices
         # of the unsharded one and the RNG is drawn from the same way at any tp.
@@ -204,32 +208,45 @@ class GPT(nn.Module):
             return F.linear(x, self.embed.weight)
         return self.head(x)
 
-    def forward(self, x, targets=None, cache=None):
+    def forward(self, x, targets=None, cache=None, docs=None):
         """Tokens (B, S) on the first stage, hidden (S[/tp], B, D) on the others. Returns the mean
         loss over non-ignored targets if ``targets`` (B, S) is given on the last stage, else the
         logits (B, S, V/tp) on the last stage, else the hidden state for the next stage.
+
+        ``docs`` (:class:`~fastpar.models.documents.Documents`, every stage): packed documents,
+        each token at its position in its document and attending inside its document only;
+        under context parallelism they describe the whole sequence.
 
         ``cache`` (a :class:`~fastpar.models.generate.KVCache`, inference): the tokens are the
         ``cache.length``-th onwards; each layer appends its keys and values to the cache and
         attends to all it holds, and the cache grows by S."""
         if cache is not None:
             return self._forward_cached(x, cache)
-        x, rope = self._enter(x)
+        x, rope = self._enter(x, docs=docs)
         for layer in self.layers.values():
             if self.recompute == "full" and self.training:
-                x = checkpoint(layer, x, rope, use_reentrant=False)
+                x = checkpoint(layer, x, rope, False, None, docs, use_reentrant=False)
             else:
-                x = layer(x, rope, self.recompute == "selective" and self.training)
+                x = layer(x, rope, self.recompute == "selective" and self.training, None, docs)
         return self._exit(x, targets)
 
-    def _enter(self, x, looked_up=None):
+    def _enter(self, x, looked_up=None, docs=None):
         """The embedding (on the first stage) and the rotary rows of these tokens;
         ``looked_up`` as in :meth:`embed_tokens`."""
+        positions = None
+        if docs is not None:
+            positions = docs.positions if self.cp_group is None else \
+                docs.local(group_rank(self.cp_group), group_size(self.cp_group))
         if self.pre_process:
             self._check_tokens(x)
-            x = self.embed_tokens(x, looked_up=looked_up)
+            if positions is not None and tuple(x.shape) != tuple(positions.shape):
+                raise ValueError(f"GPT: documents of shape {docs.shape} for tokens "
+                                 f"{tuple(x.shape)}")
+            x = self.embed_tokens(x, looked_up=looked_up, positions=positions)
         rope = (self.rope_cos, self.rope_sin) if self.config.rotary else None
-        if rope is not None and self.cp_group is not None:     # the rows of the true positions
+        if rope is not None and positions is not None:          # (B, S, hd/2): per sequence
+            rope = tuple(t[positions] for t in rope)
+        elif rope is not None and self.cp_group is not None:   # the rows of the true positions
             S = x.shape[0] * (group_size(self.tp_group) if self.sp else 1)
             rope = tuple(t[self._positions(S)] for t in rope)
         return x, rope
@@ -270,7 +287,7 @@ class GPT(nn.Module):
                              f"blocks: the forward hooks on {', '.join(hooked)} would not run "
                              f"(ZeRO-3 gathers a block in such a hook: use --zero 0, 1 or 2)")
 
-    def interleaved(self, xs, targets):
+    def interleaved(self, xs, targets, docs=None):
         """``[self(x, t) for x, t in zip(xs, targets)]``, the same numbers, with the
         micro-batches' forwards interleaved block by block (:func:`interleave`): while one
         micro-batch's row-parallel all-reduce is in flight, the next one computes (what
@@ -279,14 +296,17 @@ class GPT(nn.Module):
         self.check_interleave()
         selective = self.recompute == "selective" and self.training
 
-        def run(x):
-            x, rope = self._enter(x)
-            for layer in self.layers.values():
-                x = yield from layer.steps(x, rope, selective)
-            return x
-        return [self._exit(x, t) for x, t in zip(interleave([run(x) for x in xs]), targets)]
+        docs = docs or [None] * len(xs)
 
-    def forward_steps(self, x, targets=None) -> "ForwardSteps":
+        def run(x, d):
+            x, rope = self._enter(x, docs=d)
+            for layer in self.layers.values():
+                x = yield from layer.steps(x, rope, selective, d)
+            return x
+        return [self._exit(x, t) for x, t in
+                zip(interleave([run(x, d) for x, d in zip(xs, docs)]), targets)]
+
+    def forward_steps(self, x, targets=None, docs=None) -> "ForwardSteps":
         """``self(x, targets)`` run a step at a time, from wherever the caller likes (the
         previous micro-batch's backward: :func:`overlap_forward_backward`): each step ends
         after the embedding or a row-parallel projection, with its all-reduce left in flight.
@@ -300,9 +320,9 @@ class GPT(nn.Module):
                 self._check_tokens(x)
                 looked_up = self.embed(x.t().contiguous(), defer=True)
                 yield
-            h, rope = self._enter(x, looked_up)
+            h, rope = self._enter(x, looked_up, docs)
             for layer in self.layers.values():
-                h = yield from layer.steps(h, rope, selective)
+                h = yield from layer.steps(h, rope, selective, docs)
             return self._exit(h, targets)
         return ForwardSteps(run(), x.device.type)
 
@@ -386,7 +406,8 @@ class ForwardSteps:
         return self.result
 
 
-def overlap_forward_backward(model: GPT, xs, ys, divisor: int = 1, before_backward=None):
+def overlap_forward_backward(model: GPT, xs, ys, divisor: int = 1, before_backward=None,
+                             docs=None):
     """Forward and backward of the micro-batches ``xs``, ``ys`` one after another, each
     micro-batch's forward run inside the previous one's backward: a step of it wherever a
     column linear's backward has its input-gradient all-reduce in flight
@@ -396,10 +417,12 @@ def overlap_forward_backward(model: GPT, xs, ys, divisor: int = 1, before_backwa
     bottom. Each loss is divided by ``divisor`` before its backward; returns the sum of the
     divided losses, detached. ``before_backward(i)`` is called before micro-batch i's backward
     (e.g. to turn the data-parallel sync on for the last one). The same numbers as
-    ``for x, y in zip(xs, ys): (model(x, y) / divisor).backward()``."""
+    ``for x, y in zip(xs, ys): (model(x, y) / divisor).backward()``. ``docs``: each
+    micro-batch's :class:`~fastpar.models.documents.Documents` (or None)."""
     total, prev = None, None
+    docs = docs or [None] * len(xs)
     for i in range(len(xs) + 1):
-        nxt = model.forward_steps(xs[i], ys[i]) if i < len(xs) else None
+        nxt = model.forward_steps(xs[i], ys[i], docs[i]) if i < len(xs) else None
         if prev is not None:
             if before_backward is not None:
                 before_backward(i - 1)
@@ -414,12 +437,35 @@ def overlap_forward_backward(model: GPT, xs, ys, divisor: int = 1, before_backwa
     return total
 
 
+_PER_LOSS: float | None = None      # see tokens_per_loss
+
+
+@contextlib.contextmanager
+def tokens_per_loss(n: float | None):
+    """Inside, :func:`token_loss` divides its sum by ``n`` instead of its own count of trained
+    targets. A trainer whose micro-batches (or data-parallel ranks) train different numbers of
+    targets (masks, packed documents) passes the global batch's count / (micro-batches x
+    data-parallel x context-parallel ranks): the mean of the micro-batch losses over them is
+    then the mean over every trained target of the global batch, as one process computes it.
+    A plain module value, not a thread-local: the loss may run on a pipeline pair's or
+    autograd's thread."""
+    global _PER_LOSS
+    outer, _PER_LOSS = _PER_LOSS, n
+    try:
+        yield
+    finally:
+        _PER_LOSS = outer
+
+
 def token_loss(logits: torch.Tensor, targets: torch.Tensor, tp_group=None,
                vocab_size: int | None = None) -> torch.Tensor:
     """The model's loss, for every layout (the pipeline's last stage too): the mean
     cross-entropy over the targets that are not ignored (-100), from vocabulary-sharded logits
     (B, S, V/tp), read where they lie (the model's transposed view is not copied).
-    ``vocab_size``: the real classes, when the logits' padding columns are not masked."""
+    ``vocab_size``: the real classes, when the logits' padding columns are not masked. Inside
+    :func:`tokens_per_loss` the sum is divided by its count instead."""
     loss = vocab_parallel_cross_entropy(logits, targets, tp_group=tp_group,
                                         vocab_size=vocab_size)          # (B, S)
+    if _PER_LOSS is not None:
+        return loss.sum() / _PER_LOSS
     return loss.sum() / (targets != -100).sum().clamp(min=1)

@@ -16,6 +16,7 @@ from ..context_parallel import ring_attention
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, mark_partial_grads
 from ..mesh.groups import group_rank, group_size
 from .config import GPTConfig
+from .documents import document_attention
 from .moe import MoE
 
 
@@ -76,22 +77,27 @@ class ParallelAttention(nn.Module):
                                    tp_group=tp_group, sequence_parallel=sequence_parallel,
                                    overlap=overlap, skip_bias_add=True)
 
-    def core(self, q, k, v, start=0):
+    def core(self, q, k, v, start=0, docs=None):
         """softmax(q k^T / sqrt(hd)) v, causal; q (B, h, S, hd), k and v (B, h_kv, start + S, hd).
-        The part selective recompute redoes. ``start``: keys before the queries (a KV cache)."""
+        The part selective recompute redoes. ``start``: keys before the queries (a KV cache).
+        ``docs`` (:class:`~fastpar.models.documents.Documents`): causal inside each document."""
         if self.cp_group is not None:       # this rank's rows of the whole sequence's attention
-            return ring_attention(q, k, v, self.cp_group, overlap=self.cp_overlap)
+            return ring_attention(q, k, v, self.cp_group, overlap=self.cp_overlap,
+                                  bounds=None if docs is None else docs.bounds)
+        if docs is not None:
+            return document_attention(q, k, v, docs)
         S, mask = q.shape[2], None
         if start and S > 1:     # a chunk after a prefix: query i sees keys 0 .. start + i
             mask = torch.ones(S, start + S, dtype=torch.bool, device=q.device).tril(start)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=start == 0,
                                               enable_gqa=self.kv_heads != self.heads)
 
-    def forward(self, x, rope=None, recompute_core=False, kv=None):
+    def forward(self, x, rope=None, recompute_core=False, kv=None, docs=None):
         """(output, bias): the output projection's bias is left for the caller's fused
         bias + dropout + residual add. ``kv`` (inference): this layer's ``LayerCache`` (see
         fastpar.models.generate); k and v are appended to it and q attends to all it holds,
-        ``rope`` then being the tables' rows of these positions."""
+        ``rope`` then being the tables' rows of these positions. ``docs``: attention stops at
+        document starts (:mod:`fastpar.models.documents`)."""
         hd = self.config.head_dim
         q, k, v = self.qkv.split(self.qkv(x))                   # (S, B, heads/tp * hd) views
         S, B = q.shape[:2]
@@ -106,9 +112,10 @@ class ParallelAttention(nn.Module):
             k, v = kv.append(k, v)                              # (B, h_kv, start + S, hd)
             y = self.core(q, k, v, start)
         elif recompute_core:
-            y = torch.utils.checkpoint.checkpoint(self.core, q, k, v, use_reentrant=False)
+            y = torch.utils.checkpoint.checkpoint(self.core, q, k, v, 0, docs,
+                                                  use_reentrant=False)
         else:
-            y = self.core(q, k, v)
+            y = self.core(q, k, v, 0, docs)
         y = y.permute(2, 0, 1, 3).reshape(S, B, self.heads * hd)   # (S, B, h/tp * hd)
         return self.o(y)
 
@@ -183,16 +190,16 @@ class ParallelTransformerLayer(nn.Module):
         return kernels.bias_dropout_add(branch, bias, residual.to(branch.dtype), self.dropout,
                                         self.training, None, self.shard * branch.numel())
 
-    def forward(self, x, rope=None, recompute_core=False, kv=None):
-        x = self._add(*self.attn(self.norm1(x), rope, recompute_core, kv), x)
+    def forward(self, x, rope=None, recompute_core=False, kv=None, docs=None):
+        x = self._add(*self.attn(self.norm1(x), rope, recompute_core, kv, docs), x)
         return self._add(*self.mlp(self.norm2(x)), x)
 
-    def steps(self, x, rope=None, recompute_core=False):
+    def steps(self, x, rope=None, recompute_core=False, docs=None):
         """``forward`` as a generator that pauses after each branch's row-parallel projection,
         before its output is read (its all-reduce may still be in flight: see
         ``fastpar.models.gpt.interleave``); returns the block's output. The same ops as
         ``forward``, in the same order. Bypasses this module's own hooks (its children's run)."""
-        branch = self.attn(self.norm1(x), rope, recompute_core)
+        branch = self.attn(self.norm1(x), rope, recompute_core, None, docs)
         yield
         x = self._add(*branch, x)
         branch = self.mlp(self.norm2(x))

@@ -63,6 +63,7 @@ class _Step:
     arrived: float | None = None                     # when the current action's input arrived
     keep: bool = True                                # keep activations for backward
     filled: float = 0.0                              # seconds the current pair's B ran
+    docs: list | None = None                         # each micro-batch's ``docs`` keyword
 
 
 class PipelineExecutor:
@@ -161,23 +162,27 @@ class PipelineExecutor:
 
     # -- one training step --------------------------------------------------------------------
     def step(self, inputs: torch.Tensor | None = None,
-             targets: torch.Tensor | None = None) -> torch.Tensor | None:
+             targets: torch.Tensor | None = None, docs: list | None = None
+             ) -> torch.Tensor | None:
         """Run one step on a batch; returns the mean micro-batch loss on the rank holding the
         last stage, None elsewhere. Gradients accumulate into ``.grad`` (zero them between
-        steps). ``inputs`` is needed where stage 0 lives, ``targets`` where the last stage does."""
-        return self._run(self.schedule, inputs, targets)
+        steps). ``inputs`` is needed where stage 0 lives, ``targets`` where the last stage does.
+        ``docs``: one value per micro-batch, passed to every stage's call on that micro-batch
+        as the keyword ``docs`` (packed documents: :class:`fastpar.models.documents.Documents`)."""
+        return self._run(self.schedule, inputs, targets, docs)
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor | None = None,
-                 targets: torch.Tensor | None = None) -> torch.Tensor | None:
+                 targets: torch.Tensor | None = None, docs: list | None = None
+                 ) -> torch.Tensor | None:
         """The mean micro-batch loss of a batch, forward only (Megatron's ``forward_only``): the
         schedule's forwards in the same order, no graph kept, each activation dropped once sent.
         Returns it on the rank holding the last stage, None elsewhere."""
         if self._forward_schedule is None:
             self._forward_schedule = forward_schedule(self.schedule)
-        return self._run(self._forward_schedule, inputs, targets)
+        return self._run(self._forward_schedule, inputs, targets, docs)
 
-    def _run(self, s: Schedule, inputs, targets) -> torch.Tensor | None:
+    def _run(self, s: Schedule, inputs, targets, docs=None) -> torch.Tensor | None:
         training = s is self.schedule
         has_first = any(s.stage_index(self.rank, c) == 0 for c in range(s.virtual_stages))
         has_last = self.rank == s.place(s.num_stages - 1)[0]
@@ -194,7 +199,10 @@ class PipelineExecutor:
             raise ValueError(f"pipeline step: micro-batch shape {tuple(xs[0].shape)} differs "
                              f"from the first step's {tuple(self._meta[('in', 0)][0])}; the "
                              f"shapes are fixed at the first step, build a new PipelineExecutor")
-        st = _Step(xs, ts, keep=training)
+        if docs is not None and len(docs) != s.num_microbatches:
+            raise ValueError(f"pipeline step: {len(docs)} docs for {s.num_microbatches} "
+                             "micro-batches")
+        st = _Step(xs, ts, keep=training, docs=docs)
         start = time.perf_counter()
         acts, i = s.actions[self.rank], 0
         while i < len(acts):
@@ -268,12 +276,13 @@ class PipelineExecutor:
         last = s == self.schedule.num_stages - 1
         args = (x, st.ts[a.microbatch]) if last and self.stage_loss else (x,)
         captured, key = None, (a.microbatch, a.chunk)
+        kw = {} if st.docs is None else {"docs": st.docs[a.microbatch]}
         if self._split is not None:     # a full backward needs only the layer cuts
             leaves, _, cuts = self._split[a.chunk]
             with Capture([] if key in self._full else leaves, cuts) as captured:
-                y = self.stages[a.chunk](*args)
+                y = self.stages[a.chunk](*args, **kw)
         else:
-            y = self.stages[a.chunk](*args)
+            y = self.stages[a.chunk](*args, **kw)
         if self.activation is not None and s < self.schedule.num_stages - 1 and \
                 (y.shape, y.dtype) != self.activation:
             raise ValueError(f"pipeline stage {s} (pp rank {self.rank}): its output is "

@@ -68,6 +68,13 @@ class TrainConfig(ParallelConfig):
                                         # auto: bf16 on GPU, fp32 on CPU (bf16 runs on CPU too)
     grad_reduce_dtype: str = "fp32"     # dtype of the data-parallel gradient reduction
     log_every: int = 10                 # steps between log lines
+    pack_documents: bool = True         # prepared data of two or more documents: pack whole
+                                        # documents into each sequence, attention stopping at
+                                        # each one's end and positions restarting, the target
+                                        # across a boundary not trained (--no-pack-documents:
+                                        # sequences cut anywhere, attending across documents)
+    pad_documents: bool = False         # one document (or a piece of a long one) per sequence,
+                                        # padded; the baseline packing is measured against
     eval_every: int = 0                 # steps between validation-loss evaluations on the data's
                                         # held-out split (and one at the last step); 0 = none
     eval_batches: int = 4               # held-out global batches per evaluation (the same ones

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .config import TrainConfig
 from ..data.sources import describe_data
-from ..data.tokenizer import TOKENIZER_FILE, source_tokenizer_file
+from ..data.tokenizer import TOKENIZER_FILE, copy_tokenizer_config, source_tokenizer_file
 
 # What the schedule (steps, lr, min_lr, warm-up), the optimization (decay, clipping) and the data
 # order (seed, batch sizes, sequence length) of a run depend on.
@@ -109,6 +109,7 @@ def write_run_files(cfg: TrainConfig, layout, fresh: bool) -> None:
         os.replace(tmp, out / TOKENIZER_FILE)
     else:
         (out / TOKENIZER_FILE).unlink(missing_ok=True)      # bytes: the ids are the text
+    copy_tokenizer_config(tok, out)     # its chat template beside it (None removes a stale one)
 
 
 def _write_json(path: Path, obj) -> None:

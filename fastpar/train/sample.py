@@ -2,12 +2,17 @@
 
     fastpar generate runs/x --prompt "def " --max-new-tokens 64 --temperature 0.8 --top-k 50
     torchrun --nproc-per-node 2 -m fastpar generate runs/x --prompt "def "    # tp=2
+    fastpar generate runs/sft --chat --system "Answer briefly." --prompt "What is TP?"
 
 CKPT is a checkpoint folder (``runs/x/checkpoints/step_N``), a run folder (its latest complete
 checkpoint) or a Hugging Face directory. Under torchrun the ranks form one tensor-parallel group
 (each loads its shards) and rank 0 prints. The tokenizer, unless ``--tokenizer`` names one: the
 Hugging Face directory's tokenizer.json, or the one the run's training data was prepared with
 (its ``config.json``), else bytes. Every check runs before any process group exists.
+
+With ``--chat`` the prompt is a user message (after ``--system``'s system message), rendered with
+the chat template beside the tokenizer's tokenizer.json (:func:`fastpar.data.tokenizer.
+chat_template`) with the generation prompt, and only the reply is printed.
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ import torch.distributed as dist
 from ..models.hf import is_hf_dir, load_hf
 from .init_from import source_config
 from .checkpoint import latest_checkpoint
-from ..data.tokenizer import load_tokenizer, run_tokenizer_file, tokenizer_file, tokenizer_for_data
+from ..data.tokenizer import (TOKENIZER_CONFIG, chat_template, load_tokenizer,
+                              run_tokenizer_file, tokenizer_file, tokenizer_for_data)
 
 
 def add_generate(sub) -> None:
@@ -41,6 +47,12 @@ def add_generate(sub) -> None:
     p.add_argument("--tokenizer", default=None,
                    help="'bytes', a tokenizer.json or a folder holding one (default: the "
                         "checkpoint's, see `fastpar generate --help`)")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the tokenizer's chat "
+                        f"template (the chat_template of the {TOKENIZER_CONFIG} beside its "
+                        "tokenizer.json) and print only the reply")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="with --chat: a system message before the prompt")
 
 
 def resolve_source(spec: str) -> tuple[Path, bool]:
@@ -61,12 +73,34 @@ def resolve_source(spec: str) -> tuple[Path, bool]:
                      f"a complete checkpoint in checkpoints/")
 
 
-def default_tokenizer(source: Path, hf: bool):
+def default_tokenizer_file(source: Path, hf: bool) -> Path | None:
     """The Hugging Face directory's tokenizer.json; for a fastpar checkpoint the one its run
-    trained with (:func:`run_tokenizer_file`); else bytes."""
-    if hf:
-        return load_tokenizer(source if tokenizer_file(source) else "bytes")
-    return load_tokenizer(run_tokenizer_file(source) or "bytes")
+    trained with (:func:`run_tokenizer_file`); None for bytes."""
+    return tokenizer_file(source) if hf else run_tokenizer_file(source)
+
+
+def default_tokenizer(source: Path, hf: bool):
+    """The tokenizer of :func:`default_tokenizer_file`, else bytes."""
+    return load_tokenizer(default_tokenizer_file(source, hf) or "bytes")
+
+
+def prompt_ids(tok, tokenizer: str | Path, prompt: str, chat: bool = False,
+               system: str | None = None) -> list[int]:
+    """The ids generation continues: ``prompt``'s; with ``chat`` the rendering of ``prompt`` as
+    a user message (after ``system`` as a system message) by the chat template of the tokenizer
+    ``tokenizer`` (its tokenizer.json or folder), with the generation prompt."""
+    if system is not None and not chat:
+        raise ValueError("--system is for --chat only (the system message of a chat)")
+    if not chat:
+        return tok.encode(prompt)
+    template = chat_template(tokenizer) if str(tokenizer) != "bytes" else None
+    if template is None:
+        raise ValueError(f"--chat needs a chat template, and the tokenizer {str(tokenizer)!r} "
+                         "has none: pass --tokenizer a Hugging Face tokenizer folder whose "
+                         f"{TOKENIZER_CONFIG} has chat_template")
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    messages.append({"role": "user", "content": prompt})
+    return tok.encode(template.render(messages, add_generation_prompt=True))
 
 
 def run_generate(args) -> int:
@@ -77,13 +111,14 @@ def run_generate(args) -> int:
         source, hf = resolve_source(args.checkpoint)
         config = source_config(source)
         config.check_tp(world)
-        tok = load_tokenizer(args.tokenizer) if args.tokenizer else default_tokenizer(source, hf)
+        spec = args.tokenizer or default_tokenizer_file(source, hf) or "bytes"
+        tok = load_tokenizer(spec)
         if tok.vocab_size < config.vocab_size:      # it could not decode what the model says
             raise ValueError(f"the tokenizer ({getattr(tok, 'name', tok)}) has a vocabulary of "
                              f"{tok.vocab_size}, the model {config.vocab_size}: pass the model's "
                              f"tokenizer with --tokenizer")
-        prompt = check_generate(config, tok.encode(args.prompt), args.max_new_tokens,
-                                args.temperature, args.top_k)
+        ids = prompt_ids(tok, spec, args.prompt, args.chat, args.system)
+        prompt = check_generate(config, ids, args.max_new_tokens, args.temperature, args.top_k)
         new = _generate(source, hf, config, prompt, args, world, tok.eos_id)
     except ValueError as e:
         if rank == 0:
@@ -92,7 +127,7 @@ def run_generate(args) -> int:
     if rank == 0:
         if new and new[-1] == tok.eos_id:
             new = new[:-1]
-        print(tok.decode(prompt + new))
+        print(tok.decode(new if args.chat else prompt + new))
     return 0
 
 

@@ -28,14 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices as _fused_devices
 
 import fastpar
-from ..context_parallel import shard_sequence
 from ..data_parallel import DataParallel, DistributedOptimizer
 from ..mesh import Layout, Mesh, ep_groups, hsdp_expert_group, hsdp_groups
 from ..pipeline.schedules import PLACEMENT
@@ -53,7 +51,9 @@ from .checkpoint import Verifier, checkpoint_shard_reader, latest_checkpoint, lo
     pointer_note, read_manifest
 from .checkpoint_writer import CheckpointWriter
 from .config import TrainConfig
-from ..data.sources import BatchSampler, check_length, check_vocab, load_tokens
+from ..data.packing import DocumentSampler
+from ..data.sources import load_tokens
+from .batches import make_sampler, step_inputs
 from .guard import NonFiniteError, NonFiniteGuard
 from .metrics import Metrics, PendingSteps
 from .outdir import check_out, nothing_to_resume, prepare_out, resolve_out
@@ -158,13 +158,6 @@ def _activation(cfg: TrainConfig, mesh, chunks, sched) -> tuple[tuple[int, ...],
     return (seq, micro, cfg.model_config.d_model), dtype
 
 
-def _cp_shard(batch, mesh):
-    """This context-parallel rank's two chunks of every sequence of (inputs, targets)."""
-    if mesh.cp_group is None:
-        return batch
-    return tuple(shard_sequence(t, mesh.cp_rank, mesh.cp_size, dim=1) for t in batch)
-
-
 def _param_groups(chunks, weight_decay):
     decay = [p for m in chunks for p in m.parameters() if p.requires_grad and p.dim() >= 2]
     rest = [p for m in chunks for p in m.parameters() if p.requires_grad and p.dim() < 2]
@@ -243,8 +236,8 @@ class Run:
     ddp: DataParallel
     opt: DistributedOptimizer
     pipe: PipelineExecutor | None
-    sampler: BatchSampler
-    val: np.ndarray | None        # the held-out tokens, read when evaluating
+    sampler: DocumentSampler
+    val: DocumentSampler | None   # the held-out split's
     held_out: list | None         # the same held-out batches at every evaluation
     start: int                    # the step a resumed run continues after (0: fresh)
     resume_from: Path | None
@@ -256,6 +249,7 @@ class Run:
     fault: faults.Faults | None   # FASTPAR_FAULT's injected faults (tests)
     say: Callable | None          # print on the first rank, else None
     moe_stats: dict = field(default_factory=dict)   # the last step's router_stats
+    trained: int = 0                                # the last step's trained targets
 
     @property
     def micro_batches(self) -> int:
@@ -276,8 +270,9 @@ def setup(cfg: TrainConfig, layout: Layout | None = None) -> Run:
     cfg = prepare_out(cfg, rank, say or (lambda _: None))
     if say:
         say(f"fastpar train: writing to {cfg.out}")
-    tokens = _tokens(cfg, "train")
-    val = _tokens(cfg, "val") if cfg.eval_every else None
+    dp_rank = lay.coords(rank).dp         # the data is read (and checked) before any group
+    sampler = make_sampler(cfg, "train", dp_rank, lay.dp)
+    val = make_sampler(cfg, "val", dp_rank, lay.dp) if cfg.eval_every else None
     if say and cfg.warmup < cfg.warmup_steps:
         say(f"fastpar train: --warmup-steps {cfg.warmup_steps} is more than half of "
             f"--steps {cfg.steps}: warming up for {cfg.warmup} steps, then decaying")
@@ -308,9 +303,9 @@ def setup(cfg: TrainConfig, layout: Layout | None = None) -> Run:
         _fill(cfg, chunks, mesh, opt, resume_from, say, reader)
     held_out = None
     if val is not None:
-        vs = BatchSampler(val, cfg.seq_len, cfg.global_batch_size, cfg.seed, mesh.dp_rank,
-                          lay.dp)
-        held_out = [_cp_shard(vs.batch(k), mesh) for k in range(cfg.eval_batches)]
+        M = cfg.num_microbatches(cfg.global_batch_size, lay.dp)
+        held_out = [step_inputs(val.batch(k), mesh, M, lambda t: t)
+                    for k in range(cfg.eval_batches)]
     pipe = None
     if lay.pp > 1:
         sched = build_schedule(cfg.schedule, lay.pp, cfg.num_microbatches(
@@ -324,8 +319,7 @@ def setup(cfg: TrainConfig, layout: Layout | None = None) -> Run:
         write_run_files(cfg, lay, fresh=start == 0)
     return Run(
         cfg, mesh, chunks, ddp, opt, pipe,
-        BatchSampler(tokens, cfg.seq_len, cfg.global_batch_size, cfg.seed, mesh.dp_rank, lay.dp),
-        val, held_out, start, resume_from, Watchdog(mesh, cfg.timeout, out=cfg.out),
+        sampler, val, held_out, start, resume_from, Watchdog(mesh, cfg.timeout, out=cfg.out),
         NonFiniteGuard(cfg.max_skipped_steps, mesh.device, verbose=mesh.rank == 0),
         CheckpointWriter(Path(cfg.out) / "checkpoints", mesh, cfg.keep_last, cfg.async_save,
                          cfg.timeout, lambda s: faults.during_save(fault, s, mesh.rank)),
@@ -333,15 +327,6 @@ def setup(cfg: TrainConfig, layout: Layout | None = None) -> Run:
                 cfg.peak_tflops * 1e12 if cfg.peak_tflops else None, resume=start > 0,
                 tensorboard=cfg.tensorboard),
         StepProfiler(cfg.profile_window, cfg.out, mesh.rank), fault, say)
-
-
-def _tokens(cfg: TrainConfig, split: str):
-    """One split of the run's data, checked against the sequence length and the vocabulary."""
-    tokens = load_tokens(cfg.data, split=split)
-    where = cfg.data if split == "train" else f"{cfg.data or 'stdlib corpus'} (validation split)"
-    check_length(len(tokens), cfg.seq_len, where)
-    check_vocab(tokens, cfg.model_config.vocab_size, cfg.model, cfg.data)
-    return tokens
 
 
 def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
@@ -355,12 +340,16 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
     for g in opt.param_groups:
         g["lr"] = lr
-    x, y = (_to_device(t, mesh.device) for t in _cp_shard(run.sampler.batch(step), mesh))
+    batch = run.sampler.batch(step)
+    run.trained = batch.trained
+    x, y, docs, per_loss = step_inputs(batch, mesh, run.micro_batches,
+                                       lambda t: _to_device(t, mesh.device))
     with wd.region(step, "forward and backward", ("tp", "cp", "pp", "dp")), \
             cfg.train_context(mesh.device.type), span("step", step):
         loss = forward_backward(run.chunks, run.ddp, run.pipe, x, y, run.micro_batches, mesh,
                                 interleave=run.cfg.interleave,
-                                fb_overlap=run.cfg.fb_overlapped(run.micro_batches))
+                                fb_overlap=run.cfg.fb_overlapped(run.micro_batches),
+                                docs=docs, per_loss=per_loss)
     faults.poison(run.fault, step, mesh.rank, loss, run.chunks)
     with wd.region(step, "the loss all-reduce", ("dp", "cp")):
         collectives.all_reduce(loss, group=mesh.dp_cp_group)
@@ -409,6 +398,7 @@ def read_back(run: Run, pending: PendingSteps, tokens: int, flops: float) -> lis
         rows.append(run.metrics.log(step, loss, host["lr"], tokens, host["step_time"], flops,
                                     run.mesh.world_size, skipped=not ok, val_loss=val,
                                     extra={"grad_norm": float(norm),
+                                           "trained_tokens": host["trained"],
                                            **dict(zip(host["moe"], moe))}))
     return rows
 
@@ -463,7 +453,7 @@ def train(cfg: TrainConfig, layout: Layout | None = None) -> list[dict]:
         step_time = time.perf_counter() - t0    # the evaluation is not part of the step
         moe = run.moe_stats
         pending.add(step, (loss, norm, bad, *moe.values()), lr=lr, step_time=step_time,
-                    moe=list(moe))
+                    moe=list(moe), trained=run.trained)
         if _read_due(run, step):
             rows += read_back(run, pending, step_tokens, flops)
         checkpoint_hook(run, step, record)
@@ -479,7 +469,7 @@ def train(cfg: TrainConfig, layout: Layout | None = None) -> list[dict]:
         with run.watchdog.region(cfg.steps, "the sample after training", ("tp",)), \
                 run.opt.gathered():                 # ZeRO-3: whole on every dp rank
             print_sample(cfg, run.chunks, mesh, load_tokens(cfg.data, split="val")
-                         if run.val is None else run.val, run.say)
+                         if run.val is None else run.val.tokens, run.say)
     return rows
 
 

@@ -1,0 +1,121 @@
+"""Documents in the global batch: packed windows, padded rows, loss masks.
+
+A prepared token file records where each document starts. :class:`DocumentSampler` uses it:
+
+- **packed** (``fastpar train``'s default for such data): each row is a window of ``seq_len + 1``
+  tokens that starts where a document (or a *piece* of one) starts and runs on through the next
+  documents. A piece: a document longer than a window is cut every ``seq_len`` tokens, so each
+  of its targets is in exactly one piece. Positions restart at 0 at every document start (and at
+  the row's start), and attention stops at those starts (the model reads them from the positions:
+  :mod:`fastpar.models.documents`). The target that would be predicted across a boundary (the
+  next document's first token) is masked (-100), as Megatron's ``eod_mask_loss`` does: each
+  document trains as if it ran alone.
+- **padded** (the baseline): each row is one piece from its start, padded with token 0 past its
+  end; the padding's targets are masked. Plain causal attention is exact for it.
+- **stream**: windows at any token offset, as :class:`~fastpar.data.sources.BatchSampler`
+  draws them (the same rows), documents ignored: for sources without document offsets.
+
+The window is drawn as :class:`~fastpar.data.sources.BatchSampler` draws it: ``rng((seed, step))``
+picks a token offset, which snaps back to the start of the piece that holds it (so a piece is
+picked with probability proportional to its length), and every rank draws the whole global
+batch's offsets and reads only its share of rows.
+
+A loss mask (``prepare-data`` on prompt / response pairs writes one: ``fastpar.data.masks``)
+masks the targets whose mask value is 0 as well. Every step's global count of trained targets is
+computed on the host from the offsets (and the mask's values over the global batch's windows),
+so the trainer divides the loss by it before any collective: :attr:`Batch.trained`.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+IGNORE = -100                   # a target the loss skips (torch's ignore_index)
+MODES = ("packed", "padded", "stream")
+
+
+class Batch(NamedTuple):
+    """One data-parallel rank's share of a step's global batch."""
+
+    inputs: torch.Tensor            # (B_local, S) int64
+    targets: torch.Tensor           # (B_local, S) int64, IGNORE where not trained
+    positions: torch.Tensor | None  # (B_local, S) int64 positions in their documents; None: 0..S-1
+    trained: int                    # targets trained in the whole global batch (every rank's)
+
+
+def piece_starts(doc_starts: np.ndarray, n_tokens: int, seq_len: int) -> np.ndarray:
+    """Where a window may start: each document's start, and every ``seq_len`` tokens into a
+    document longer than that, except at a document's last token (it has no target inside)."""
+    starts = np.asarray(doc_starts, dtype=np.int64)
+    ends = np.append(starts[1:], n_tokens)
+    n = np.maximum((ends - starts - 2) // seq_len + 1, 1)     # pieces with >= 1 target inside
+    first = np.repeat(starts, n)
+    k = np.arange(len(first)) - np.repeat(np.cumsum(n) - n, n)
+    return first + k * seq_len
+
+
+class DocumentSampler:
+    """Like :class:`~fastpar.data.sources.BatchSampler`, over documents (module docstring):
+    :meth:`batch` gives a :class:`Batch`."""
+
+    def __init__(self, tokens: np.ndarray, doc_starts: np.ndarray, seq_len: int,
+                 global_batch: int, seed: int = 0, dp_rank: int = 0, dp_size: int = 1,
+                 mode: str = "packed", mask: np.ndarray | None = None):
+        if mode not in MODES:
+            raise ValueError(f"DocumentSampler: mode={mode!r} is not one of {', '.join(MODES)}")
+        if global_batch % dp_size:
+            raise ValueError(f"global batch {global_batch} is not divisible by dp={dp_size}")
+        if len(tokens) < seq_len + 2:
+            raise ValueError(f"data has {len(tokens)} tokens, fewer than seq_len + 2 = "
+                             f"{seq_len + 2}")
+        if mask is not None and len(mask) != len(tokens):
+            raise ValueError(f"loss mask has {len(mask)} values for {len(tokens)} tokens")
+        self.tokens, self.mask, self.mode = tokens, mask, mode
+        self.doc_starts = np.asarray(doc_starts, dtype=np.int64) if len(doc_starts) else \
+            np.zeros(1, np.int64)
+        self.pieces = piece_starts(self.doc_starts, len(tokens), seq_len)
+        self.seq_len, self.global_batch = seq_len, global_batch
+        self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
+
+    def windows(self, step: int) -> np.ndarray:
+        """Start offsets of the whole global batch of ``step`` (identical on every rank)."""
+        rng = np.random.default_rng((self.seed, step))
+        o = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.global_batch)
+        if self.mode == "stream":
+            return o
+        return self.pieces[np.searchsorted(self.pieces, o, side="right") - 1]
+
+    def _layout(self, w: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The window at ``w``: which of its S + 1 tokens are real (not padding), which of its
+        S targets are trained, and the S inputs' positions (None: 0 .. S-1). Reads the mask,
+        not the tokens."""
+        S = self.seq_len
+        keep = np.ones(S, bool) if self.mask is None else \
+            np.asarray(self.mask[w + 1:w + S + 1]) != 0
+        if self.mode == "stream":
+            return np.ones(S + 1, bool), keep, None
+        idx = np.arange(w, w + S + 1)
+        doc = np.maximum(self.doc_starts[np.searchsorted(self.doc_starts, idx, "right") - 1], w)
+        keep &= doc[1:] == doc[:-1]                 # the target is in its input's document
+        if self.mode == "padded":                   # the row's first document only
+            real = doc == w
+            return real, keep & real[1:], None
+        return np.ones(S + 1, bool), keep, idx[:-1] - doc[:-1]
+
+    def batch(self, step: int) -> Batch:
+        """This rank's rows of ``step`` and the global batch's trained-target count."""
+        ws = self.windows(step)
+        per = self.global_batch // self.dp_size
+        layouts = [self._layout(w) for w in ws]
+        trained = int(sum(k.sum() for _, k, _ in layouts))
+        mine = range(self.dp_rank * per, (self.dp_rank + 1) * per)
+        S = self.seq_len
+        toks = torch.from_numpy(np.stack([
+            np.where(layouts[i][0], np.asarray(self.tokens[ws[i]:ws[i] + S + 1], np.int64), 0)
+            for i in mine]))
+        keep = torch.from_numpy(np.stack([layouts[i][1] for i in mine]))
+        positions = torch.from_numpy(np.stack([layouts[i][2] for i in mine])) \
+            if self.mode == "packed" else None
+        return Batch(toks[:, :-1], toks[:, 1:].masked_fill(~keep, IGNORE), positions, trained)

@@ -1,0 +1,105 @@
+"""Packed documents: attention that stops at each document's start.
+
+A packed row holds several documents; each token's position counts from its document's start
+(:mod:`fastpar.data.packing`), so a document starts wherever the position is 0 (and at the
+row's start). :class:`Documents` holds a micro-batch's positions and those boundaries, built on
+the host from host positions (no device sync: the boundaries are host integers), and
+:func:`document_attention` is causal attention inside each document:
+
+- CUDA: one call of the variable-length flash kernel over the batch flattened to
+  (tokens, heads, head_dim) with the documents' cumulative lengths (``cu_seqlens``), as
+  Megatron's THD format and flash-attention's ``flash_attn_varlen_func`` do;
+- elsewhere: one fused SDPA call per document (tiled: no S x S mask is ever built).
+
+Under context parallelism the ring takes the boundaries of the whole sequence
+(:func:`fastpar.context_parallel.ring_attention` with ``bounds``) and computes only the block
+pairs a document connects.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class Documents:
+    """The document structure of a (B, S) batch from its positions: ``positions`` (on the
+    model's device), and per row the start index of each document (host ints)."""
+
+    def __init__(self, positions: torch.Tensor, device=None):
+        if positions.dim() != 2:
+            raise ValueError(f"Documents: positions must be (B, S), got {tuple(positions.shape)}")
+        host = positions.cpu()
+        B, S = host.shape
+        new = host == 0
+        new[:, 0] = True
+        self.starts = [torch.nonzero(new[b]).flatten().tolist() for b in range(B)]
+        self.shape = (B, S)
+        self.positions = positions if device is None or positions.device == \
+            torch.device(device) else positions.pin_memory().to(device, non_blocking=True) \
+            if torch.device(device).type == "cuda" and not positions.is_cuda else \
+            positions.to(device)
+        self._cu = None
+
+    def __repr__(self) -> str:
+        return f"Documents(shape={self.shape}, documents={sum(map(len, self.starts))})"
+
+    @property
+    def bounds(self) -> list[int]:
+        """Every row's document starts, flattened: per row its count, then the starts."""
+        return [x for s in self.starts for x in (len(s), *s)]
+
+    def spans(self, b: int) -> list[tuple[int, int]]:
+        """Row ``b``'s documents as [start, end) token ranges."""
+        s = self.starts[b]
+        return list(zip(s, s[1:] + [self.shape[1]]))
+
+    def cu_seqlens(self, device) -> tuple[torch.Tensor, int]:
+        """(cumulative lengths (int32, documents + 1) of the flattened batch, longest length)."""
+        if self._cu is None:
+            S = self.shape[1]
+            ends = [b * S + s for b in range(self.shape[0]) for s in self.starts[b]]
+            cu = torch.tensor(ends + [self.shape[0] * S], dtype=torch.int32)
+            longest = int((cu[1:] - cu[:-1]).max())
+            self._cu = (cu.pin_memory().to(device, non_blocking=True)
+                        if torch.device(device).type == "cuda" else cu.to(device), longest)
+        return self._cu
+
+    def local(self, cp_rank: int, cp_size: int) -> torch.Tensor:
+        """This context-parallel rank's positions (its two chunks of every row)."""
+        from ..context_parallel import shard_sequence
+
+        return shard_sequence(self.positions, cp_rank, cp_size, dim=1)
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       docs: Documents) -> torch.Tensor:
+    """Causal attention inside each document: q (B, h, S, hd), k and v (B, h_kv, S, hd) ->
+    (B, h, S, hd)."""
+    B, h, S, hd = q.shape
+    if docs.shape != (B, S):
+        raise ValueError(f"document_attention: documents of shape {docs.shape}, q of batch {B} "
+                         f"and length {S}")
+    gqa = k.shape[1] != h
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and hd % 8 == 0 and hd <= 256:
+        return _varlen_flash(q, k, v, docs)
+    rows = []
+    for b in range(B):
+        rows.append(torch.cat([
+            F.scaled_dot_product_attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e],
+                                           v[b:b + 1, :, s:e], is_causal=True, enable_gqa=gqa)
+            for s, e in docs.spans(b)], dim=2) if len(docs.starts[b]) > 1 else
+            F.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], is_causal=True,
+                                           enable_gqa=gqa))
+    return torch.cat(rows, dim=0)
+
+
+def _varlen_flash(q, k, v, docs: Documents) -> torch.Tensor:
+    """The variable-length flash kernel over the flattened batch (FlashAttention-2's varlen)."""
+    B, h, S, hd = q.shape
+    cu, longest = docs.cu_seqlens(q.device)
+
+    def flat(t):                                  # (B, h, S, hd) -> (B * S, h, hd)
+        return t.transpose(1, 2).reshape(B * S, t.shape[1], hd)
+    out = torch.ops.aten._flash_attention_forward(
+        flat(q), flat(k), flat(v), cu, cu, longest, longest, 0.0, True, False)[0]
+    return out.view(B, S, h, hd).transpose(1, 2)

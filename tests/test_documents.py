@@ -1,0 +1,187 @@
+"""Packed documents in the model: attention stops at each document's start, positions restart,
+and a packed batch equals each document run alone (losses and every gradient), with rotary and
+learned positions, GQA, and under context parallelism (the ring skipping the block pairs no
+document connects) at cp 2 and 4."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fastpar.context_parallel import ring_attention, shard_sequence, positions as cp_positions
+from fastpar.context_parallel.ring_attention import BLOCK_PAIRS
+from fastpar.context_parallel.sharding import document_blocks
+from fastpar.models import GPT
+from fastpar.models.documents import Documents, document_attention
+from fastpar.models.gpt import tokens_per_loss
+from fastpar.testing import run_ranks
+from test_cp_model import CONFIGS      # llama-gqa (rotary, GQA) and gpt2 (learned positions)
+
+def _positions(lengths_per_row) -> torch.Tensor:
+    """(B, S) positions of rows packed with documents of the given lengths."""
+    return torch.stack([torch.cat([torch.arange(n) for n in lengths])
+                        for lengths in lengths_per_row])
+
+
+def _dense_reference(q, k, v, pos):
+    """Attention with an explicit (S x S) block-diagonal causal mask: the definition."""
+    S = q.shape[2]
+    doc = torch.cumsum((pos == 0).long(), dim=1)                        # (B, S) document ids
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    mask = (doc[:, :, None] == doc[:, None, :]) & causal               # (B, S, S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def test_document_attention_is_causal_inside_each_document():
+    torch.manual_seed(0)
+    pos = _positions([[5, 9, 2], [16], [1, 15]])
+    q = torch.randn(3, 4, 16, 8, requires_grad=True)
+    k, v = (torch.randn(3, 2, 16, 8, requires_grad=True) for _ in range(2))
+    docs = Documents(pos)
+    assert docs.starts == [[0, 5, 14], [0], [0, 1]] and docs.bounds == [3, 0, 5, 14, 1, 0, 2, 0, 1]
+    got = document_attention(q, k, v, docs)
+    want = _dense_reference(q, k, v, pos)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    g = torch.randn_like(got)
+    grads = torch.autograd.grad(got, (q, k, v), g)
+    for a, b in zip(grads, torch.autograd.grad(want, (q, k, v), g)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    # The first document's output does not depend on the second's keys.
+    k2 = k.detach().clone()
+    k2[0, :, 5:] += 1.0
+    torch.testing.assert_close(document_attention(q, k2, v, docs)[0, :, :5], got[0, :, :5])
+    with pytest.raises(ValueError, match=r"documents of shape \(3, 16\), q of batch 2"):
+        document_attention(q[:2], k[:2], v[:2], docs)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_a_packed_row_equals_each_document_alone(name, recompute):
+    """Per-document losses and the summed gradients of a packed row equal each document run on
+    its own (positions from 0, attending to nothing else)."""
+    cfg = CONFIGS[name]
+    torch.manual_seed(1)
+    lengths = [7, 20, 4, 17]                                   # 48 tokens in one row
+    tokens = torch.randint(0, cfg.vocab_size, (1, 48))
+    targets = torch.randint(0, cfg.vocab_size, (1, 48))
+    packed = GPT(cfg, recompute=recompute).train()
+    docs = Documents(_positions([lengths]))
+    logits = packed(tokens, docs=docs)
+    per_token = F.cross_entropy(logits[0].float(), targets[0], reduction="none")
+    with tokens_per_loss(1.0):                                 # the sum: the gradient of each
+        packed(tokens, targets, docs=docs).backward()          # document's summed loss
+    alone = GPT(cfg, recompute=recompute).train()
+    start = 0
+    for n in lengths:
+        x, t = tokens[:, start:start + n], targets[:, start:start + n]
+        z = alone(x)
+        torch.testing.assert_close(z, logits[:, start:start + n], atol=2e-5, rtol=1e-4)
+        doc_loss = F.cross_entropy(z[0].float(), t[0], reduction="sum")
+        torch.testing.assert_close(doc_loss, per_token[start:start + n].sum(), atol=1e-4,
+                                   rtol=1e-5)
+        doc_loss.backward()
+        start += n
+    for (n, p), q in zip(packed.named_parameters(), alone.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_a_packed_row_is_not_the_plain_causal_row():
+    """The documents change the numbers (the test above would pass vacuously otherwise)."""
+    cfg = CONFIGS["llama-gqa"]
+    tokens = torch.randint(0, cfg.vocab_size, (1, 48))
+    model = GPT(cfg)
+    z_plain = model(tokens)[..., :cfg.vocab_size]
+    z_docs = model(tokens, docs=Documents(_positions([[24, 24]])))[..., :cfg.vocab_size]
+    torch.testing.assert_close(z_docs[:, :24], z_plain[:, :24])
+    assert (z_docs[:, 24:] - z_plain[:, 24:]).abs().max() > 1e-3
+
+
+def test_document_blocks_cover_the_dense_mask():
+    """Every (query, key) pair of a document is in exactly one sub-block of exactly one ring
+    step, and no other pair is, at cp 2 and 4."""
+    S = 48
+    for cp in (2, 4):
+        for starts in ([0], [0, 5, 6, 30], [0, 11, 12, 13, 40], [0, 24]):
+            doc = torch.zeros(S, dtype=torch.long)
+            for s in starts[1:]:
+                doc[s:] += 1
+            want = (doc[:, None] == doc[None, :]) & torch.ones(S, S, dtype=torch.bool).tril()
+            seen = torch.zeros(S, S, dtype=torch.long)
+            for r in range(cp):
+                qpos = cp_positions(S, r, cp)
+                for src in range(cp):
+                    kpos = cp_positions(S, src, cp)
+                    for rows, cols, causal in document_blocks(starts, S, src, r, cp):
+                        qs, ks = qpos[rows], kpos[cols]
+                        block = torch.ones(len(qs), len(ks), dtype=torch.bool)
+                        if causal:
+                            block = block.tril()
+                        seen[qs[:, None], ks[None, :]] += block.long()
+            assert (seen <= 1).all() and torch.equal(seen.bool(), want), (cp, starts)
+
+
+def _ring_with_documents(rank, world_size, lengths):
+    torch.manual_seed(0)
+    S = 48
+    pos = _positions(lengths)
+    docs = Documents(pos)
+    q = torch.randn(len(lengths), 4, S, 8, requires_grad=True)
+    k, v = (torch.randn(len(lengths), 2, S, 8, requires_grad=True)
+            for _ in range(2))
+    want = _dense_reference(q, k, v, pos)
+    g = torch.randn_like(want)
+    dq, dk, dv = torch.autograd.grad(want, (q, k, v), g)
+    ql, kl, vl = (shard_sequence(t.detach(), rank, world_size, 2).requires_grad_()
+                  for t in (q, k, v))
+    BLOCK_PAIRS.update(computed=0, skipped=0)
+    out = ring_attention(ql, kl, vl, dist.group.WORLD, bounds=docs.bounds)
+    tol = dict(atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out, shard_sequence(want, rank, world_size, 2), **tol)
+    out.backward(shard_sequence(g, rank, world_size, 2))
+    for got, full in ((ql.grad, dq), (kl.grad, dk), (vl.grad, dv)):
+        torch.testing.assert_close(got, shard_sequence(full, rank, world_size, 2), **tol)
+    counts = torch.tensor([BLOCK_PAIRS["computed"], BLOCK_PAIRS["skipped"]])
+    dist.all_reduce(counts)
+    return counts.tolist()
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_with_documents_equals_full_attention_with_them(cp):
+    lengths = [[3, 5, 40], [48], [20, 28]]
+    counts = run_ranks(_ring_with_documents, cp, lengths, timeout=120)
+    computed, skipped = counts[0]
+    # forward and backward each count every (sequence, chunk pair) the causal mask allows:
+    # 3 sequences x cp(2cp+1)/2... of the 2cp chunks' pairs; documents skip some.
+    total = 2 * 3 * sum(len(p) for p in
+                        ([(0, 0), (1, 0), (1, 1)],) * cp + ([(0, 0), (1, 0)],) * (cp * (cp - 1)))
+    assert computed + skipped == total and skipped > 0
+    one = run_ranks(_ring_with_documents, cp, [[48]], timeout=120)[0]
+    assert one[1] == 0                          # one document: nothing to skip
+
+
+def _cp_model_with_documents(rank, world_size, name):
+    cfg = CONFIGS[name]
+    torch.manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 48))
+    targets = torch.randint(0, cfg.vocab_size, (2, 48))
+    docs = Documents(_positions([[10, 30, 8], [25, 23]]))
+    full = GPT(cfg)
+    z = full(tokens, docs=docs)
+    full(tokens, targets, docs=docs).backward()
+    model = GPT(cfg, cp_group=dist.group.WORLD)
+    local = shard_sequence(tokens, rank, world_size, dim=1)
+    z_local = model(local, docs=docs)
+    torch.testing.assert_close(z_local, shard_sequence(z, rank, world_size, 1), atol=1e-5,
+                               rtol=1e-5)
+    model(local, shard_sequence(targets, rank, world_size, dim=1), docs=docs).backward()
+    for (n, p), q in zip(model.named_parameters(), full.parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        torch.testing.assert_close(g / world_size, q.grad, atol=1e-5, rtol=1e-4, msg=n)
+    return True
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_gpt_with_documents_equals_the_full_model(name, cp):
+    assert all(run_ranks(_cp_model_with_documents, cp, name, timeout=120))
