@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fastpar.context_parallel import ring_attention, shard_sequence, positions as cp_positions
+from fastpar.context_parallel import ring_attention, positions as cp_positions
 from fastpar.context_parallel.ring_attention import BLOCK_PAIRS
 from fastpar.context_parallel.sharding import document_blocks
 from fastpar.models import GPT
@@ -120,35 +120,38 @@ def test_document_blocks_cover_the_dense_mask():
             assert (seen <= 1).all() and torch.equal(seen.bool(), want), (cp, starts)
 
 
-def _ring_with_documents(rank, world_size, lengths):
+def _ring_with_documents(rank, world_size, lengths, balance="zigzag"):
     torch.manual_seed(0)
     S = 48
     pos = _positions(lengths)
-    docs = Documents(pos)
+    docs = Documents(pos, cp_balance=balance)
     q = torch.randn(len(lengths), 4, S, 8, requires_grad=True)
     k, v = (torch.randn(len(lengths), 2, S, 8, requires_grad=True)
             for _ in range(2))
     want = _dense_reference(q, k, v, pos)
     g = torch.randn_like(want)
     dq, dk, dv = torch.autograd.grad(want, (q, k, v), g)
-    ql, kl, vl = (shard_sequence(t.detach(), rank, world_size, 2).requires_grad_()
-                  for t in (q, k, v))
+    def mine(t):
+        return docs.shard(t, rank, world_size, 2)
+    ql, kl, vl = (mine(t.detach()).requires_grad_() for t in (q, k, v))
     BLOCK_PAIRS.update(computed=0, skipped=0)
-    out = ring_attention(ql, kl, vl, dist.group.WORLD, bounds=docs.bounds)
+    out = ring_attention(ql, kl, vl, dist.group.WORLD, bounds=docs.bounds,
+                         chunks=docs.ring_chunks(world_size) if balance == "work" else None)
     tol = dict(atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(out, shard_sequence(want, rank, world_size, 2), **tol)
-    out.backward(shard_sequence(g, rank, world_size, 2))
+    torch.testing.assert_close(out, mine(want), **tol)
+    out.backward(mine(g))
     for got, full in ((ql.grad, dq), (kl.grad, dk), (vl.grad, dv)):
-        torch.testing.assert_close(got, shard_sequence(full, rank, world_size, 2), **tol)
+        torch.testing.assert_close(got, mine(full), **tol)
     counts = torch.tensor([BLOCK_PAIRS["computed"], BLOCK_PAIRS["skipped"]])
     dist.all_reduce(counts)
     return counts.tolist()
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_ring_attention_with_documents_equals_full_attention_with_them(cp):
+@pytest.mark.parametrize("balance", ["zigzag", "work"])
+def test_ring_attention_with_documents_equals_full_attention_with_them(cp, balance):
     lengths = [[3, 5, 40], [48], [20, 28]]
-    counts = run_ranks(_ring_with_documents, cp, lengths, timeout=120)
+    counts = run_ranks(_ring_with_documents, cp, lengths, balance, timeout=120)
     computed, skipped = counts[0]
     # forward and backward each count every (sequence, chunk pair) the causal mask allows:
     # 3 sequences x cp(2cp+1)/2... of the 2cp chunks' pairs; documents skip some.
@@ -159,21 +162,20 @@ def test_ring_attention_with_documents_equals_full_attention_with_them(cp):
     assert one[1] == 0                          # one document: nothing to skip
 
 
-def _cp_model_with_documents(rank, world_size, name):
+def _cp_model_with_documents(rank, world_size, name, balance):
     cfg = CONFIGS[name]
     torch.manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (2, 48))
     targets = torch.randint(0, cfg.vocab_size, (2, 48))
-    docs = Documents(_positions([[10, 30, 8], [25, 23]]))
+    docs = Documents(_positions([[10, 30, 8], [25, 23]]), cp_balance=balance)
     full = GPT(cfg)
     z = full(tokens, docs=docs)
     full(tokens, targets, docs=docs).backward()
     model = GPT(cfg, cp_group=dist.group.WORLD)
-    local = shard_sequence(tokens, rank, world_size, dim=1)
+    local = docs.shard(tokens, rank, world_size)
     z_local = model(local, docs=docs)
-    torch.testing.assert_close(z_local, shard_sequence(z, rank, world_size, 1), atol=1e-5,
-                               rtol=1e-5)
-    model(local, shard_sequence(targets, rank, world_size, dim=1), docs=docs).backward()
+    torch.testing.assert_close(z_local, docs.shard(z, rank, world_size), atol=1e-5, rtol=1e-5)
+    model(local, docs.shard(targets, rank, world_size), docs=docs).backward()
     for (n, p), q in zip(model.named_parameters(), full.parameters()):
         g = p.grad.clone()
         dist.all_reduce(g)
@@ -181,7 +183,27 @@ def _cp_model_with_documents(rank, world_size, name):
     return True
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name, balance", [("llama-gqa", "work"), ("gpt2", "work"),
+                                           ("llama-gqa", "zigzag")])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_context_parallel_gpt_with_documents_equals_the_full_model(name, cp):
-    assert all(run_ranks(_cp_model_with_documents, cp, name, timeout=120))
+def test_context_parallel_gpt_with_documents_equals_the_full_model(name, balance, cp):
+    assert all(run_ranks(_cp_model_with_documents, cp, name, balance, timeout=120))
+
+
+def test_work_balance_deals_chunks_by_attention_work():
+    """One long document and many short ones: the zigzag gives the rank holding the long
+    document's end far more query-key pairs; dealing chunks by work evens them out."""
+    pos = _positions([[40, 2, 2, 2, 2], [4] * 12])
+    for cp in (2, 4):
+        loads = {}
+        for balance in ("zigzag", "work"):
+            docs = Documents(pos, cp_balance=balance)
+            layout = docs.cp_layout(cp)
+            assert sorted(c for r in layout for c in r) == list(range(2 * cp))
+            assert all(len(r) == 2 for r in layout)
+            loads[balance] = [int((docs.local(r, cp) + 1).sum()) for r in range(cp)]
+        assert sum(loads["work"]) == sum(loads["zigzag"])
+        assert max(loads["work"]) < max(loads["zigzag"]), (cp, loads)
+    assert Documents(pos, cp_balance="zigzag").cp_layout(2) == [(0, 3), (1, 2)]
+    with pytest.raises(ValueError, match="cp_balance='even' is not one of work, zigzag"):
+        Documents(pos, cp_balance="even")

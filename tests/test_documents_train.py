@@ -91,6 +91,7 @@ LAYOUTS = {
     "dp2-fb": (2, dict(dp=2, fb_overlap=True)),
     "pp2-1f1b": (2, dict(pp=2, schedule="1f1b")),
     "cp2": (2, dict(cp=2)),
+    "cp2-zigzag": (2, dict(cp=2, cp_balance="zigzag")),
     "dp2-zero1": (2, dict(dp=2, zero=1)),
     "cp2-dp2-zero3": (4, dict(cp=2, dp=2, zero=3)),
     "pp2-dp2-zbh1": (4, dict(pp=2, dp=2, schedule="zb-h1")),

@@ -38,10 +38,11 @@ from ..mesh import collectives
 from ..mesh.groups import Group, group_rank, group_size
 from ..mesh.profiling import span
 from . import blocks
-from .sharding import document_blocks, row_starts, visible_block
+from .sharding import causal_pairs, document_blocks, row_starts, visible_block
 
-# Block pairs (one sequence's query chunk x key chunk with something to compute) the ring
-# computed and skipped, forward, with packed documents: what the documents save.
+# Block pairs (one sequence's query chunk x key chunk the causal mask leaves anything in) the
+# ring computed and skipped with packed documents, forward and backward each counted: what the
+# documents save.
 BLOCK_PAIRS = {"computed": 0, "skipped": 0}
 
 _KV_TAG, _DKV_TAG = 11, 12          # gloo matches on (source, tag); NCCL ignores tags
@@ -102,37 +103,32 @@ def _comm_stream(device: torch.device):
     return torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
-def _sub_blocks(src: int, r: int, cp: int, c: int, docs: list | None) -> list:
+def _sub_blocks(src: int, r: int, cp: int, local_len: int, docs) -> list:
     """(batch rows, query rows, key cols, causal) of step ``src``: the whole batch's one block
-    (:func:`visible_block`), or with packed documents each sequence's sub-blocks
-    (:func:`document_blocks`)."""
+    (:func:`visible_block`), or with packed documents (``docs``: each sequence's starts, and
+    the ranks' chunks) each sequence's sub-blocks (:func:`document_blocks`)."""
     if docs is None:
-        return [(slice(None), *visible_block(src, r, c))]
+        return [(slice(None), *visible_block(src, r, local_len // 2))]
+    starts, layout = docs
+    c = local_len // len(layout[r])
     out = []
-    for b, starts in enumerate(docs):
-        found = document_blocks(starts, 2 * c * cp, src, r, cp)
+    for b, row in enumerate(starts):
+        found = document_blocks(row, local_len * cp, src, r, cp, layout)
         pairs = {(rows.start // c, cols.start // c) for rows, cols, _ in found}
-        full = len(visible_block_pairs(src, r))
         BLOCK_PAIRS["computed"] += len(pairs)
-        BLOCK_PAIRS["skipped"] += full - len(pairs)
+        BLOCK_PAIRS["skipped"] += causal_pairs(r, src, cp, layout) - len(pairs)
         out += [(slice(b, b + 1), rows, cols, causal) for rows, cols, causal in found]
     return out
-
-
-def visible_block_pairs(src: int, r: int) -> list[tuple[int, int]]:
-    """The (local query chunk, local key chunk) pairs the causal mask leaves anything in."""
-    if src == r:
-        return [(0, 0), (1, 0), (1, 1)]
-    return [(0, 0), (1, 0)] if src < r else [(1, 0), (1, 1)]
 
 
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
                   overlap: bool, docs: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the local queries over every CP rank's k/v, passed around the ring:
     out (B, h, S_local, hd) in q's dtype and its lse (B, h, S_local) fp32, both contiguous.
-    ``docs``: each sequence's document starts (packed documents), or None."""
+    ``docs``: each sequence's document starts and the ranks' chunks (packed documents), or
+    None."""
     cp, r = group_size(group), group_rank(group)
-    c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+    n, scale = q.shape[2], 1.0 / math.sqrt(q.shape[-1])
     stream = _comm_stream(q.device)
     kv = torch.stack([k, v])                      # (2, B, h_kv, S_local, hd): one message
     out = lse = None
@@ -144,7 +140,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist
         if i + 1 < cp:                            # the next step's k/v moves during this one
             nxt = torch.empty_like(kv)
             works = _start_ring(kv, nxt, group, _KV_TAG, overlap, stream)
-        for bs, rows, cols, causal in _sub_blocks(src, r, cp, c, docs):
+        for bs, rows, cols, causal in _sub_blocks(src, r, cp, n, docs):
             with span("cp attention block", i):
                 blk_out, blk_lse = blocks.block_forward(
                     q[bs, :, rows], kv[0][bs, :, cols], kv[1][bs, :, cols], causal, scale)
@@ -167,7 +163,7 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """dq here; dk/dv ride the ring behind their k/v back to their owner. Returns dq, dk, dv
     in the dtypes of q, k, v (accumulated in fp32)."""
     cp, r = group_size(group), group_rank(group)
-    c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+    n, scale = q.shape[2], 1.0 / math.sqrt(q.shape[-1])
     stream = _comm_stream(q.device)
     dout = dout.to(q.dtype)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -179,7 +175,7 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             nxt = torch.empty_like(kv)
             kv_works = _start_ring(kv, nxt, group, _KV_TAG, overlap, stream)
         grads = []
-        for bs, rows, cols, causal in _sub_blocks(src, r, cp, c, docs):
+        for bs, rows, cols, causal in _sub_blocks(src, r, cp, n, docs):
             with span("cp attention block backward", i):
                 dq_b, dk_b, dv_b = blocks.block_backward(
                     q[bs, :, rows], kv[0][bs, :, cols], kv[1][bs, :, cols], dout[bs, :, rows],
@@ -213,27 +209,31 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 @torch.library.custom_op("fastpar::ring_attention_fwd", mutates_args=())
 def ring_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
-                       overlap: bool, bounds: list[int] | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       overlap: bool, bounds: list[int] | None = None,
+                       chunks: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention forward over the process group named ``group_name``: (out, lse).
-    ``bounds``: packed documents' starts (:func:`ring_attention`)."""
+    ``bounds``, ``chunks``: packed documents (:func:`ring_attention`)."""
+    group = _resolve_process_group(group_name)
     with torch.autocast(q.device.type, enabled=False):
-        return _ring_forward(q, k, v, _resolve_process_group(group_name), overlap,
-                             _docs(bounds, q.shape[0]))
+        return _ring_forward(q, k, v, group, overlap, _docs(bounds, chunks, q.shape[0], group))
 
 
-def _docs(bounds: list[int] | None, batch: int) -> list | None:
+def _docs(bounds: list[int] | None, chunks: list[int] | None, batch: int, group):
+    """(each sequence's document starts, each rank's chunks) from the ops' flat lists."""
     if bounds is None:
         return None
-    docs = row_starts(list(bounds))
-    if len(docs) != batch:
-        raise ValueError(f"ring_attention: bounds describe {len(docs)} sequences, q holds "
+    starts = row_starts(list(bounds))
+    if len(starts) != batch:
+        raise ValueError(f"ring_attention: bounds describe {len(starts)} sequences, q holds "
                          f"{batch}")
-    return docs
+    cp = group_size(group)
+    chunks = list(chunks) if chunks else [i for r in range(cp) for i in (r, 2 * cp - 1 - r)]
+    per = len(chunks) // cp
+    return starts, [tuple(chunks[r * per:(r + 1) * per]) for r in range(cp)]
 
 
 @ring_attention_fwd.register_fake
-def _ring_attention_fwd_fake(q, k, v, group_name, overlap, bounds=None):
+def _ring_attention_fwd_fake(q, k, v, group_name, overlap, bounds=None, chunks=None):
     """Shapes and dtypes only (torch.compile's tracing): out like q, contiguous; lse fp32."""
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
@@ -241,39 +241,43 @@ def _ring_attention_fwd_fake(q, k, v, group_name, overlap, bounds=None):
 @torch.library.custom_op("fastpar::ring_attention_bwd", mutates_args=())
 def ring_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, group_name: str,
-                       overlap: bool, bounds: list[int] | None = None
+                       overlap: bool, bounds: list[int] | None = None,
+                       chunks: list[int] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ring attention backward from the final (out, lse): (dq, dk, dv)."""
+    group = _resolve_process_group(group_name)
     with torch.autocast(q.device.type, enabled=False):
-        return _ring_backward(dout, q, k, v, out, lse, _resolve_process_group(group_name),
-                              overlap, _docs(bounds, q.shape[0]))
+        return _ring_backward(dout, q, k, v, out, lse, group, overlap,
+                              _docs(bounds, chunks, q.shape[0], group))
 
 
 @ring_attention_bwd.register_fake
-def _ring_attention_bwd_fake(dout, q, k, v, out, lse, group_name, overlap, bounds=None):
+def _ring_attention_bwd_fake(dout, q, k, v, out, lse, group_name, overlap, bounds=None,
+                             chunks=None):
     """Shapes and dtypes only: dq, dk, dv like q, k, v, contiguous."""
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, group_name, overlap, bounds = inputs
+    q, k, v, group_name, overlap, bounds, chunks = inputs
     ctx.save_for_backward(q, k, v, *output)
-    ctx.group_name, ctx.overlap, ctx.bounds = group_name, overlap, bounds
+    ctx.group_name, ctx.overlap, ctx.bounds, ctx.chunks = group_name, overlap, bounds, chunks
 
 
 def _backward(ctx, dout, _dlse):
     # lse is an output for the backward's sake only: its gradient is never used.
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = ring_attention_bwd(dout, q, k, v, out, lse, ctx.group_name, ctx.overlap,
-                                    ctx.bounds)
-    return dq, dk, dv, None, None, None
+                                    ctx.bounds, ctx.chunks)
+    return dq, dk, dv, None, None, None, None
 
 
 ring_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: Group,
-                   overlap: bool = True, bounds: list[int] | None = None) -> torch.Tensor:
+                   overlap: bool = True, bounds: list[int] | None = None,
+                   chunks: list[int] | None = None) -> torch.Tensor:
     """Causal attention over the global sequence, split over ``cp_group`` in the load-balanced
     layout (:func:`.sharding.shard_sequence` along dim 2).
 
@@ -287,7 +291,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: 
     ``bounds`` (packed documents): each sequence's document starts in the whole sequence,
     flattened (per sequence its count, then the starts: :attr:`fastpar.models.documents.
     Documents.bounds`); a query then sees the keys of its own document only, and the block
-    pairs no document connects are skipped (:func:`.sharding.document_blocks`).
+    pairs no document connects are skipped (:func:`.sharding.document_blocks`). ``chunks``
+    (with ``bounds``): the chunks each rank holds, flattened in rank order, the same number per
+    rank (:func:`.sharding.balanced_chunks`); default the zigzag pairs.
     """
     if cp_group is not None and group_rank(cp_group) < 0:
         raise ValueError(f"ring_attention: rank {dist.get_rank()} is not in cp_group")
@@ -304,4 +310,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: 
         if cp == 1:
             raise ValueError("ring_attention: bounds need a CP group of 2 or more ranks "
                              "(one rank: fastpar.models.documents.document_attention)")
-        return ring_attention_fwd(q, k, v, cp_group.group_name, overlap, bounds)[0]
+        return ring_attention_fwd(q, k, v, cp_group.group_name, overlap, bounds, chunks)[0]

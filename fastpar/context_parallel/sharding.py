@@ -90,19 +90,23 @@ def visible_block(src: int, cp_rank: int, chunk: int) -> tuple[slice, slice, boo
     return slice(chunk, None), slice(None), False
 
 
-def document_blocks(starts: list[int], seq_len: int, src: int, cp_rank: int, cp_size: int
+def document_blocks(starts: list[int], seq_len: int, src: int, cp_rank: int, cp_size: int,
+                    layout: list[tuple[int, ...]] | None = None
                     ) -> list[tuple[slice, slice, bool]]:
     """:func:`visible_block` for one sequence of packed documents (each document's start index
     in ``starts``; a query sees the keys of its own document only): the (rows, cols, causal)
     sub-blocks of this rank's local queries and CP rank ``src``'s local keys that a document
-    connects, in local indices. Empty: the pair is skipped. A chunk pair holds at most one
-    sub-block per document, and a pair of different chunks at most one (the document that runs
-    from the key chunk into the query chunk)."""
-    c = seq_len // (2 * cp_size)
+    connects, in local indices. Empty: the pair is skipped. ``layout``: each rank's chunks
+    (:func:`balanced_chunks`), default the zigzag pairs of :func:`chunk_ids`. A chunk pair holds
+    at most one sub-block per document, and a pair of different chunks at most one (the
+    document that runs from the key chunk into the query chunk)."""
+    mine = layout[cp_rank] if layout else chunk_ids(cp_rank, cp_size)
+    theirs = layout[src] if layout else chunk_ids(src, cp_size)
+    c = seq_len // (len(mine) * cp_size)
     ends = starts[1:] + [seq_len]
     out = []
-    for qi, qc in enumerate(chunk_ids(cp_rank, cp_size)):
-        for ki, kc in enumerate(chunk_ids(src, cp_size)):
+    for qi, qc in enumerate(mine):
+        for ki, kc in enumerate(theirs):
             if kc > qc:
                 continue
             q0, k0 = qc * c, kc * c
@@ -111,8 +115,7 @@ def document_blocks(starts: list[int], seq_len: int, src: int, cp_rank: int, cp_
                     a, b = max(s, q0), min(e, q0 + c)
                     if a < b:
                         rows = slice(qi * c + a - q0, qi * c + b - q0)
-                        out.append((rows, rows if qi == ki else
-                                    slice(ki * c + a - k0, ki * c + b - k0), True))
+                        out.append((rows, slice(ki * c + a - k0, ki * c + b - k0), True))
                 continue
             last = k0 + c - 1                     # the document of the key chunk's last token
             d = max(i for i, s in enumerate(starts) if s <= last)
@@ -121,6 +124,39 @@ def document_blocks(starts: list[int], seq_len: int, src: int, cp_rank: int, cp_
                 cols = slice(ki * c + max(starts[d], k0) - k0, ki * c + c)
                 out.append((rows, cols, False))
     return out
+
+
+def causal_pairs(cp_rank: int, src: int, cp_size: int,
+                 layout: list[tuple[int, ...]] | None = None) -> int:
+    """How many (query chunk, key chunk) pairs of this rank and ``src`` the causal mask leaves
+    anything in: what a ring without documents computes."""
+    mine = layout[cp_rank] if layout else chunk_ids(cp_rank, cp_size)
+    theirs = layout[src] if layout else chunk_ids(src, cp_size)
+    return sum(kc <= qc for qc in mine for kc in theirs)
+
+
+def balanced_chunks(work, cp_size: int) -> list[tuple[int, ...]]:
+    """Each CP rank's chunks (ascending), ``len(work) / cp_size`` of them, so that every rank
+    gets about the same attention work: the chunks by decreasing work, each to the rank with
+    the least so far that has room (longest-processing-time first; ties by index, so every rank
+    computes the same layout). ``work[i]``: chunk i's query-key pairs."""
+    n = len(work)
+    if n % cp_size:
+        raise ValueError(f"context parallelism: {n} chunks do not split over cp = {cp_size}")
+    per, load = n // cp_size, [0.0] * cp_size
+    ranks: list[list[int]] = [[] for _ in range(cp_size)]
+    for i in sorted(range(n), key=lambda i: (-work[i], i)):
+        r = min((r for r in range(cp_size) if len(ranks[r]) < per), key=lambda r: (load[r], r))
+        ranks[r].append(i)
+        load[r] += work[i]
+    return [tuple(sorted(r)) for r in ranks]
+
+
+def shard_chunks(x: torch.Tensor, chunks: tuple[int, ...], n_chunks: int,
+                 dim: int) -> torch.Tensor:
+    """The given chunks (of ``n_chunks`` equal ones) of ``x`` along ``dim``, concatenated."""
+    parts = x.chunk(n_chunks, dim=dim)
+    return torch.cat([parts[i] for i in chunks], dim=dim)
 
 
 def row_starts(bounds: list[int]) -> list[list[int]]:

@@ -13,22 +13,35 @@ the host from host positions (no device sync: the boundaries are host integers),
 
 Under context parallelism the ring takes the boundaries of the whole sequence
 (:func:`fastpar.context_parallel.ring_attention` with ``bounds``) and computes only the block
-pairs a document connects.
+pairs a document connects. The sequence is still cut into ``2 x cp`` chunks, two per rank, but
+with ``cp_balance="work"`` (the default) they are dealt out by attention work, not by the
+zigzag: a token attends to its position + 1 keys, a chunk's work is the sum over its tokens
+and the micro-batch's sequences, and the chunks go to the ranks longest first, each to the least
+loaded (:func:`fastpar.context_parallel.sharding.balanced_chunks`). Every rank computes the same
+layout from the same host positions; :meth:`Documents.shard` cuts inputs and targets by it.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from ..context_parallel.sharding import balanced_chunks, check_seq_len, chunk_ids, shard_chunks
+
+CP_BALANCE = ("work", "zigzag")
+
 
 class Documents:
     """The document structure of a (B, S) batch from its positions: ``positions`` (on the
     model's device), and per row the start index of each document (host ints)."""
 
-    def __init__(self, positions: torch.Tensor, device=None):
+    def __init__(self, positions: torch.Tensor, device=None, cp_balance: str = "work"):
+        if cp_balance not in CP_BALANCE:
+            raise ValueError(f"Documents: cp_balance={cp_balance!r} is not one of "
+                             f"{', '.join(CP_BALANCE)}")
+        self.cp_balance, self._layouts = cp_balance, {}
         if positions.dim() != 2:
             raise ValueError(f"Documents: positions must be (B, S), got {tuple(positions.shape)}")
-        host = positions.cpu()
+        host = self._host = positions.cpu()
         B, S = host.shape
         new = host == 0
         new[:, 0] = True
@@ -64,11 +77,30 @@ class Documents:
                         if torch.device(device).type == "cuda" else cu.to(device), longest)
         return self._cu
 
-    def local(self, cp_rank: int, cp_size: int) -> torch.Tensor:
-        """This context-parallel rank's positions (its two chunks of every row)."""
-        from ..context_parallel import shard_sequence
+    def cp_layout(self, cp_size: int) -> list[tuple[int, ...]]:
+        """Each CP rank's two chunks (of ``2 x cp_size``), by work or zigzag (module
+        docstring)."""
+        if cp_size not in self._layouts:
+            check_seq_len(self.shape[1], cp_size)
+            if self.cp_balance == "zigzag":
+                layout = [chunk_ids(r, cp_size) for r in range(cp_size)]
+            else:
+                work = (self._host + 1).sum(0).chunk(2 * cp_size)
+                layout = balanced_chunks([float(w.sum()) for w in work], cp_size)
+            self._layouts[cp_size] = layout
+        return self._layouts[cp_size]
 
-        return shard_sequence(self.positions, cp_rank, cp_size, dim=1)
+    def ring_chunks(self, cp_size: int) -> list[int]:
+        """:meth:`cp_layout` flattened in rank order, as the ring takes it."""
+        return [c for r in self.cp_layout(cp_size) for c in r]
+
+    def shard(self, t: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> torch.Tensor:
+        """This CP rank's chunks of a (B, S, ...) tensor of this batch along ``dim``."""
+        return shard_chunks(t, self.cp_layout(cp_size)[cp_rank], 2 * cp_size, dim)
+
+    def local(self, cp_rank: int, cp_size: int) -> torch.Tensor:
+        """This context-parallel rank's positions (its chunks of every row)."""
+        return self.shard(self.positions, cp_rank, cp_size)
 
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

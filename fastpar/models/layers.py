@@ -83,7 +83,9 @@ class ParallelAttention(nn.Module):
         ``docs`` (:class:`~fastpar.models.documents.Documents`): causal inside each document."""
         if self.cp_group is not None:       # this rank's rows of the whole sequence's attention
             return ring_attention(q, k, v, self.cp_group, overlap=self.cp_overlap,
-                                  bounds=None if docs is None else docs.bounds)
+                                  bounds=None if docs is None else docs.bounds,
+                                  chunks=None if docs is None else
+                                  docs.ring_chunks(group_size(self.cp_group)))
         if docs is not None:
             return document_attention(q, k, v, docs)
         S, mask = q.shape[2], None

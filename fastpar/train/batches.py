@@ -54,13 +54,18 @@ def make_sampler(cfg, split: str, dp_rank: int, dp: int) -> DocumentSampler:
                            documents_mode(cfg, starts), mask)
 
 
-def step_inputs(batch: Batch, mesh, M: int, to_device) -> StepInputs:
-    """This rank's share of a step (module docstring); ``to_device`` moves a host tensor."""
-    x, y = batch.inputs, batch.targets
-    if mesh.cp_group is not None:
-        x, y = (shard_sequence(t, mesh.cp_rank, mesh.cp_size, dim=1) for t in (x, y))
-    docs = None
+def step_inputs(batch: Batch, mesh, M: int, to_device, cp_balance: str = "work"
+                ) -> StepInputs:
+    """This rank's share of a step (module docstring); ``to_device`` moves a host tensor.
+    ``cp_balance``: how packed documents are dealt out over CP ranks
+    (:class:`~fastpar.models.documents.Documents`)."""
+    x, y, docs = batch.inputs, batch.targets, None
     if batch.positions is not None:
-        docs = [Documents(p, mesh.device) for p in batch.positions.chunk(M)]
+        docs = [Documents(p, mesh.device, cp_balance) for p in batch.positions.chunk(M)]
+    if mesh.cp_group is not None and docs is None:
+        x, y = (shard_sequence(t, mesh.cp_rank, mesh.cp_size, dim=1) for t in (x, y))
+    elif mesh.cp_group is not None:         # each micro-batch's own layout
+        x, y = (torch.cat([d.shard(part, mesh.cp_rank, mesh.cp_size)
+                           for d, part in zip(docs, t.chunk(M))]) for t in (x, y))
     per_loss = max(batch.trained, 1) / (M * mesh.dp_size * mesh.cp_size)
     return StepInputs(to_device(x), to_device(y), docs, per_loss)

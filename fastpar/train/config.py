@@ -73,6 +73,9 @@ class TrainConfig(ParallelConfig):
                                         # each one's end and positions restarting, the target
                                         # across a boundary not trained (--no-pack-documents:
                                         # sequences cut anywhere, attending across documents)
+    cp_balance: str = "work"            # packed documents under context parallelism: deal each
+                                        # micro-batch's 2 x cp chunks out by attention work
+                                        # ("work") or as the fixed zigzag pairs ("zigzag")
     pad_documents: bool = False         # one document (or a piece of a long one) per sequence,
                                         # padded; the baseline packing is measured against
     eval_every: int = 0                 # steps between validation-loss evaluations on the data's
@@ -123,6 +126,8 @@ class TrainConfig(ParallelConfig):
         for name in ("lr", "timeout") + (("peak_tflops",) if self.peak_tflops is not None else ()):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be > 0")
+        if self.cp_balance not in ("work", "zigzag"):
+            raise ValueError(f"--cp-balance={self.cp_balance!r} must be work or zigzag")
         if self.no_save and self.save_every:
             raise ValueError(f"--no-save contradicts --save-every={self.save_every}")
         if self.min_lr > self.lr:

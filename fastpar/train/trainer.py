@@ -304,7 +304,7 @@ def setup(cfg: TrainConfig, layout: Layout | None = None) -> Run:
     held_out = None
     if val is not None:
         M = cfg.num_microbatches(cfg.global_batch_size, lay.dp)
-        held_out = [step_inputs(val.batch(k), mesh, M, lambda t: t)
+        held_out = [step_inputs(val.batch(k), mesh, M, lambda t: t, cfg.cp_balance)
                     for k in range(cfg.eval_batches)]
     pipe = None
     if lay.pp > 1:
@@ -343,7 +343,7 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     batch = run.sampler.batch(step)
     run.trained = batch.trained
     x, y, docs, per_loss = step_inputs(batch, mesh, run.micro_batches,
-                                       lambda t: _to_device(t, mesh.device))
+                                       lambda t: _to_device(t, mesh.device), cfg.cp_balance)
     with wd.region(step, "forward and backward", ("tp", "cp", "pp", "dp")), \
             cfg.train_context(mesh.device.type), span("step", step):
         loss = forward_backward(run.chunks, run.ddp, run.pipe, x, y, run.micro_batches, mesh,
