@@ -29,7 +29,9 @@
 #   accuracy   60  norms at hidden 8192 / 16384, cross-entropy at 16K x 128K, the MoE grouped
 #                  GEMM at 16K rows x 4096 -> 14336, compiled, against
 #                  torch (tests/test_kernel_gpu_accuracy.py -m gpu); the CP ring's flash /
-#                  memory-efficient block kernels against full SDPA (tests/test_cp_attention.py)
+#                  memory-efficient block kernels against full SDPA (tests/test_cp_attention.py);
+#                  packed documents through the varlen flash kernel and per-sequence rotary
+#                  tables against each document alone (tests/test_documents.py)
 #   compile    40  a GPT's blocks compiled fullgraph by inductor with the Triton kernels inside,
 #                  under bf16 autocast, against eager (tests/test_compile.py -m gpu)
 #   train-1b   80  steps of the 1b preset (bf16) with the byte vocabulary, so that the KV-cache
@@ -170,7 +172,8 @@ tp_nccl() {
 }
 
 accuracy() {
-  TRITON_INTERPRET=0 pytest_run -s -m gpu tests/test_kernel_gpu_accuracy.py tests/test_cp_attention.py
+  TRITON_INTERPRET=0 pytest_run -s -m gpu tests/test_kernel_gpu_accuracy.py tests/test_cp_attention.py \
+    tests/test_documents.py
 }
 
 compile_blocks() { TRITON_INTERPRET=0 pytest_run -s -m gpu tests/test_compile.py; }

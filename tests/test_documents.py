@@ -191,19 +191,71 @@ def test_context_parallel_gpt_with_documents_equals_the_full_model(name, balance
 
 
 def test_work_balance_deals_chunks_by_attention_work():
-    """One long document and many short ones: the zigzag gives the rank holding the long
-    document's end far more query-key pairs; dealing chunks by work evens them out."""
+    """One long document and many short ones: under the zigzag the ring's steps wait for the
+    rank holding the long document's end; dealing the chunks by block-pair work shortens the
+    ring's critical path, and is never worse than the zigzag."""
     pos = _positions([[40, 2, 2, 2, 2], [4] * 12])
     for cp in (2, 4):
-        loads = {}
-        for balance in ("zigzag", "work"):
-            docs = Documents(pos, cp_balance=balance)
+        balance = {}
+        for mode in ("zigzag", "work"):
+            docs = Documents(pos, cp_balance=mode)
             layout = docs.cp_layout(cp)
             assert sorted(c for r in layout for c in r) == list(range(2 * cp))
             assert all(len(r) == 2 for r in layout)
-            loads[balance] = [int((docs.local(r, cp) + 1).sum()) for r in range(cp)]
-        assert sum(loads["work"]) == sum(loads["zigzag"])
-        assert max(loads["work"]) < max(loads["zigzag"]), (cp, loads)
+            balance[mode] = docs.ring_balance(cp)
+        assert 1 <= balance["work"] < balance["zigzag"], (cp, balance)
+    torch.manual_seed(3)
+    for _ in range(20):                 # random documents: never worse than the zigzag
+        lengths = [[int(n) for n in torch.randint(1, 30, (8,))] for _ in range(2)]
+        lengths = [ls[:next(i for i in range(1, 9) if sum(ls[:i]) >= 48)] for ls in lengths]
+        lengths = [ls[:-1] + [48 - sum(ls[:-1])] for ls in lengths]
+        pos = _positions(lengths)
+        for cp in (2, 4):
+            assert Documents(pos).ring_balance(cp) <= \
+                Documents(pos, cp_balance="zigzag").ring_balance(cp) + 1e-9
     assert Documents(pos, cp_balance="zigzag").cp_layout(2) == [(0, 3), (1, 2)]
     with pytest.raises(ValueError, match="cp_balance='even' is not one of work, zigzag"):
         Documents(pos, cp_balance="even")
+
+
+def test_pair_work_counts_the_dense_masks_pairs():
+    pos = _positions([[5, 9, 20, 14], [48], [1, 47]])
+    docs = Documents(pos)
+    doc = torch.cumsum((pos == 0).long(), 1)
+    allowed = (doc[:, :, None] == doc[:, None, :]) & torch.ones(48, 48, dtype=torch.bool).tril()
+    for cp in (2, 4):
+        n = 2 * cp
+        c = 48 // n
+        w = docs.pair_work(cp)
+        for i in range(n):
+            for j in range(n):
+                assert w[i][j] == allowed[:, i * c:(i + 1) * c, j * c:(j + 1) * c].sum(), (i, j)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_varlen_flash_and_per_sequence_rotary_on_cuda():
+    """On CUDA in bf16 the documents go through the variable-length flash kernel (one call,
+    cumulative lengths built on the host) and the rotary tables per sequence through the Triton
+    kernel: the packed row equals each document alone, within bf16."""
+    torch.manual_seed(0)
+    pos = _positions([[300, 700, 24], [1024], [1, 1023]])
+    q = torch.randn(3, 8, 1024, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(3, 2, 1024, 64, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True) for _ in range(2))
+    docs = Documents(pos, "cuda")
+    got = document_attention(q, k, v, docs)
+    want = torch.cat([torch.cat([F.scaled_dot_product_attention(
+        q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], is_causal=True,
+        enable_gqa=True) for s, e in docs.spans(b)], 2) for b in range(3)])
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
+    cfg = CONFIGS["llama-gqa"]
+    model = GPT(cfg, device="cuda")
+    tokens = torch.randint(0, cfg.vocab_size, (1, 48), device="cuda")
+    with torch.autocast("cuda", torch.bfloat16):
+        packed = model(tokens, docs=Documents(_positions([[20, 28]]), "cuda"))
+        alone = torch.cat([model(tokens[:, :20]), model(tokens[:, 20:])], 1)
+    torch.testing.assert_close(packed.float(), alone.float(), atol=5e-2, rtol=5e-2)

@@ -29,7 +29,9 @@ from fastpar.testing import run_ranks
 from fastpar.train import TrainConfig
 from fastpar.train.memory_check import _planner_inputs
 from fastpar.train.step import forward_backward, loss_fn
-from fastpar.train.trainer import (_activation, _clip, _cp_shard, _fill, _wrap, build_model,
+from fastpar.data.packing import Batch
+from fastpar.train.batches import step_inputs
+from fastpar.train.trainer import (_activation, _clip, _fill, _wrap, build_model,
                                    fully_sharded)
 
 BASE = dict(model="small", seq_len=512, micro_batch_size=2, global_batch_size=8, out="unused")
@@ -90,8 +92,9 @@ def _measure(rank, world, layouts=None):
         M = cfg.num_microbatches(cfg.global_batch_size, lay.dp)
         g = torch.Generator().manual_seed(0)
         V, B = cfg.model_config.vocab_size, cfg.global_batch_size // lay.dp
-        x, y = _cp_shard((torch.randint(0, V, (B, cfg.seq_len), generator=g),
-                          torch.randint(0, V, (B, cfg.seq_len), generator=g)), mesh)
+        x, y, *_ = step_inputs(Batch(torch.randint(0, V, (B, cfg.seq_len), generator=g),
+                                     torch.randint(0, V, (B, cfg.seq_len), generator=g),
+                                     None, 1), mesh, M, lambda t: t)
         gc.collect()
         base = CPUMemory.allocated()
         CPUMemory.reset_peak()

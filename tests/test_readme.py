@@ -133,6 +133,48 @@ def fast_tier(line, tmp_path, monkeypatch, capsys):
     assert len(picked) > 400 and not any("test_train.py::" in x for x in picked)
 
 
+EXAMPLES = README.parent / "docs" / "examples" / "arithmetic.jsonl"
+
+
+def _prepare_sft(tmp_path):
+    _run("fastpar", "prepare-data", str(EXAMPLES), "--tokenizer", "bytes", "--out", "sft",
+         cwd=tmp_path)
+
+
+def sft_prepare(line, tmp_path, monkeypatch, capsys):
+    """The fine-tuning walk-through's prepare-data: examples with masks (the answers trained)."""
+    from fastpar.data.masks import read_mask
+
+    out = _run(*line.replace("docs/examples/arithmetic.jsonl", str(EXAMPLES)).split(),
+               cwd=tmp_path)
+    assert "1900 example(s)" in out.stdout and "trained" in out.stdout
+    mask = read_mask(tmp_path / "sft" / "train.bin")
+    assert 0.1 < mask.mean() < 0.3
+
+
+def sft_train(line, tmp_path, monkeypatch, capsys):
+    """Its training line: packed documents by default; a few steps for real train only the
+    answers (about 1 target in 6)."""
+    _prepare_sft(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    cfg, nproc = _launched(line.split()[1:], monkeypatch)
+    assert cfg.pack_documents and cfg.data == "sft" and nproc == 2
+    argv = [a for a in line.split() if a not in ("--out", "runs/sft")]
+    _, rows = _train_for_real(" ".join(argv), tmp_path, "--steps", "3", "--no-save",
+                              "--sample-tokens", "0")
+    per_step = cfg.global_batch_size * cfg.seq_len
+    assert all(0.1 * per_step < r["trained_tokens"] < 0.3 * per_step for r in rows), rows
+
+
+def sft_generate(line, tmp_path, monkeypatch, capsys):
+    """Its generate line, on a run of a few steps: the prompt, continued."""
+    _prepare_sft(tmp_path)
+    _run("fastpar", "train", "--data", "sft", "--seq-len", "64", "--steps", "2", "--out",
+         "runs/sft", "--sample-tokens", "0", cwd=tmp_path)
+    out = _run(*shlex.split(line), cwd=tmp_path)
+    assert out.stdout.startswith("Q: 12 + 7 = ? A: ")
+
+
 HANDLERS = {
     "fastpar": help_of,
     "fastpar train": default_run,
@@ -151,6 +193,11 @@ HANDLERS = {
     "fastpar export": help_of,
     "fastpar plan": help_of,
     "python -m pytest -m fast": fast_tier,
+    "fastpar prepare-data docs/examples/arithmetic.jsonl --tokenizer bytes --out sft":
+        sft_prepare,
+    "fastpar train --data sft --seq-len 64 --steps 300 --out runs/sft": sft_train,
+    'fastpar generate runs/sft --prompt "Q: 12 + 7 = ? A: " --max-new-tokens 4 --temperature 0':
+        sft_generate,
 }
 # Run by CI itself (.ci/run: a fresh venv, this install, the README's test command).
 BY_CI = {"python3 -m venv .venv", ". .venv/bin/activate", "pip install -r requirements-ci.txt",

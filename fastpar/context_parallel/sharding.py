@@ -135,21 +135,67 @@ def causal_pairs(cp_rank: int, src: int, cp_size: int,
     return sum(kc <= qc for qc in mine for kc in theirs)
 
 
-def balanced_chunks(work, cp_size: int) -> list[tuple[int, ...]]:
-    """Each CP rank's chunks (ascending), ``len(work) / cp_size`` of them, so that every rank
-    gets about the same attention work: the chunks by decreasing work, each to the rank with
-    the least so far that has room (longest-processing-time first; ties by index, so every rank
-    computes the same layout). ``work[i]``: chunk i's query-key pairs."""
-    n = len(work)
+def pair_work(rows: list[list[int]], seq_len: int, n_chunks: int) -> list[list[float]]:
+    """``w[i][j]``: the query-key pairs of query chunk i and key chunk j (of ``n_chunks`` equal
+    ones) that a document connects, causal, summed over the sequences whose document starts are
+    ``rows``: the attention work of that block pair."""
+    c = seq_len // n_chunks
+    w = [[0.0] * n_chunks for _ in range(n_chunks)]
+    for starts in rows:
+        for s, e in zip(starts, starts[1:] + [seq_len]):
+            for qc in range(s // c, (e - 1) // c + 1):
+                q0, q1 = max(s, qc * c), min(e, (qc + 1) * c)
+                w[qc][qc] += (q1 - q0) * (q1 - q0 + 1) / 2       # the diagonal: a triangle
+                for kc in range(s // c, qc):
+                    w[qc][kc] += (q1 - q0) * (min(e, (kc + 1) * c) - max(s, kc * c))
+    return w
+
+
+def ring_cost(layout: list[tuple[int, ...]], w) -> float:
+    """The ring's critical path in query-key pairs: at step i rank r attends its chunks to the
+    keys of rank r - i, and a step lasts as long as its busiest rank; summed over the steps."""
+    cp = len(layout)
+    return sum(max(sum(w[q][k] for q in layout[r] for k in layout[(r - i) % cp])
+                   for r in range(cp)) for i in range(cp))
+
+
+def balanced_chunks(w, cp_size: int) -> list[tuple[int, ...]]:
+    """Each CP rank's chunks (ascending; ``len(w) / cp_size`` each) for the block-pair work
+    ``w`` (:func:`pair_work`): the layout of least :func:`ring_cost` found by dealing the chunks
+    out by their work, longest first, each to the least loaded rank with room, then swapping
+    two chunks, or two ranks' whole sets (the ring's order matters), while that lowers the
+    cost. The zigzag pairs are a candidate too, so
+    the result is never worse than them. Deterministic: every rank computes the same layout."""
+    n = len(w)
     if n % cp_size:
         raise ValueError(f"context parallelism: {n} chunks do not split over cp = {cp_size}")
     per, load = n // cp_size, [0.0] * cp_size
+    total = [sum(w[i]) + sum(w[j][i] for j in range(n)) - w[i][i] for i in range(n)]
     ranks: list[list[int]] = [[] for _ in range(cp_size)]
-    for i in sorted(range(n), key=lambda i: (-work[i], i)):
+    for i in sorted(range(n), key=lambda i: (-total[i], i)):
         r = min((r for r in range(cp_size) if len(ranks[r]) < per), key=lambda r: (load[r], r))
         ranks[r].append(i)
-        load[r] += work[i]
-    return [tuple(sorted(r)) for r in ranks]
+        load[r] += total[i]
+    candidates = [ranks]
+    if per == 2:
+        candidates.append([list(chunk_ids(r, cp_size)) for r in range(cp_size)])
+    best = min(candidates, key=lambda lay: ring_cost(lay, w))
+    cost, improved = ring_cost(best, w), True
+    while improved:                     # moves: swap two chunks, or two ranks' whole sets
+        improved = False
+        for a in range(cp_size):
+            for b in range(a + 1, cp_size):
+                for i in range(-1, per):
+                    for j in range(per) if i >= 0 else [None]:
+                        lay = [list(r) for r in best]
+                        if i < 0:
+                            lay[a], lay[b] = lay[b], lay[a]
+                        else:
+                            lay[a][i], lay[b][j] = lay[b][j], lay[a][i]
+                        c = ring_cost(lay, w)
+                        if c < cost - 1e-9:
+                            best, cost, improved = lay, c, True
+    return [tuple(sorted(r)) for r in best]
 
 
 def shard_chunks(x: torch.Tensor, chunks: tuple[int, ...], n_chunks: int,

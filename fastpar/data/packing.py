@@ -47,7 +47,9 @@ class Batch(NamedTuple):
 
 def piece_starts(doc_starts: np.ndarray, n_tokens: int, seq_len: int) -> np.ndarray:
     """Where a window may start: each document's start, and every ``seq_len`` tokens into a
-    document longer than that, except at a document's last token (it has no target inside)."""
+    document longer than that, except at a document's last token (no target inside); a
+    one-token document still starts a piece (packed, its window trains the documents after it;
+    padded, it trains nothing)."""
     starts = np.asarray(doc_starts, dtype=np.int64)
     ends = np.append(starts[1:], n_tokens)
     n = np.maximum((ends - starts - 2) // seq_len + 1, 1)     # pieces with >= 1 target inside

@@ -15,17 +15,19 @@ Under context parallelism the ring takes the boundaries of the whole sequence
 (:func:`fastpar.context_parallel.ring_attention` with ``bounds``) and computes only the block
 pairs a document connects. The sequence is still cut into ``2 x cp`` chunks, two per rank, but
 with ``cp_balance="work"`` (the default) they are dealt out by attention work, not by the
-zigzag: a token attends to its position + 1 keys, a chunk's work is the sum over its tokens
-and the micro-batch's sequences, and the chunks go to the ranks longest first, each to the least
-loaded (:func:`fastpar.context_parallel.sharding.balanced_chunks`). Every rank computes the same
-layout from the same host positions; :meth:`Documents.shard` cuts inputs and targets by it.
+zigzag: the work of each (query chunk, key chunk) pair is the query-key pairs its documents
+connect, and the layout is the one whose ring steps, each as long as its busiest rank, add up
+to the least (:func:`fastpar.context_parallel.sharding.balanced_chunks`). Every rank computes
+the same layout from the same host positions; :meth:`Documents.shard` cuts inputs and targets
+by it.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..context_parallel.sharding import balanced_chunks, check_seq_len, chunk_ids, shard_chunks
+from ..context_parallel.sharding import (balanced_chunks, check_seq_len, chunk_ids, pair_work,
+                                         ring_cost, shard_chunks)
 
 CP_BALANCE = ("work", "zigzag")
 
@@ -85,10 +87,20 @@ class Documents:
             if self.cp_balance == "zigzag":
                 layout = [chunk_ids(r, cp_size) for r in range(cp_size)]
             else:
-                work = (self._host + 1).sum(0).chunk(2 * cp_size)
-                layout = balanced_chunks([float(w.sum()) for w in work], cp_size)
+                layout = balanced_chunks(self.pair_work(cp_size), cp_size)
             self._layouts[cp_size] = layout
         return self._layouts[cp_size]
+
+    def pair_work(self, cp_size: int) -> list[list[float]]:
+        """The attention work of each (query chunk, key chunk) pair of the ``2 x cp_size``
+        chunks, over this micro-batch (:func:`~fastpar.context_parallel.sharding.pair_work`)."""
+        return pair_work(self.starts, self.shape[1], 2 * cp_size)
+
+    def ring_balance(self, cp_size: int) -> float:
+        """How long the ring's steps take against perfect balance, in query-key pairs: the sum
+        over its steps of the busiest rank's work, over the total / cp."""
+        w = self.pair_work(cp_size)
+        return ring_cost(self.cp_layout(cp_size), w) * cp_size / sum(map(sum, w))
 
     def ring_chunks(self, cp_size: int) -> list[int]:
         """:meth:`cp_layout` flattened in rank order, as the ring takes it."""
