@@ -208,3 +208,14 @@ def test_moe_with_expert_parallelism_on_packed_documents(sft_data, tmp_path):
         for key in ("loss", "val_loss"):
             if key in b:
                 assert abs(a[key] - b[key]) <= 1e-4 * b[key], (key, a, b)
+
+
+def test_resume_refuses_another_way_of_filling_sequences(sft_data, tmp_path):
+    """How documents fill a sequence is part of the data order: a resume that changes it is
+    refused naming both values (unless --adopt-changes)."""
+    from fastpar.testing import RankError
+
+    _rows(1, tmp_path, sft_data, steps=2, eval_every=0, no_save=False)
+    with pytest.raises(RankError, match=r"--pack-documents True \(the run\) -> False \(now\)"):
+        _rows(1, tmp_path, sft_data, steps=3, eval_every=0, no_save=False, resume=True,
+              pack_documents=False)

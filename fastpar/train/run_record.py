@@ -31,9 +31,10 @@ from ..data.sources import describe_data
 from ..data.tokenizer import TOKENIZER_FILE, copy_tokenizer_config, source_tokenizer_file
 
 # What the schedule (steps, lr, min_lr, warm-up), the optimization (decay, clipping) and the data
-# order (seed, batch sizes, sequence length) of a run depend on.
+# order (seed, batch sizes, sequence length, how documents fill a sequence) of a run depend on.
 RESUME_KEYS = ("steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip",
-               "global_batch_size", "micro_batch_size", "seq_len", "seed")
+               "global_batch_size", "micro_batch_size", "seq_len", "seed", "pack_documents",
+               "pad_documents")
 DATA_FILE = "data.json"
 
 
