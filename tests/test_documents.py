@@ -2,6 +2,7 @@
 and a packed batch equals each document run alone (losses and every gradient), with rotary and
 learned positions, GQA, and under context parallelism (the ring skipping the block pairs no
 document connects) at cp 2 and 4."""
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -259,3 +260,30 @@ def test_varlen_flash_and_per_sequence_rotary_on_cuda():
         packed = model(tokens, docs=Documents(_positions([[20, 28]]), "cuda"))
         alone = torch.cat([model(tokens[:, :20]), model(tokens[:, 20:])], 1)
     torch.testing.assert_close(packed.float(), alone.float(), atol=5e-2, rtol=5e-2)
+
+
+def test_the_planner_and_the_flop_count_know_packed_documents():
+    """Attention inside documents costs their span of keys, not the sequence's: the FLOP count
+    (and so the trainer's MFU) and the planner's step shrink with it; memory does not."""
+    from fastpar.data.packing import DocumentSampler, attention_span
+    from fastpar.models import get_config
+    from fastpar.models.parallel_config import ParallelConfig
+    from fastpar.plan.hardware import get_hardware
+    from fastpar.plan.planner import Cluster, Workload, evaluate
+
+    assert attention_span([0, 10, 20], 30, 64) == 10.0
+    assert attention_span([0], 200, 64) == (3 * 64 ** 2 + 8 ** 2) / 200   # pieces of 64
+    tokens = np.zeros(1024, np.int64)
+    assert DocumentSampler(tokens, [0, 512], 64, 4).attention_span() == 64.0
+    assert DocumentSampler(tokens, [0, 512], 64, 4, mode="padded").attention_span() is None
+    m = get_config("1b")
+    full, packed = (m.layer_flops(4096, 1, span) for span in (None, 512.0))
+    assert packed["core"] == full["core"] / 8 and packed["mlp"] == full["mlp"]
+    assert m.train_flops(4096, 10, span=512.0) < m.train_flops(4096, 10)
+    cluster = Cluster(8, 8, get_hardware("h100-80gb"))
+    cfg = ParallelConfig(tp=2, pp=1, dp=2, cp=2, micro_batch_size=1)
+    whole, docs = (evaluate(Workload(m, 8192, 16, span), cluster, cfg) for span in (None, 600.0))
+    assert docs.step_time_s < whole.step_time_s and docs.tflops_per_gpu < whole.tflops_per_gpu
+    assert docs.memory_gb_per_gpu == whole.memory_gb_per_gpu
+    with pytest.raises(ValueError, match=r"doc_span=9000 must be in \(0, seq_len=8192\]"):
+        Workload(m, 8192, 16, 9000)

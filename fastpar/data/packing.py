@@ -58,6 +58,18 @@ def piece_starts(doc_starts: np.ndarray, n_tokens: int, seq_len: int) -> np.ndar
     return first + k * seq_len
 
 
+def attention_span(doc_starts: np.ndarray, n_tokens: int, seq_len: int) -> float:
+    """The keys a token's document holds on average, token-weighted, a document longer than a
+    sequence counted as its pieces (at most ``seq_len`` each): sum(l^2) / sum(l) over the
+    pieces. What attention inside packed documents costs per token, against ``seq_len`` for
+    whole sequences (:meth:`fastpar.models.GPTConfig.layer_flops`'s ``span``); an upper bound,
+    as a window also cuts its last document."""
+    starts = np.asarray(doc_starts, dtype=np.int64)
+    lengths = np.diff(np.append(starts, n_tokens)).astype(np.float64)
+    full, rest = np.divmod(lengths, seq_len)
+    return float((full * seq_len ** 2 + rest ** 2).sum() / lengths.sum())
+
+
 class DocumentSampler:
     """Like :class:`~fastpar.data.sources.BatchSampler`, over documents (module docstring):
     :meth:`batch` gives a :class:`Batch`."""
@@ -80,6 +92,12 @@ class DocumentSampler:
         self.pieces = piece_starts(self.doc_starts, len(tokens), seq_len)
         self.seq_len, self.global_batch = seq_len, global_batch
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
+
+    def attention_span(self) -> float | None:
+        """:func:`attention_span` of the data when packed; None otherwise (whole sequences)."""
+        if self.mode != "packed":
+            return None
+        return attention_span(self.doc_starts, len(self.tokens), self.seq_len)
 
     def windows(self, step: int) -> np.ndarray:
         """Start offsets of the whole global batch of ``step`` (identical on every rank)."""

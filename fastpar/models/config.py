@@ -149,10 +149,13 @@ class GPTConfig:
         return self.n_layers * self.layer_params() + emb * (1 if self.tie_embeddings else 2) \
             + pos + d
 
-    def layer_flops(self, seq_len: int, tokens: int = 1) -> dict[str, float]:
+    def layer_flops(self, seq_len: int, tokens: int = 1,
+                    span: float | None = None) -> dict[str, float]:
         """Forward FLOPs of one layer for ``tokens`` tokens of ``seq_len``-long sequences, by
         part: the attention projections, attention's core (QK^T and PV over every key, as
-        Megatron counts it) and the MLP."""
+        Megatron counts it) and the MLP. ``span`` (packed documents): the keys a token's
+        document holds on average, instead of the whole sequence's
+        (:func:`fastpar.data.packing.attention_span`)."""
         h, d, a, g, f = self.d_model, self.head_dim, self.n_heads, self.kv_heads, self.ffn_dim
         mlp = 2.0 * tokens * h * f * (3 if self.activation == "swiglu" else 2)
         if self.n_experts:      # each token through top_k experts and the shared ones; router
@@ -160,22 +163,24 @@ class GPTConfig:
                                                              self.moe_shared_experts)
                                       + self.n_experts)
         return {"qkvo": 2.0 * tokens * h * (2 * a * d + 2 * g * d),
-                "core": 4.0 * tokens * seq_len * a * d, "mlp": mlp}
+                "core": 4.0 * tokens * (span or seq_len) * a * d, "mlp": mlp}
 
-    def train_flops(self, seq_len: int, tokens: int = 1, recompute: str = "none") -> float:
+    def train_flops(self, seq_len: int, tokens: int = 1, recompute: str = "none",
+                    span: float | None = None) -> float:
         """FLOPs of forward and backward (3x the forward) of ``tokens`` tokens through the
         whole model, plus what ``recompute`` computes again. The one count behind the MFU the
-        trainer reports, the MFU the planner predicts and the pipeline's stage balance."""
-        fl = self.layer_flops(seq_len, tokens)
+        trainer reports, the MFU the planner predicts and the pipeline's stage balance.
+        ``span``: as in :meth:`layer_flops`."""
+        fl = self.layer_flops(seq_len, tokens, span)
         extra = {"none": 0.0, "selective": fl["core"], "full": sum(fl.values())}[recompute]
         return 3.0 * (self.n_layers * sum(fl.values()) + self._head_flops(tokens)) \
             + self.n_layers * extra
 
-    def piece_flops(self, seq_len: int) -> list[float]:
+    def piece_flops(self, seq_len: int, span: float | None = None) -> list[float]:
         """Training FLOPs per token of [embedding, layer 0, ..., layer n-1, head]: the costs
         :func:`fastpar.pipeline.partition` balances stages by (the embedding is a gather,
         costed at 6 per output element as the pipeline costs any embedding)."""
-        layer = 3.0 * sum(self.layer_flops(seq_len).values())
+        layer = 3.0 * sum(self.layer_flops(seq_len, span=span).values())
         return [6.0 * self.d_model] + [layer] * self.n_layers + [3.0 * self._head_flops(1)]
 
     def _head_flops(self, tokens: int) -> float:

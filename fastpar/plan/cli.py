@@ -33,6 +33,10 @@ def add_plan(sub) -> None:
     m.add_argument("--vocab", type=int, default=None, help="vocabulary (default 51200)")
     m.add_argument("--seq-len", type=int, default=2048)
     m.add_argument("--global-batch-size", type=int, default=512)
+    m.add_argument("--doc-span", type=float, default=None, metavar="N",
+                   help="packed documents: the keys a token's document holds on average "
+                        "(token-weighted; what fastpar train computes from the data); default: "
+                        "attention over whole sequences")
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, default=8)
     c.add_argument("--gpus-per-node", type=int, default=8)
@@ -78,7 +82,7 @@ def run_plan(args) -> int:
         print(json.dumps(hw.to_dict(), indent=2) if args.json else f"wrote {path}")
         return 0
     try:
-        work = Workload(_model(args), args.seq_len, args.global_batch_size)
+        work = Workload(_model(args), args.seq_len, args.global_batch_size, args.doc_span)
         cluster = Cluster(args.gpus, args.gpus_per_node, get_hardware(args.hardware))
         require_positive({"top": args.top}, flags=True)
         # What the trainer runs on that device with its default precision ("auto"): bf16

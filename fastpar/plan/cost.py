@@ -100,6 +100,8 @@ class Shape:
     sp: bool = False                 # sequence parallelism (only meaningful with tp > 1)
     cp: int = 1                      # context parallelism: seq_len / cp tokens of each sequence
                                      # here, attention over all seq_len by the key/value ring
+    span: float | None = None        # packed documents: the keys a token's document holds on
+                                     # average (attention inside documents); None: seq_len
 
     @property
     def tokens(self) -> int:
@@ -193,11 +195,14 @@ def _core_time(shape: Shape, hw: Hardware, feat: Features) -> float:
     Under CP each GPU has 1/cp of the causal work (the load-balanced chunks) and reads every
     rank's k and v."""
     m, s, cp = shape.model, shape.seq_len, shape.cp
+    span = min(shape.span or s, s)
     heads = shape.micro_batch * m.n_heads // shape.tp
     if feat.flash_attention:      # one fused kernel; causal: half the blocks are skipped
-        flops = CAUSAL_FRACTION * 4.0 * heads * s * s * m.head_dim / cp
+        flops = CAUSAL_FRACTION * 4.0 * heads * s * span * m.head_dim / cp
         io = hw.bytes_per_element * heads * (2 * s / cp + 2 * s) * m.head_dim   # q, o; k, v
         ops = REFERENCE_OPS["core"][0] if hw.kind == "cpu" else 1
+        if shape.span is not None:  # off CUDA one call per document (about s / span of them)
+            ops *= shape.micro_batch * max(1, round(s / span)) if hw.kind == "cpu" else 1
         return max(flops / (hw.peak_flops * hw.attention_fraction(flops)),
                    io / hw.bandwidth(io)) + ops * hw.kernel_overhead_us * 1e-6
     return hw.gemm_time(s // cp, s, m.head_dim, heads) + hw.gemm_time(s // cp, m.head_dim, s,

@@ -60,9 +60,15 @@ class Workload:
     model: GPTConfig
     seq_len: int
     global_batch: int                # sequences per step
+    doc_span: float | None = None    # packed documents: the keys a token's document holds on
+                                     # average (fastpar.data.packing.attention_span); None:
+                                     # attention over whole sequences
 
     def __post_init__(self):
         require_positive({k: getattr(self, k) for k in ("seq_len", "global_batch")})
+        if self.doc_span is not None and not 0 < self.doc_span <= self.seq_len:
+            raise ValueError(f"Workload: doc_span={self.doc_span} must be in (0, seq_len="
+                             f"{self.seq_len}]")
 
 
 def check(cfg: ParallelConfig, work: Workload, cluster: Cluster) -> None:
@@ -105,7 +111,7 @@ def _stage_costs(work, cluster, cfg, feat, split):
     """Per-stage F, B, W seconds; the layer split; the busiest stage's exposed TP time."""
     hw, t = cluster.hardware, cfg.tp
     shape = Shape(work.model, work.seq_len, cfg.micro_batch_size, t, cfg.sequence_parallel,
-                  cfg.cp)
+                  cfg.cp, work.doc_span)
     # tp-cp-dp-pp placement: a CP ring's neighbours are tp ranks apart, within tp * cp ranks.
     lc = cost.layer_cost(shape, hw, cfg.recompute, cluster.link_gbps(t), feat,
                          cluster.link_gbps(t * cfg.cp))
@@ -536,8 +542,8 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
     step = sim.step_time + accumulate + dp_exposed + optimizer + _step_collectives(cluster, cfg)
     step += _tied_time(work, cluster, cfg, feat)
     tokens = work.global_batch * work.seq_len
-    model_flops = m.train_flops(work.seq_len, tokens)
-    hw_flops = m.train_flops(work.seq_len, tokens, cfg.recompute)
+    model_flops = m.train_flops(work.seq_len, tokens, span=work.doc_span)
+    hw_flops = m.train_flops(work.seq_len, tokens, cfg.recompute, work.doc_span)
     est = Estimate(
         config=cfg, step_time_s=step, tflops_per_gpu=model_flops / step / cluster.gpus / 1e12,
         hw_tflops_per_gpu=hw_flops / step / cluster.gpus / 1e12,

@@ -441,7 +441,9 @@ def train(cfg: TrainConfig, layout: Layout | None = None) -> list[dict]:
     run = setup(cfg, layout)
     cfg, mesh = run.cfg, run.mesh
     step_tokens = cfg.global_batch_size * cfg.seq_len
-    flops = cfg.model_config.train_flops(cfg.seq_len, step_tokens)  # model FLOPs, as MFU counts
+    # model FLOPs, as MFU counts (attention inside packed documents: their span of keys)
+    flops = cfg.model_config.train_flops(cfg.seq_len, step_tokens,
+                                         span=run.sampler.attention_span())
     record = run_record(cfg)            # what every checkpoint says the run depends on
     rows, pending = [], PendingSteps()
     for step in range(run.start + 1, cfg.steps + 1):
