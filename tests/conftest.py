@@ -18,7 +18,7 @@ SLOW_FILES = {
     "test_cp_model.py", "test_generate.py", "test_hf.py", "test_nccl_rules.py",
     "test_pp_executor.py", "test_memory_check.py", "test_dp_pp_overlap.py", "test_own_model.py",
     "test_readme.py", "test_gpu_scripts.py", "test_tp_wire.py", "test_compile.py",
-    "test_memory_measured.py",
+    "test_memory_measured.py", "test_documents_train.py",
 }
 
 

@@ -49,10 +49,7 @@ class Documents:
         new[:, 0] = True
         self.starts = [torch.nonzero(new[b]).flatten().tolist() for b in range(B)]
         self.shape = (B, S)
-        self.positions = positions if device is None or positions.device == \
-            torch.device(device) else positions.pin_memory().to(device, non_blocking=True) \
-            if torch.device(device).type == "cuda" and not positions.is_cuda else \
-            positions.to(device)
+        self.positions = positions if device is None else _to(positions, device)
         self._cu = None
 
     def __repr__(self) -> str:
@@ -74,9 +71,7 @@ class Documents:
             S = self.shape[1]
             ends = [b * S + s for b in range(self.shape[0]) for s in self.starts[b]]
             cu = torch.tensor(ends + [self.shape[0] * S], dtype=torch.int32)
-            longest = int((cu[1:] - cu[:-1]).max())
-            self._cu = (cu.pin_memory().to(device, non_blocking=True)
-                        if torch.device(device).type == "cuda" else cu.to(device), longest)
+            self._cu = (_to(cu, device), int((cu[1:] - cu[:-1]).max()))
         return self._cu
 
     def cp_layout(self, cp_size: int) -> list[tuple[int, ...]]:
@@ -123,18 +118,25 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if docs.shape != (B, S):
         raise ValueError(f"document_attention: documents of shape {docs.shape}, q of batch {B} "
                          f"and length {S}")
-    gqa = k.shape[1] != h
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and hd % 8 == 0 and hd <= 256:
         return _varlen_flash(q, k, v, docs)
-    rows = []
-    for b in range(B):
-        rows.append(torch.cat([
-            F.scaled_dot_product_attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e],
-                                           v[b:b + 1, :, s:e], is_causal=True, enable_gqa=gqa)
-            for s, e in docs.spans(b)], dim=2) if len(docs.starts[b]) > 1 else
-            F.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], is_causal=True,
-                                           enable_gqa=gqa))
-    return torch.cat(rows, dim=0)
+
+    def causal(b, s, e):                      # one document of row b
+        return F.scaled_dot_product_attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e],
+                                              v[b:b + 1, :, s:e], is_causal=True,
+                                              enable_gqa=k.shape[1] != h)
+    return torch.cat([torch.cat([causal(b, s, e) for s, e in docs.spans(b)], dim=2)
+                      for b in range(B)], dim=0)
+
+
+def _to(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor onto ``device``, without a sync on CUDA (pinned, non-blocking)."""
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    if device.type == "cuda" and not t.is_cuda:
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _varlen_flash(q, k, v, docs: Documents) -> torch.Tensor:
