@@ -23,7 +23,8 @@ batch's offsets and reads only its share of rows.
 A loss mask (``prepare-data`` on prompt / response pairs writes one: ``fastpar.data.masks``)
 masks the targets whose mask value is 0 as well. Every step's global count of trained targets is
 computed on the host from the offsets (and the mask's values over the global batch's windows),
-so the trainer divides the loss by it before any collective: :attr:`Batch.trained`.
+so the trainer divides the loss by it before any collective: :attr:`Batch.trained`
+(:meth:`DocumentSampler.trained`: two binary searches per window, no window built).
 """
 from __future__ import annotations
 
@@ -124,18 +125,40 @@ class DocumentSampler:
             return real, keep & real[1:], None
         return np.ones(S + 1, bool), keep, idx[:-1] - doc[:-1]
 
+    def trained(self, ws: np.ndarray) -> int:
+        """The trained targets of the windows ``ws``: what :meth:`_layout` keeps, counted from
+        the document offsets (two binary searches per window) and the mask's sums, without
+        building the windows: cheap for a global batch of thousands of sequences."""
+        S, starts = self.seq_len, self.doc_starts
+        ws = np.asarray(ws, dtype=np.int64)
+        if self.mode == "padded":       # the targets inside the row's first document
+            end = np.append(starts, len(self.tokens))[np.searchsorted(starts, ws, "right")]
+            lengths = np.minimum(end - ws - 1, S)
+            return int(lengths.sum() if self.mask is None else
+                       sum(int(np.count_nonzero(self.mask[w + 1:w + 1 + n]))
+                           for w, n in zip(ws, lengths)))
+        kept = len(ws) * S if self.mask is None else \
+            sum(int(np.count_nonzero(self.mask[w + 1:w + S + 1])) for w in ws)
+        if self.mode == "stream":
+            return kept
+        lo, hi = np.searchsorted(starts, ws, "right"), np.searchsorted(starts, ws + S, "right")
+        if self.mask is None:           # a boundary's target (a document's first token) is out
+            return int(kept - (hi - lo).sum())
+        first = np.concatenate([starts[a:b] for a, b in zip(lo, hi)] or [np.zeros(0, np.int64)])
+        return int(kept - np.count_nonzero(np.asarray(self.mask)[first]))
+
     def batch(self, step: int) -> Batch:
         """This rank's rows of ``step`` and the global batch's trained-target count."""
         ws = self.windows(step)
         per = self.global_batch // self.dp_size
-        layouts = [self._layout(w) for w in ws]
-        trained = int(sum(k.sum() for _, k, _ in layouts))
-        mine = range(self.dp_rank * per, (self.dp_rank + 1) * per)
+        mine = ws[self.dp_rank * per:(self.dp_rank + 1) * per]
+        layouts = [self._layout(w) for w in mine]
         S = self.seq_len
         toks = torch.from_numpy(np.stack([
-            np.where(layouts[i][0], np.asarray(self.tokens[ws[i]:ws[i] + S + 1], np.int64), 0)
-            for i in mine]))
-        keep = torch.from_numpy(np.stack([layouts[i][1] for i in mine]))
-        positions = torch.from_numpy(np.stack([layouts[i][2] for i in mine])) \
+            np.where(real, np.asarray(self.tokens[w:w + S + 1], np.int64), 0)
+            for w, (real, _, _) in zip(mine, layouts)]))
+        keep = torch.from_numpy(np.stack([k for _, k, _ in layouts]))
+        positions = torch.from_numpy(np.stack([p for _, _, p in layouts])) \
             if self.mode == "packed" else None
-        return Batch(toks[:, :-1], toks[:, 1:].masked_fill(~keep, IGNORE), positions, trained)
+        return Batch(toks[:, :-1], toks[:, 1:].masked_fill(~keep, IGNORE), positions,
+                     self.trained(ws))
