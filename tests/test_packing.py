@@ -254,3 +254,22 @@ def test_bad_input_is_one_clear_error():
         DocumentSampler(tokens, starts, 9, 2)
     with pytest.raises(ValueError, match="loss mask has 9 values for 10 tokens"):
         DocumentSampler(tokens, starts, 4, 2, mask=np.ones(9, np.uint8))
+
+
+@pytest.mark.parametrize("mode", ["packed", "padded", "stream"])
+def test_a_rank_builds_only_its_own_windows(mode, monkeypatch):
+    """The global batch's trained count comes from the offsets and the mask's sums: a rank of
+    dp 64 builds its one window, not the 64 of the global batch (host time at scale)."""
+    rng = np.random.default_rng(5)
+    starts = np.concatenate([[0], np.cumsum(rng.integers(2, 40, 300))])[:-1]
+    tokens = np.arange(int(starts[-1]) + 50) % 1000
+    mask = (rng.random(len(tokens)) < 0.6).astype(np.uint16)
+    built = []
+    real = DocumentSampler._layout
+    monkeypatch.setattr(DocumentSampler, "_layout",
+                        lambda self, w: built.append(w) or real(self, w))
+    shares = [DocumentSampler(tokens, starts, 16, 64, 0, r, 64, mode, mask).batch(2)
+              for r in range(64)]
+    assert len(built) == 64                      # one window per rank
+    total = sum(int((b.targets != IGNORE).sum()) for b in shares)
+    assert {b.trained for b in shares} == {total}
