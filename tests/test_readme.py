@@ -169,7 +169,7 @@ def sft_train(line, tmp_path, monkeypatch, capsys):
 def sft_generate(line, tmp_path, monkeypatch, capsys):
     """Its generate line, on a run of a few steps: the prompt, continued."""
     _prepare_sft(tmp_path)
-    _run("fastpar", "train", "--data", "sft", "--seq-len", "64", "--steps", "2", "--out",
+    _run("fastpar", "train", "--data", "sft", "--seq-len", "64", "--steps", "1", "--out",
          "runs/sft", "--sample-tokens", "0", cwd=tmp_path)
     out = _run(*shlex.split(line), cwd=tmp_path)
     assert out.stdout.startswith("Q: 12 + 7 = ? A: ")
