@@ -364,6 +364,93 @@ def test_reference_bytes_match_the_layer(model):
     assert cost.reference_bytes(Shape(model, seq, 2 * batch))[1] == pytest.approx(2 * b / 4)
 
 
+def _moe_variants():
+    base = get_config("tiny-moe")
+    return [base, dataclasses.replace(base, n_experts=8), dataclasses.replace(base, moe_top_k=1),
+            dataclasses.replace(base, moe_ffn=96, moe_aux_loss=0.0),
+            dataclasses.replace(base, moe_shared_experts=1, moe_shared_gate=True)]
+
+
+def _moe_mlp(model, tokens):
+    import torch
+
+    from fastpar.models.layers import ParallelTransformerLayer
+    torch.manual_seed(0)
+    mlp = ParallelTransformerLayer(model).mlp
+    x = torch.randn(tokens, 1, model.d_model, requires_grad=True)
+    return mlp, x
+
+
+@pytest.mark.parametrize("model", _moe_variants(), ids=["e4k2", "e8", "k1", "ffn96-noaux",
+                                                         "shared-gate"])
+def test_moe_op_counts_match_the_layer(model):
+    """The MoE MLP's operators outside its GEMMs (MOE_OPS), and its GEMMs (loop_linears: a
+    loop over the experts off CUDA), re-counted on the module: exactly."""
+    import torch
+
+    from fastpar.plan.calibrate import count_ops
+    mlp, x = _moe_mlp(model, 256)            # every expert gets rows
+    out = {}
+    fwd = count_ops(lambda: out.setdefault("y", mlp(x)[0]))
+    grad = torch.ones_like(out["y"])
+    bwd = count_ops(lambda: out["y"].backward(grad))
+    shape = Shape(model, 256, 1)
+    gemms = len(cost.loop_linears(shape)) - 4            # less q, k, v, o
+    gemms -= 1 if model.moe_shared_experts else 0         # the shared gate-up is one GEMM
+    f, b = cost.moe_ops(shape, cpu=True)
+    # (top-1's renormalisation has one operator less in its backward)
+    assert abs(f + gemms - fwd) + abs(b + 2 * gemms - bwd) <= 1, (f, gemms, fwd, b, bwd)
+    # The experts' loop runs per local expert and per pass of a chunked dispatch.
+    ep = Shape(model, 256, 1, ep=2, ep_chunks=2)
+    assert ep.expert_passes == 4 and cost.moe_ops(ep, True)[0] - f == \
+        (model.n_experts // 2 * 4 - model.n_experts) * cost.MOE_OPS["expert"][0]
+    assert cost.moe_ops(Shape(get_config("tiny"), 256, 1), True) == (0, 0)
+
+
+@pytest.mark.parametrize("tokens", [256, 512])
+@pytest.mark.parametrize("model", _moe_variants(), ids=["e4k2", "e8", "k1", "ffn96-noaux",
+                                                         "shared-gate"])
+def test_moe_bytes_match_the_layer(model, tokens):
+    """The MoE MLP's traffic outside its GEMMs (its SwiGLU on the rows, MOE_BYTES), re-counted
+    on the module."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from fastpar.plan.calibrate import count_ops
+    skip = {"mm", "view", "_unsafe_view", "permute", "transpose", "t", "expand", "slice",
+            "select", "as_strided", "unsqueeze", "squeeze", "reshape", "alias", "detach",
+            "split", "chunk", "unbind", "narrow", "split_with_sizes"}
+
+    class _Bytes(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func._overloadpacket.__name__ not in skip:
+                _Bytes.n += sum(t.numel() for t in tree_flatten((args, kwargs, out))[0]
+                                if isinstance(t, torch.Tensor))
+            return out
+
+    assert count_ops    # (the same op set as count_ops' free list, plus the GEMMs)
+    mlp, x = _moe_mlp(model, tokens)
+    with _Bytes():
+        y = mlp(x)[0]
+    fwd, _Bytes.n = _Bytes.n, 0
+    grad = torch.ones_like(y)
+    with _Bytes():
+        y.backward(grad)
+    bwd = _Bytes.n
+    shape = Shape(model, tokens, 1)
+    rows = tokens * model.expert_ffn * (model.moe_top_k + model.moe_shared_experts)
+    sw = cost.REFERENCE_BYTES["swiglu"]
+    f, b = cost.moe_bytes(shape, cpu=True)
+    f, b = f + sw[0] * rows, b + (sw[1] + 4) * rows      # + the gate | up concatenation
+    assert abs(f - fwd) <= 0.05 * fwd and abs(b - bwd) <= 0.05 * bwd, (f, fwd, b, bwd)
+    # reference_bytes counts the SwiGLU on the rows, not on a dense MLP's width.
+    assert cost.reference_bytes(shape)[2] == cost.REFERENCE_BYTES["transcendental"][0] * rows
+
+
 def test_cpu_activations_run_at_their_own_rate():
     cpu = Hardware(**{**ROUND.to_dict(), "kind": "cpu"})
     assert cpu.activation_time(1e9) == pytest.approx(1e9 / cpu.bandwidth(1e9))

@@ -176,9 +176,11 @@ class Experts(nn.Module):
         experts' outputs, in the same order: two grouped GEMMs (one launch each for all the
         experts, :func:`fastpar.kernels.grouped_mm`) around the SwiGLU."""
         if kernels.impl_for(rows, self.gate_up) != "triton":     # torch's: a loop of GEMMs
-            outs = [F.linear(kernels.swiglu(*F.linear(part, self.gate_up[e]).chunk(2, dim=-1)),
-                             self.down[e]) for e, part in enumerate(rows.split(counts))
-                    if counts[e]]
+            # unbind, not w[e]: its backward stacks the experts' gradients once, where
+            # indexing's would zero-fill a whole stack per expert and add the stacks up
+            gate_up, down = self.gate_up.unbind(0), self.down.unbind(0)
+            outs = [F.linear(kernels.swiglu(*F.linear(part, gate_up[e]).chunk(2, dim=-1)),
+                             down[e]) for e, part in enumerate(rows.split(counts)) if counts[e]]
             return torch.cat(outs) if outs else rows.new_zeros((0, rows.shape[-1]))
         counts = torch.tensor(counts, dtype=torch.int64).to(rows.device, non_blocking=True)
         gate, up = _grouped(rows, self.gate_up, counts).chunk(2, dim=-1)
@@ -213,9 +215,11 @@ def _gmm(x, w, counts: list[int], ct, kind: str):
         from ..kernels import grouped_gemm as gg
         return gg.grouped_mm_forward(x, w, ct) if kind == "y" else \
             gg.grouped_mm_backward(x, x, w.transpose(1, 2), ct, True, False)[0]
-    parts = [xe @ (w[e].t() if kind == "y" else w[e])
-             for e, xe in enumerate(x.split(counts)) if counts[e]]
-    return torch.cat(parts) if parts else x.new_zeros((0, w.shape[1 if kind == "y" else 2]))
+    out = x.new_empty((x.shape[0], w.shape[1 if kind == "y" else 2]))
+    for e, (xe, oe) in enumerate(zip(x.split(counts), out.split(counts))):
+        if counts[e]:       # straight into its rows of the output (no concatenation)
+            torch.mm(xe, w[e].t() if kind == "y" else w[e], out=oe)
+    return out
 
 
 def _gmm_dw(dy, x, w, counts: list[int], ct, out=None):
@@ -247,12 +251,23 @@ def _expert_forward(experts, x, counts: list[int]):
 
 
 def _swiglu_grad(da, gate, up):
+    """The gradient of ``swiglu(gate, up)`` for ``da``: (dgate | dup) side by side, as the
+    gate-up GEMM's output gradient. Off CUDA in closed form, each half written in place
+    (fp32 arithmetic for 16-bit inputs, as the reference swiglu)."""
     if kernels.impl_for(da, gate) == "triton":
         from ..kernels.swiglu import swiglu_backward
-        return swiglu_backward(da, gate, up)
-    with torch.enable_grad():
-        g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
-        return torch.autograd.grad(kernels.swiglu(g, u), (g, u), da)
+        return torch.cat(swiglu_backward(da, gate, up), dim=-1)
+    f = gate.shape[-1]
+    dh = da.new_empty((da.shape[0], 2 * f))
+    ct = torch.promote_types(da.dtype, torch.float32)
+    if ct == da.dtype:
+        torch.mul(da, F.silu(gate), out=dh[:, f:])
+        torch.ops.aten.silu_backward.grad_input(da * up, gate, grad_input=dh[:, :f])
+    else:
+        d, g = da.to(ct), gate.to(ct)
+        dh[:, f:] = d * F.silu(g)
+        dh[:, :f] = torch.ops.aten.silu_backward(d * up.to(ct), g)
+    return dh
 
 
 def _expert_dx(saved, dy, counts: list[int]):
@@ -260,8 +275,7 @@ def _expert_dx(saved, dy, counts: list[int]):
     gradients need (the output gradients of both GEMMs)."""
     x, gu, a, wgu, wd, ct = saved
     dy = dy.to(x.dtype)
-    dgate, dup = _swiglu_grad(_gmm(dy, wd, counts, ct, "dx"), *gu.chunk(2, dim=-1))
-    dh = torch.cat([dgate, dup], dim=-1)
+    dh = _swiglu_grad(_gmm(dy, wd, counts, ct, "dx"), *gu.chunk(2, dim=-1))
     return _gmm(dh, wgu, counts, ct, "dx"), (dy, dh)
 
 

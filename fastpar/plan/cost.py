@@ -102,6 +102,8 @@ class Shape:
                                      # here, attention over all seq_len by the key/value ring
     span: float | None = None        # packed documents: the keys a token's document holds on
                                      # average (attention inside documents); None: seq_len
+    ep: int = 1                      # expert parallelism: n_experts / ep experts here
+    ep_chunks: int = 1               # ... and its dispatch's chunks (each runs the experts)
 
     @property
     def tokens(self) -> int:
@@ -112,6 +114,12 @@ class Shape:
         """The tokens an MoE layer routes on one GPU: under TP it runs whole on every rank,
         on the hidden state without SP, on the rank's sequence shard with SP."""
         return self.tokens // (self.tp if self.sp else 1)
+
+    @property
+    def expert_passes(self) -> int:
+        """Times each local expert runs per forward: once, or under a chunked expert-parallel
+        dispatch once per chunk and twice more on this rank's own rows (moe.py ``_Finish``)."""
+        return self.ep_chunks + 2 if self.ep > 1 and self.ep_chunks > 1 else 1
 
 
 def _linears(shape: Shape) -> list[tuple[int, int, int]]:
@@ -132,6 +140,21 @@ def _linears(shape: Shape) -> list[tuple[int, int, int]]:
     if m.activation == "swiglu":
         mats.append((T, m.ffn_dim // t, h))
     return mats + [(T, h, m.ffn_dim // t)]
+
+
+def loop_linears(shape: Shape) -> list[tuple[int, int, int]]:
+    """:func:`_linears` as the CPU path runs them: an MoE layer's routed experts are a loop of
+    GEMMs, per local expert and pass (:attr:`Shape.expert_passes`) one fused gate-up
+    (rows, 2F, h) and one down (rows, h, F) on its share of the rows."""
+    m = shape.model
+    mats = _linears(shape)
+    if not m.n_experts:
+        return mats
+    R, F, h = shape.moe_tokens * m.moe_top_k, m.expert_ffn, m.d_model
+    routed = {(R, F, h), (R, h, F)}
+    loops = m.n_experts // shape.ep * shape.expert_passes
+    rows = -(-R // loops)
+    return [g for g in mats if g not in routed] + [(rows, 2 * F, h), (rows, h, F)] * loops
 
 
 def expert_gemms(shape: Shape) -> list[tuple[int, int, int]]:
@@ -218,6 +241,57 @@ REFERENCE_OPS = {"rmsnorm": (6, 14), "layernorm": (9, 20), "rotary": (5, 5), "sw
                  "gelu": (1, 1), "core": (2, 7), "residual": (1, 0)}
 
 
+# fastpar's MoE MLP (fastpar/models/moe.py) outside its GEMMs, counted the same way
+# (tests/test_plan.py re-counts them). Operators, forward / backward: routing (softmax, bias add,
+# top-k, gather, renormalise), the sort by expert and the counts, the rows gathered by expert and
+# scattered back weighted, the statistics and the auxiliary loss's forward ("fixed"); the
+# auxiliary loss's backward ("aux"); each expert's SwiGLU and the concatenation around it, per
+# expert and pass off CUDA (a loop), once on CUDA ("expert"); the shared experts' concatenation
+# and add ("shared"); their sigmoid gate, its one-column GEMM included ("gate").
+MOE_OPS = {"fixed": (26, 22), "aux": (0, 5), "expert": (2, 4), "shared": (2, 4), "gate": (3, 7)}
+# Elements those operators read and write beyond the SwiGLU's (REFERENCE_BYTES["swiglu"] on the
+# rows), per (tokens x h) and per (rows x h), rows = tokens x top_k, forward / backward: the
+# gather by expert reads the tokens and writes the rows; the weighted rows, their concatenation,
+# the zeroed output and index_add; in the backward index_select, the index's gradient, index_put,
+# the sum of the consumers' gradients and the router weights' gradient. Off CUDA the experts'
+# weight gradients are stacked once (each weight read and written: 2 per element). The shared
+# experts' output concatenated and added, and its gradient; their gate's product, per
+# (tokens x h).
+MOE_BYTES = {"token": (5, 7), "row": (6, 11), "stack": (0, 2), "shared": (5, 5), "gate": (2, 9)}
+
+
+def moe_ops(shape: Shape, cpu: bool) -> tuple[int, int]:
+    """(forward, backward) operators of one MoE layer outside its GEMMs (:data:`MOE_OPS`)."""
+    m = shape.model
+    if not m.n_experts:
+        return 0, 0
+    runs = (m.n_experts // shape.ep * shape.expert_passes if cpu else 1) + \
+        (1 if m.moe_shared_experts else 0)
+    parts = [MOE_OPS["fixed"]] + [MOE_OPS["expert"]] * runs
+    parts += [MOE_OPS["aux"]] if m.moe_aux_loss else []
+    parts += [MOE_OPS["shared"]] if m.moe_shared_experts else []
+    parts += [MOE_OPS["gate"]] if m.moe_shared_experts and m.moe_shared_gate else []
+    return tuple(sum(p[i] for p in parts) for i in range(2))
+
+
+def moe_bytes(shape: Shape, cpu: bool) -> tuple[float, float]:
+    """Elements (forward, backward) one MoE layer's operators move outside its GEMMs and its
+    SwiGLU (:data:`MOE_BYTES`)."""
+    m = shape.model
+    if not m.n_experts:
+        return 0.0, 0.0
+    T, h = shape.moe_tokens, m.d_model
+    R = T * m.moe_top_k
+    weights = 3 * h * m.expert_ffn * (m.n_experts // shape.ep + m.moe_shared_experts) \
+        if cpu else 0
+    tok, row, st = MOE_BYTES["token"], MOE_BYTES["row"], MOE_BYTES["stack"]
+    for part, on in (("shared", m.moe_shared_experts), ("gate", m.moe_shared_experts and
+                                                       m.moe_shared_gate)):
+        if on:
+            tok = tuple(a + b for a, b in zip(tok, MOE_BYTES[part]))
+    return tuple(tok[i] * T * h + row[i] * R * h + st[i] * weights for i in range(2))
+
+
 def column_linears(model: GPTConfig, feat: Features = None) -> int:
     """Column-parallel linears of one layer: each reduces its input gradient over TP (an MoE
     layer's MLP has none: every TP rank runs it whole)."""
@@ -232,7 +306,7 @@ def reference_ops(model: GPTConfig, feat: Features = None) -> tuple[int, int]:
     norms, rotary, activation, attention core, residual adds, and in the backward one add per
     extra consumer of a tensor (its gradients are summed)."""
     norm = REFERENCE_OPS[model.norm]
-    act = REFERENCE_OPS[model.activation]
+    act = (0, 0) if model.n_experts else REFERENCE_OPS[model.activation]   # MoE: moe_ops
     parts = [norm, norm, act, REFERENCE_OPS["core"], REFERENCE_OPS["residual"],
              REFERENCE_OPS["residual"]]
     if model.rotary:
@@ -267,6 +341,8 @@ def reference_bytes(shape: Shape) -> tuple[float, float, float, float]:
     m, t, T = shape.model, shape.tp, shape.tokens
     rep = T * m.d_model / (t if shape.sp else 1)
     q, kv, f = T * m.n_heads * m.head_dim / t, T * m.kv_heads * m.head_dim / t, T * m.ffn_dim / t
+    if m.n_experts:     # the SwiGLU of the routed rows and the shared experts
+        f = shape.moe_tokens * m.expert_ffn * (m.moe_top_k + m.moe_shared_experts)
     norm, act, tr = REFERENCE_BYTES[m.norm], REFERENCE_BYTES[m.activation], \
         REFERENCE_BYTES["transcendental"]
     fwd = 2 * norm[0] * rep + act[0] * f + 2 * REFERENCE_BYTES["residual"][0] * rep + 2 * q
@@ -304,20 +380,26 @@ def _elementwise(shape: Shape, hw: Hardware, feat: Features) -> tuple[float, flo
         fwd, bwd, tr_f, tr_b = (E * x for x in reference_bytes(shape))
         k_f, k_b = reference_ops(m, feat)
         k_f, k_b = k_f - REFERENCE_OPS["core"][0], k_b - REFERENCE_OPS["core"][1]
+        (o_f, o_b), (b_f, b_b) = moe_ops(shape, True), moe_bytes(shape, True)
+        k_f, k_b, fwd, bwd = k_f + o_f, k_b + o_b, fwd + E * b_f, bwd + E * b_b
         return (hw.memory_time(fwd - tr_f + extra, k_f) + hw.activation_time(tr_f),
                 hw.memory_time(bwd - tr_b + 2 * extra, k_b) + hw.activation_time(tr_b))
     # Fused kernels; each backward kernel reads the output gradient and the saved input and
     # writes one, twice the forward's traffic.
-    f = m.ffn_dim / t
+    f = T * m.ffn_dim / t
+    if m.n_experts:     # the routed rows' and the shared experts' SwiGLU
+        f = shape.moe_tokens * m.expert_ffn * (m.moe_top_k + m.moe_shared_experts)
     nbytes = extra + 2 * 2 * T * h_rep * E         # two norms: read x, write y
     nbytes += 2 * 3 * T * h_rep * E                # two residual adds: read two, write one
-    nbytes += (3 if m.activation == "swiglu" else 2) * T * f * E
+    nbytes += (3 if m.activation == "swiglu" else 2) * f * E
     kernels += GPU_LAYER_KERNELS
     if m.rotary:
         nbytes += 2 * T * (m.n_heads + m.kv_heads) * m.head_dim / t * E
         kernels += GPU_ROTARY_KERNELS
-    return hw.memory_time(nbytes, kernels), hw.memory_time(GPU_BACKWARD_FACTOR * nbytes,
-                                                           GPU_BACKWARD_FACTOR * kernels)
+    (o_f, o_b), (b_f, b_b) = moe_ops(shape, False), moe_bytes(shape, False)
+    return (hw.memory_time(nbytes + E * b_f, kernels + o_f),
+            hw.memory_time(GPU_BACKWARD_FACTOR * nbytes + E * b_b,
+                           GPU_BACKWARD_FACTOR * kernels + o_b))
 
 
 @dataclass(frozen=True)
@@ -343,14 +425,15 @@ def layer_cost(shape: Shape, hw: Hardware, recompute: str = "none", tp_link_gbps
     # The forward's operators at their own overhead (on a CPU, Python modules and autograd's
     # recording cost about twice the backward's per operator); the backward's at the default.
     hf = hw.for_forward()
-    gemm = sum(hf.gemm_time(*mnk) for mnk in _linears(shape))
-    gemm_b = sum(hw.gemm_time(*mnk) for mnk in _linears(shape))
+    mats = loop_linears(shape) if hw.kind == "cpu" else _linears(shape)
+    gemm = sum(hf.gemm_time(*mnk) for mnk in mats)
+    gemm_b = sum(hw.gemm_time(*mnk) for mnk in mats)
     c = tp_pieces(shape, hw, feat)
     if c > 1:
         # The overlapped path runs the row linears' forward GEMMs and the column linears'
         # input-gradient GEMMs in c row chunks (smaller GEMMs, more launches).
-        mats = _linears(shape)
-        rows, cols = [mats[3], mats[-1]], mats[:3] + mats[4:-1]
+        lin = _linears(shape)
+        rows, cols = [lin[3], lin[-1]], lin[:3] + lin[4:-1]
 
         def chunked(h, group):
             return sum(h.gemm_time(-(-m // c), n, k, c) - h.gemm_time(m, n, k)
@@ -372,7 +455,7 @@ def layer_cost(shape: Shape, hw: Hardware, recompute: str = "none", tp_link_gbps
         b, comm_b = b + f, comm_b + comm_f
     elif recompute == "selective":
         b += core
-    w = sum(hw.gemm_time(*mnk) for mnk in _linears(shape))
+    w = sum(hw.gemm_time(*mnk) for mnk in mats)
     cp_f, cp_b = cp_ring_exposed(shape, hw, cp_link_gbps, core_at_b, core_b)
     if recompute == "full":
         cp_b += cp_f

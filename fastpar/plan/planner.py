@@ -111,7 +111,7 @@ def _stage_costs(work, cluster, cfg, feat, split):
     """Per-stage F, B, W seconds; the layer split; the busiest stage's exposed TP time."""
     hw, t = cluster.hardware, cfg.tp
     shape = Shape(work.model, work.seq_len, cfg.micro_batch_size, t, cfg.sequence_parallel,
-                  cfg.cp, work.doc_span)
+                  cfg.cp, work.doc_span, cfg.ep, cfg.ep_chunks)
     # tp-cp-dp-pp placement: a CP ring's neighbours are tp ranks apart, within tp * cp ranks.
     lc = cost.layer_cost(shape, hw, cfg.recompute, cluster.link_gbps(t), feat,
                          cluster.link_gbps(t * cfg.cp))
