@@ -213,6 +213,27 @@ MOE_PRESET = dict(moe_aux_loss=0.05, moe_bias_rate=0.01, moe_shared_experts=1,
                   moe_capacity_factor=1.5)
 
 
+def _train_each(rank, world_size, runs, preset, rows=False):
+    """:func:`_train` for each ``(name, kwargs)`` of ``runs`` in turn, on one set of ranks."""
+    return {name: _train(rank, world_size, kwargs, preset, rows) for name, kwargs in runs}
+
+
+def _curves(tmp_path_factory, layouts, preset, rows=False):
+    """``get(world)``: every layout of that world size trained on one launch of its ranks
+    (one launch per world size, not per layout), by name."""
+    from fastpar.testing import run_ranks
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            runs = [(name, dict(MOE_RUN, out=str(tmp_path_factory.mktemp("moe")), **layout))
+                    for name, w, layout in layouts if w == world]
+            cache[world] = run_ranks(_train_each, world, runs, preset, rows, init_pg=False,
+                                     timeout=60 + 30 * len(runs))[0]
+        return cache[world]
+    return get
+
+
 @pytest.fixture(scope="module")
 def moe_reference(tmp_path_factory):
     from fastpar.testing import run_ranks
@@ -221,7 +242,7 @@ def moe_reference(tmp_path_factory):
                      timeout=240)[0]
 
 
-@pytest.mark.parametrize("name, world, layout", [
+LAYOUTS = [
     ("dp2", 2, dict(dp=2)),
     ("pp2", 2, dict(pp=2)),
     ("dp2 zero1", 2, dict(dp=2, zero=1)),
@@ -239,15 +260,22 @@ def moe_reference(tmp_path_factory):
     ("dp2 pp2 zero3 zb-h1", 4, dict(dp=2, pp=2, zero=3, schedule="zb-h1")),
     ("tp2", 2, dict(tp=2, dp=1)),
     ("tp2 dp2 ep2", 4, dict(tp=2, dp=2, ep=2)),
-])
+]
+
+
+@pytest.fixture(scope="module")
+def moe_curves(tmp_path_factory):
+    return _curves(tmp_path_factory, LAYOUTS, MOE_PRESET)
+
+
+@pytest.mark.parametrize("name, world, layout", LAYOUTS)
 def test_the_trainers_loss_curve_equals_the_single_process(name, world, layout, moe_reference,
-                                                           tmp_path):
+                                                           moe_curves):
     """With the auxiliary loss (per micro-batch, weighed 1 / M as its loss), the loss-free bias
     (the counts summed over the dp ranks before each step), a shared expert and a capacity
-    that drops: every layout's curve is the single process's."""
-    from fastpar.testing import run_ranks
-    got = run_ranks(_train, world, dict(MOE_RUN, out=str(tmp_path), **layout), MOE_PRESET,
-                    init_pg=False, timeout=240)[0]
+    that drops: every layout's curve is the single process's (the layouts of one world size
+    run one after another on the same ranks)."""
+    got = moe_curves(world)[name]
     assert len(got) == len(moe_reference) == MOE_RUN["steps"]
     # Gradients summed in another order (over dp; under ep the all-to-all's backward, then the
     # expert-data-parallel group; under tp the attention's), and the single process's matmuls
@@ -381,7 +409,7 @@ def dropless_reference(tmp_path_factory):
                      timeout=240)[0]
 
 
-@pytest.mark.parametrize("name, world, layout", [
+SHARDED = [
     ("cp2", 2, dict(cp=2, dp=1)),
     ("cp2 ep2", 2, dict(cp=2, dp=1, ep=2)),
     ("tp2 sp", 2, dict(tp=2, dp=1, sequence_parallel=True)),
@@ -389,17 +417,24 @@ def dropless_reference(tmp_path_factory):
     ("tp2 sp ep2 folded", 2, dict(tp=2, dp=1, ep=2, sequence_parallel=True, ep_fold_tp=True)),
     ("tp2 sp dp2 ep4 folded zero1", 4, dict(tp=2, dp=2, ep=4, sequence_parallel=True,
                                             ep_fold_tp=True, zero=1)),
-])
+]
+
+
+@pytest.fixture(scope="module")
+def sharded_curves(tmp_path_factory):
+    return _curves(tmp_path_factory, SHARDED, DROPLESS, True)
+
+
+@pytest.mark.parametrize("name, world, layout", SHARDED)
 def test_sequence_sharded_loss_curve_equals_the_single_process(name, world, layout,
-                                                               dropless_reference, tmp_path):
+                                                               dropless_reference,
+                                                               sharded_curves):
     """Under context parallelism, and under TP with sequence parallelism, each rank routes its
     part of every sequence; the auxiliary loss counts the load over the whole sequences (the
     counts all-reduced over cp and over tp), the loss-free bias's counts are summed over tp
     too, and under SP the layer's gradients are summed over TP: the curve is the single
     process's (dropless: a capacity counts each rank's own tokens)."""
-    from fastpar.testing import run_ranks
-    got = run_ranks(_train, world, dict(MOE_RUN, out=str(tmp_path), **layout), DROPLESS, True,
-                    init_pg=False, timeout=240)[0]
+    got = sharded_curves(world)[name]
     for step, (a, b) in enumerate(zip(got, dropless_reference), 1):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * b["loss"], f"{name} step {step}: {a} vs {b}"
         # the clipped norm is the whole model's: each expert counted once (folded too)
