@@ -133,6 +133,18 @@ def _portable(result) -> bytes:
     return pickle.dumps(cpu(result))
 
 
+def _each(rank: int, world_size: int, fn: Callable[..., Any], runs: list) -> dict:
+    return {name: fn(rank, world_size, *args) for name, args in runs}
+
+
+def run_each(fn: Callable[..., Any], world_size: int, runs, timeout: float = 45.0,
+             **kwargs: Any) -> dict:
+    """``fn(rank, world_size, *args)`` for each ``(name, args)`` of ``runs``, one after another
+    on one launch of ``world_size`` ranks (spawned once, not per run): rank 0's results by
+    name. ``kwargs`` go to :func:`run_ranks`."""
+    return run_ranks(_each, world_size, fn, list(runs), timeout=timeout, **kwargs)[0]
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 45.0,
               init_pg: bool = True, env: dict[str, str] | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; see the module doc.

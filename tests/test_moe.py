@@ -213,23 +213,18 @@ MOE_PRESET = dict(moe_aux_loss=0.05, moe_bias_rate=0.01, moe_shared_experts=1,
                   moe_capacity_factor=1.5)
 
 
-def _train_each(rank, world_size, runs, preset, rows=False):
-    """:func:`_train` for each ``(name, kwargs)`` of ``runs`` in turn, on one set of ranks."""
-    return {name: _train(rank, world_size, kwargs, preset, rows) for name, kwargs in runs}
-
-
 def _curves(tmp_path_factory, layouts, preset, rows=False):
     """``get(world)``: every layout of that world size trained on one launch of its ranks
     (one launch per world size, not per layout), by name."""
-    from fastpar.testing import run_ranks
+    from fastpar.testing import run_each
     cache = {}
 
     def get(world):
         if world not in cache:
-            runs = [(name, dict(MOE_RUN, out=str(tmp_path_factory.mktemp("moe")), **layout))
-                    for name, w, layout in layouts if w == world]
-            cache[world] = run_ranks(_train_each, world, runs, preset, rows, init_pg=False,
-                                     timeout=60 + 30 * len(runs))[0]
+            runs = [(name, (dict(MOE_RUN, out=str(tmp_path_factory.mktemp("moe")), **layout),
+                            preset, rows)) for name, w, layout in layouts if w == world]
+            cache[world] = run_each(_train, world, runs, init_pg=False,
+                                    timeout=60 + 30 * len(runs))
         return cache[world]
     return get
 
