@@ -1039,3 +1039,49 @@ def test_tp_folded_into_expert_parallelism_in_the_planner():
                             micro_batch_size=1))}
     assert (8, True, True) in found and (4, True, True) in found
     assert not any(fold and not sp for _, fold, sp in found)
+
+
+def test_sequence_parallel_sums_partial_gradients_and_moe_counts_over_tp(monkeypatch):
+    """Under SP: once a step one fp32 all-reduce over TP of the parameters every TP rank holds
+    whole (norms; an MoE layer's router and experts, the experts not when folded into ep),
+    copied in and back; and per MoE layer and micro-batch the token counts all-reduced over
+    the SP group (the auxiliary loss counts whole sequences)."""
+    cpu = Hardware(**{**ROUND.to_dict(), "kind": "cpu"})
+    cluster, moe = Cluster(2, 2, cpu), get_config("tiny-moe")
+    work, ranges = Workload(moe, 128, 8), [range(moe.n_layers)]
+    sp = ParallelConfig(tp=2, pp=1, dp=1, micro_batch_size=2, sequence_parallel=True)
+
+    def expected(n):
+        return cost.collective_time("all_reduce", 4 * n, 2, cluster.link_gbps(2), cpu) + \
+            cpu.memory_time(16 * n, 2)
+    whole = moe.replicated_layer_params() + moe.moe_params()
+    assert planner._replicated_time(work, cluster, sp, ranges) == pytest.approx(
+        expected(4 * whole + moe.d_model))
+    folded = dataclasses.replace(sp, dp=2, ep=2, ep_fold_tp=True)
+    assert planner._replicated_time(work, cluster, folded, ranges) == pytest.approx(
+        expected(4 * (whole - moe.routed_expert_params()) + moe.d_model))      # router only
+    assert planner._replicated_time(work, cluster, dataclasses.replace(
+        sp, sequence_parallel=False), ranges) == 0.0
+    tiny = get_config("tiny")
+    assert planner._replicated_time(Workload(tiny, 128, 8), cluster, sp, ranges) == \
+        pytest.approx(expected(4 * tiny.replicated_layer_params() + tiny.d_model))
+    # The step pays it: evaluate's step is larger by exactly that.
+    base = evaluate(work, cluster, sp).step_time_s
+    monkeypatch.setattr(planner, "_replicated_time", lambda *a: 0.0)
+    assert base - evaluate(work, cluster, sp).step_time_s == pytest.approx(
+        expected(4 * whole + moe.d_model))
+    monkeypatch.undo()
+
+    seen = []
+    real = cost.collective_time
+
+    def spy(kind, nbytes, n, *args, **kw):
+        seen.append((kind, nbytes, n))
+        return real(kind, nbytes, n, *args, **kw)
+    monkeypatch.setattr(cost, "collective_time", spy)
+    planner._stage_costs(work, cluster, sp, cost.FASTPAR, False)
+    assert ("all_reduce", 8 * moe.n_experts, 2) in seen
+    seen.clear()
+    planner._stage_costs(work, cluster, dataclasses.replace(sp, sequence_parallel=False),
+                         cost.FASTPAR, False)
+    assert ("all_reduce", 8 * moe.n_experts, 2) not in seen

@@ -145,6 +145,11 @@ def _stage_costs(work, cluster, cfg, feat, split):
     ep_f, ep_b = cost.ep_alltoall(shape, hw, cfg.ep, cfg.ep_chunks, cluster.link_gbps(span),
                                   overlap=hw.kind != "cpu")
     exp_f, exp_b = exp_f + ep_f, exp_b + ep_b
+    if work.model.n_experts:    # the MoE layer's token counts (its auxiliary loss counts whole
+        #                         sequences) all-reduced over cp and over the SP group
+        for n, ranks in ((cfg.cp, t * cfg.cp), (t if cfg.sequence_parallel else 1, t)):
+            exp_f += cost.collective_time("all_reduce", 8 * work.model.n_experts, n,
+                                          cluster.link_gbps(ranks), hw)
     layer = (lc.f + exp_f + lc.cp_exposed_f, lc.b + exp_b + lc.cp_exposed_b, lc.w)
     if split:   # fastpar/pipeline/backward.py: the row linears' (o, down) weight GEMMs run in B
         mats = cost._linears(shape)
@@ -540,7 +545,7 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
     optimizer = slow * hw.memory_time(params / (shard_size(cfg) if cfg.zero else 1)
                                       * OPTIMIZER_STEP_BYTES, kernels)
     step = sim.step_time + accumulate + dp_exposed + optimizer + _step_collectives(cluster, cfg)
-    step += _tied_time(work, cluster, cfg, feat)
+    step += _tied_time(work, cluster, cfg, feat) + _replicated_time(work, cluster, cfg, ranges)
     tokens = work.global_batch * work.seq_len
     model_flops = m.train_flops(work.seq_len, tokens, span=work.doc_span)
     hw_flops = m.train_flops(work.seq_len, tokens, cfg.recompute, work.doc_span)
@@ -593,6 +598,25 @@ def _tied_time(work: Workload, cluster: Cluster, cfg: ParallelConfig, feat: Feat
     world = cfg.tp * cfg.cp * cfg.pp * (cfg.dp or 1)
     return cost.collective_time("all_reduce", n * feat.reduce_bytes, 2,
                                 cluster.link_gbps(world), cluster.hardware)
+
+
+def _replicated_time(work: Workload, cluster: Cluster, cfg: ParallelConfig, ranges) -> float:
+    """Under sequence parallelism, once a step: the parameters each TP rank holds whole but
+    trains on its own tokens (the norms, the row linears' biases, learned positions, and an MoE
+    layer's router and experts, the experts not when folded into ep) have partial gradients,
+    summed over TP in one all-reduce of one fp32 buffer (``reduce_replicated_grads``: copied
+    in, reduced, copied back). The rank with the most layers."""
+    t, m = cfg.tp, work.model
+    if t == 1 or not cfg.sequence_parallel:
+        return 0.0
+    per_layer = m.replicated_layer_params() + m.moe_params(cfg.ep) - (
+        m.routed_expert_params() // cfg.ep if cfg.ep_fold_tp else 0)
+    layers = max(len(r) for r in ranges) * cfg.virtual_stages
+    n = layers * per_layer + m.d_model * (2 if m.norm == "layernorm" else 1)
+    n += 0 if m.rotary else m.max_seq_len * m.d_model
+    hw, nbytes = cluster.hardware, 4 * n
+    return cost.collective_time("all_reduce", nbytes, t, cluster.link_gbps(t), hw) + \
+        hw.memory_time(4 * nbytes, 2)
 
 
 def _step_collectives(cluster: Cluster, cfg: ParallelConfig) -> float:
