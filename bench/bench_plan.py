@@ -54,7 +54,8 @@ training step measured on this machine.
    micro-batches among them), the same way (in sample since); ``--set holdout5``: the
    ``HOLDOUT5`` cases (tp2 with and without the forward inside the backward); ``--set
    holdout6``: the ``HOLDOUT6`` cases (mixtures of experts: dp, ep, TP folded into ep, pp);
-   ``--set holdout7``: the ``HOLDOUT7`` cases (mixtures of experts on new shapes).
+   ``--set holdout7``: the ``HOLDOUT7`` cases (mixtures of experts on new shapes); ``--set
+   holdout8``: the ``HOLDOUT8`` cases (sequence and context parallelism, MoE and dense).
 """
 from __future__ import annotations
 
@@ -302,10 +303,28 @@ HOLDOUT7 = [
     ("moe-s128", dict(tp=2, pp=1, dp=1, sequence_parallel=True, ep=2, ep_fold_tp=True)),
     ("moe-s128", dict(tp=1, pp=2, dp=1, schedule="zb-h1")),
 ]
+# Eighth out-of-sample set (--set holdout8): sequence and context parallelism, where the
+# partial gradients' all-reduce once a step and the MoE layer's count all-reduces entered the
+# model (1efb58b, after HOLDOUT7 ran: HOLDOUT7 is in sample since). Fixed before any case below
+# ran: bench-moe8 at sequence 128 (4 micro-batches of 4), tiny-moe at 256 (4 of 2), and the
+# dense small model at 192 (4 of 2).
+HOLDOUT8_RUNS = {"moe8-s128": ("bench-moe8", 128, 16, 4), "moe-s256": ("tiny-moe", 256, 8, 2),
+                 "small-s192": ("small", 192, 8, 2)}
+HOLDOUT8 = [
+    ("moe8-s128", dict(tp=1, pp=1, dp=2)),
+    ("moe8-s128", dict(tp=2, pp=1, dp=1, sequence_parallel=True)),
+    ("moe8-s128", dict(tp=2, pp=1, dp=1, sequence_parallel=True, ep=2, ep_fold_tp=True)),
+    ("moe8-s128", dict(tp=1, pp=1, dp=1, cp=2)),
+    ("moe-s256", dict(tp=2, pp=1, dp=1, sequence_parallel=True)),
+    ("moe-s256", dict(tp=1, pp=1, dp=1, cp=2)),
+    ("small-s192", dict(tp=2, pp=1, dp=1, sequence_parallel=True)),
+    ("small-s192", dict(tp=1, pp=1, dp=2)),
+]
 RUNS = {**CPU_RUNS, **HOLDOUT_RUNS, **HOLDOUT2_RUNS, **HOLDOUT3_RUNS, **HOLDOUT4_RUNS,
-        **HOLDOUT5_RUNS, **HOLDOUT6_RUNS, **HOLDOUT7_RUNS}
+        **HOLDOUT5_RUNS, **HOLDOUT6_RUNS, **HOLDOUT7_RUNS, **HOLDOUT8_RUNS}
 HOLDOUTS = {"holdout2": HOLDOUT2, "holdout3": HOLDOUT3, "holdout4": HOLDOUT4,
-            "holdout5": HOLDOUT5, "holdout6": HOLDOUT6, "holdout7": HOLDOUT7}
+            "holdout5": HOLDOUT5, "holdout6": HOLDOUT6, "holdout7": HOLDOUT7,
+            "holdout8": HOLDOUT8}
 
 
 def _rank(rank, world, layout, steps, out, run):
@@ -333,7 +352,7 @@ def cpu_once(run: str, layout: dict, steps: int) -> dict:
     (on a shared machine the rates drift by tens of percent within seconds)."""
     from fastpar.testing import run_ranks
 
-    world = layout["tp"] * layout["pp"] * layout["dp"]
+    world = layout["tp"] * layout["pp"] * layout["dp"] * layout.get("cp", 1)
     with tempfile.TemporaryDirectory() as tmp:
         results = run_ranks(_rank, world, layout, steps, tmp, run, timeout=900, init_pg=False)
     measured = statistics.median(max(r[1][i] for r in results) for i in range(2, steps))
@@ -356,7 +375,8 @@ def cpu_once(run: str, layout: dict, steps: int) -> dict:
 
 
 def layout_name(layout: dict) -> str:
-    name = f"tp{layout['tp']} pp{layout['pp']} dp{layout['dp']}"
+    name = f"tp{layout['tp']} pp{layout['pp']} dp{layout['dp']}" + (
+        f" cp{layout['cp']}" if layout.get("cp", 1) > 1 else "")
     if layout["pp"] > 1:
         name += f" {layout.get('schedule', '1f1b')}"
     if layout.get("interleave", 1) > 1:
@@ -384,7 +404,7 @@ def cpu(steps: int, cases: list[tuple[str, dict]], repeats: int) -> list[dict]:
         row["ratios"] = " ".join(f"{t['ratio']:.2f}" for t in tries)
         preds = [t["predicted_ms"] for t in tries]
         row["prediction_spread"] = round(max(preds) / min(preds) - 1, 3)
-        row["world"] = layout["tp"] * layout["pp"] * layout["dp"]
+        row["world"] = layout["tp"] * layout["pp"] * layout["dp"] * layout.get("cp", 1)
         out.append(row)
         print(row, flush=True)
     return out
@@ -421,7 +441,9 @@ def main() -> None:
                         "to B); holdout4: the CPU cases HOLDOUT4 (in sample since); holdout5: "
                         "the CPU cases HOLDOUT5; holdout6: the MoE cases HOLDOUT6 (in sample "
                         "since the MoE layer's operators were counted); holdout7: the MoE "
-                        "cases HOLDOUT7, fixed before their first run")
+                        "cases HOLDOUT7 (in sample since SP's partial gradients were "
+                        "modelled); holdout8: SP and CP cases HOLDOUT8, fixed before their "
+                        "first run")
     p.add_argument("--sensitivity", action="store_true",
                    help="only print how the published rows' predictions move with "
                         "matmul_efficiency and link bandwidth (arithmetic, no runs)")
