@@ -616,6 +616,14 @@ def test_context_parallelism_in_the_cost_model():
     assert cost.cp_ring_exposed(one, ROUND, 0.1, 1e-4, 2e-4) == (0.0, 0.0)
     cpu = dataclasses.replace(ROUND, kind="cpu")
     assert cost.cp_ring_exposed(two, cpu, 1000.0, 1.0, 2.0)[0] == pytest.approx(kv / 1000e9)
+    # Each hop posts an isend and an irecv: cp - 1 batches forward, 2 cp - 1 backward (the k/v
+    # and the accumulators), each post costing the host p2p_post_us.
+    posting = dataclasses.replace(cpu, p2p_post_us=100.0)
+    four = Shape(GPT, s, b, cp=4)
+    for shape, cp in ((two, 2), (four, 4)):
+        base, more = (cost.cp_ring_exposed(shape, h, 1000.0, 1.0, 2.0) for h in (cpu, posting))
+        assert more[0] - base[0] == pytest.approx(2 * (cp - 1) * 100e-6)
+        assert more[1] - base[1] == pytest.approx(2 * (2 * cp - 1) * 100e-6)
     # The planner: half the activation memory, dp x cp in the gradient reduction, a bad
     # sequence length refused naming both numbers; search explores cp only when it is pinned.
     work = Workload(GPT, 2048, 16)

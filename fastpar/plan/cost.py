@@ -469,18 +469,22 @@ def cp_ring_exposed(shape: Shape, hw: Hardware, link_gbps: float, core_f: float,
     this rank's k and v (kv heads only); backward: the k and v again with their fp32 gradient
     accumulators (three times the bytes), and the last hop home. Each hop is in flight while one
     block (1/cp of the core) computes, so only what exceeds the block shows; on a CPU gloo's
-    threads share the cores and nothing is hidden."""
+    threads share the cores and nothing is hidden. Each hop is one batch of an isend and an
+    irecv, each costing the host ``p2p_post_us`` to post (cp - 1 batches forward; backward
+    cp - 1 of k and v and cp of the accumulators)."""
     cp, m = shape.cp, shape.model
     if cp == 1:
         return 0.0, 0.0
     kv = 2 * shape.tokens * m.kv_heads * m.head_dim / shape.tp * hw.bytes_per_element
     hop_f = ring_time("send", kv, 2, link_gbps, hw.collective_latency_us)
     hop_b = ring_time("send", 3 * kv, 2, link_gbps, hw.collective_latency_us)
+    post = 2 * hw.p2p_post_us * 1e-6
+    post_f, post_b = (cp - 1) * post, (2 * cp - 1) * post
     if hw.kind == "cpu":
-        return (cp - 1) * hop_f, cp * hop_b
-    return ((cp - 1) * max(0.0, hop_f - core_f / cp),
-            (cp - 1) * max(0.0, hop_b - core_b / cp) + ring_time("send", 2 * kv, 2, link_gbps,
-                                                               hw.collective_latency_us))
+        return (cp - 1) * hop_f + post_f, cp * hop_b + post_b
+    return ((cp - 1) * max(0.0, hop_f - core_f / cp) + post_f,
+            (cp - 1) * max(0.0, hop_b - core_b / cp) + post_b +
+            ring_time("send", 2 * kv, 2, link_gbps, hw.collective_latency_us))
 
 
 def ring_time(kind: str, nbytes: float, n: int, link_gbps: float, latency_us: float) -> float:
