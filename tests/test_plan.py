@@ -80,6 +80,16 @@ def test_tp_collectives_and_overlap():
     assert f_lat == pytest.approx(2 * ar + 2 * steps * 100e-6)
     assert b_lat == pytest.approx(2 * ar + 2 * steps * 100e-6)
     assert cost.tp_collectives(Shape(GPT, 2048, 1), ROUND, 100.0) == (0.0, 0.0)
+    # gloo reduce-scatters through a whole all-reduce: the SP backward's column reduce-scatters
+    # cost all-reduces on a CPU (the forward's are the row linears' own exchanges).
+    cpu, sp = dataclasses.replace(ROUND, kind="cpu"), Shape(GPT, 2048, 1, tp=4, sp=True)
+    n, col = 2048 * GPT.d_model * 2, cost.column_linears(GPT)
+
+    def ring(kind, hw):
+        return cost.collective_time(kind, n, 4, 100.0, hw)
+    assert cost.tp_collectives(sp, cpu, 100.0)[0] == cost.tp_collectives(sp, ROUND, 100.0)[0]
+    assert cost.tp_collectives(sp, cpu, 100.0)[1] - cost.tp_collectives(sp, ROUND, 100.0)[1] == \
+        pytest.approx(col * (ring("all_reduce", cpu) - ring("reduce_scatter", ROUND)))
     assert cost.exposed(1.0, 3.0, 4) == pytest.approx(0.25)   # hidden but one chunk
     assert cost.exposed(3.0, 1.0, 4) == pytest.approx(2.25)
 

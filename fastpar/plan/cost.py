@@ -527,7 +527,8 @@ def tp_collectives(shape: Shape, hw: Hardware, link_gbps: float,
     backward reduce-scatters each column linear's input gradient and gathers each row linear's
     output gradient; with ``regather`` (Megatron's choice, fastpar's under selective recompute)
     it also gathers each column linear's input again for its weight gradient, which fastpar
-    otherwise keeps from the forward.
+    otherwise keeps from the forward. On a CPU (gloo) the backward's reduce-scatters cost
+    all-reduces.
     """
     t = shape.tp
     if t == 1:
@@ -541,7 +542,10 @@ def tp_collectives(shape: Shape, hw: Hardware, link_gbps: float,
     if shape.sp:
         fwd = col * ring("all_gather") + row * ring("reduce_scatter")
         again = ring("all_gather") if regather else 0.0
-        return fwd, col * (again + ring("reduce_scatter")) + row * ring("all_gather")
+        # gloo reduce-scatters a tensor through an all-reduce of the whole of it (the column
+        # linears' input gradients; the row linears' forward runs its own ring of exchanges)
+        scatter = ring("all_reduce" if hw.kind == "cpu" else "reduce_scatter")
+        return fwd, col * (again + scatter) + row * ring("all_gather")
     pieces = tp_pieces(shape, hw, feat)
     return row * ring("all_reduce", pieces), col * ring("all_reduce", pieces)
 
