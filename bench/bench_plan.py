@@ -56,7 +56,8 @@ training step measured on this machine.
    holdout6``: the ``HOLDOUT6`` cases (mixtures of experts: dp, ep, TP folded into ep, pp);
    ``--set holdout7``: the ``HOLDOUT7`` cases (mixtures of experts on new shapes); ``--set
    holdout8``: the ``HOLDOUT8`` cases (sequence and context parallelism, MoE and dense);
-   ``--set holdout9``: the ``HOLDOUT9`` cases (CP, SP, dp, pp; dense and MoE).
+   ``--set holdout9``: the ``HOLDOUT9`` cases (CP, SP, dp, pp; dense and MoE); ``--set
+   holdout10``: the ``HOLDOUT10`` cases (SP with and without recompute, CP, dp, ep, ZB-H1).
 """
 from __future__ import annotations
 
@@ -336,11 +337,27 @@ HOLDOUT9 = [
     ("moe8-s192", dict(tp=1, pp=2, dp=1, schedule="1f1b")),
     ("moe8-s192", dict(tp=1, pp=1, dp=2, cp=2)),
 ]
+# Tenth out-of-sample set (--set holdout10): after SP's backward reduce-scatters were charged
+# as gloo's all-reduces (HOLDOUT9's tp2 SP cases, in sample since). Fixed before any case below
+# ran: the small model at sequence 128 (4 micro-batches of 2) and tiny-moe at 160 (4 of 2),
+# under tp2 SP (with and without selective recompute), cp2, dp2 and pp2 ZB-H1.
+HOLDOUT10_RUNS = {"small-s128": ("small", 128, 8, 2), "moe-s160": ("tiny-moe", 160, 8, 2)}
+HOLDOUT10 = [
+    ("small-s128", dict(tp=2, pp=1, dp=1, sequence_parallel=True)),
+    ("small-s128", dict(tp=2, pp=1, dp=1, sequence_parallel=True, recompute="selective")),
+    ("small-s128", dict(tp=1, pp=1, dp=1, cp=2)),
+    ("small-s128", dict(tp=1, pp=1, dp=2)),
+    ("moe-s160", dict(tp=2, pp=1, dp=1, sequence_parallel=True)),
+    ("moe-s160", dict(tp=1, pp=1, dp=1, cp=2)),
+    ("moe-s160", dict(tp=1, pp=1, dp=2, ep=2)),
+    ("moe-s160", dict(tp=1, pp=2, dp=1, schedule="zb-h1")),
+]
 RUNS = {**CPU_RUNS, **HOLDOUT_RUNS, **HOLDOUT2_RUNS, **HOLDOUT3_RUNS, **HOLDOUT4_RUNS,
-        **HOLDOUT5_RUNS, **HOLDOUT6_RUNS, **HOLDOUT7_RUNS, **HOLDOUT8_RUNS, **HOLDOUT9_RUNS}
+        **HOLDOUT5_RUNS, **HOLDOUT6_RUNS, **HOLDOUT7_RUNS, **HOLDOUT8_RUNS, **HOLDOUT9_RUNS,
+        **HOLDOUT10_RUNS}
 HOLDOUTS = {"holdout2": HOLDOUT2, "holdout3": HOLDOUT3, "holdout4": HOLDOUT4,
             "holdout5": HOLDOUT5, "holdout6": HOLDOUT6, "holdout7": HOLDOUT7,
-            "holdout8": HOLDOUT8, "holdout9": HOLDOUT9}
+            "holdout8": HOLDOUT8, "holdout9": HOLDOUT9, "holdout10": HOLDOUT10}
 
 
 def _rank(rank, world, layout, steps, out, run):
@@ -459,8 +476,8 @@ def main() -> None:
                         "since the MoE layer's operators were counted); holdout7: the MoE "
                         "cases HOLDOUT7 (in sample since SP's partial gradients were "
                         "modelled); holdout8: SP and CP cases HOLDOUT8 (in sample since the CP "
-                        "ring's posts were modelled); holdout9: HOLDOUT9, fixed before its "
-                        "first run")
+                        "ring's posts were modelled); holdout9: HOLDOUT9 (its SP cases in sample "
+                        "since); holdout10: HOLDOUT10, fixed before its first run")
     p.add_argument("--sensitivity", action="store_true",
                    help="only print how the published rows' predictions move with "
                         "matmul_efficiency and link bandwidth (arithmetic, no runs)")
