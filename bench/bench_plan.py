@@ -421,6 +421,8 @@ def layout_name(layout: dict) -> str:
     if layout.get("ep", 1) > 1:
         name += f" ep{layout['ep']}" + (" fold" if layout.get("ep_fold_tp") else "") + \
             (f" c{layout['ep_chunks']}" if "ep_chunks" in layout else "")
+    if layout.get("recompute", "none") != "none":
+        name += f" {layout['recompute']}"
     return name + (f" v{layout['virtual_stages']}" if layout.get("virtual_stages", 1) > 1 else "")
 
 
