@@ -427,7 +427,7 @@ def test_moe_bytes_match_the_layer(model, tokens):
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    from fastpar.plan.calibrate import count_ops
+    # count_ops' free list (views and metadata), plus the GEMMs
     skip = {"mm", "view", "_unsafe_view", "permute", "transpose", "t", "expand", "slice",
             "select", "as_strided", "unsqueeze", "squeeze", "reshape", "alias", "detach",
             "split", "chunk", "unbind", "narrow", "split_with_sizes"}
@@ -442,7 +442,6 @@ def test_moe_bytes_match_the_layer(model, tokens):
                                 if isinstance(t, torch.Tensor))
             return out
 
-    assert count_ops    # (the same op set as count_ops' free list, plus the GEMMs)
     mlp, x = _moe_mlp(model, tokens)
     with _Bytes():
         y = mlp(x)[0]
