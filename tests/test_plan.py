@@ -522,10 +522,22 @@ def test_measure_link_under_gloo():
     from fastpar.testing import run_ranks
     for bw, latency, sync, curve, post in run_ranks(_measure_link_rank, 2, timeout=120):
         assert bw > 1e6 and 0 <= latency < 0.1 and 0 <= sync < 0.1 and 0 < post < 0.1
-        # 64 KB to 16 MB; the ring model is fitted at both ends, so they are 1 there
+        # 64 KB to 16 MB, called after computing; the sync is what the 64 KB call costs beyond
+        # the ring model, so the curve is 1 there (unless the call ran under it: no sync)
         assert [x for x, _ in curve] == [2 ** 16, 2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24]
-        assert curve[0][1] == pytest.approx(1.0) and curve[-1][1] == pytest.approx(1.0)
+        assert curve[0][1] == pytest.approx(1.0) or sync == 0
         assert all(0 < y < 100 for _, y in curve)
+
+
+def test_calibration_takes_the_median_of_its_rounds():
+    from fastpar.plan.calibrate import _median_rounds
+    # _measure_compute's shape: (peak, overhead, [(flops, rate)], ...); one slow round of three
+    # moves no figure, and a point keeps its size
+    rounds = [(1.0, 5e-6, [(1e6, 2.0), (1e9, 8.0)], 16.0),
+              (0.5, 9e-6, [(1e6, 1.0), (1e9, 3.0)], 4.0),
+              (1.1, 6e-6, [(1e6, 2.2), (1e9, 7.0)], 15.0)]
+    assert _median_rounds(rounds) == (1.0, 6e-6, [(1e6, 2.0), (1e9, 7.0)], 15.0)
+    assert _median_rounds([(1.0, 2.0), (3.0, 1.0), (2.0, 9.0)]) == (2.0, 2.0)   # forward, backward
 
 
 def test_dp_across_nodes_uses_every_nic_of_its_ranks():

@@ -52,6 +52,9 @@ import torch.distributed as dist
 from .hardware import Hardware, save_hardware
 
 
+CPU_ROUNDS = 3                  # rounds of every compute measurement on a CPU (``measure``)
+
+
 def _timed(fn, device, iters: int, barrier=None, window: bool = False) -> float:
     """Seconds of ``fn`` over ``iters`` calls, after two untimed ones and ``barrier()`` (when
     several ranks calibrate together: all ranks time the same thing at the same moment).
@@ -305,34 +308,40 @@ def measure_activation(device: torch.device, dtype: torch.dtype, numel: int = 2 
 
 
 def measure_link(group=None, device=None, barrier=None, work_size: int = 320,
-                 rounds: int = 5) -> tuple[float, float, float, tuple, float]:
+                 rounds: int = 8, call_rounds: int = 20) -> tuple[float, float, float, tuple, float]:
     """(bytes per second, seconds of latency per ring step, seconds of sync per call, curve,
     seconds to post a send or a receive) of all-reduce and point-to-point over ``group``.
 
-    ``curve``: ((bytes, measured / modelled time), ...) of all-reduces of 64 KB to 16 MB: how
-    far the ring model fitted at the two ends is from what one costs in between (gloo's
-    all-reduce of 256 KB to 2 MB takes up to 1.6x what a straight line between 64 KB and 16 MB
-    gives on 2 ranks of a 2-core machine; a tensor-parallel layer's activations are that size).
-    The post time is the host time of issuing one pipeline message (gloo's isend / irecv: a few
-    hundred us of the calling thread on a CPU, paid by every pipeline rank for every message).
+    ``curve``: ((bytes, measured / modelled time), ...) of all-reduces of 64 KB to 16 MB, each
+    issued as training issues a collective call, right after every rank has computed on its own
+    (three GEMMs of ``work_size``, about a millisecond on a CPU core, as a layer's operators
+    between two of its collectives; only the collective's own call is timed): the ring model's
+    time times the curve, plus the sync, is what such a call was measured to cost at each size
+    (gloo's all-reduce of 256 KB to 2 MB takes up to 1.6x what a straight line between 64 KB
+    and 16 MB gives on 2 ranks of a 2-core machine; a tensor-parallel layer's activations are
+    that size). The sync is what the 64 KB call costs beyond the ring model: ranks that drifted
+    apart wait for each other, and on cores the ranks share, the collective's threads wait to be
+    scheduled. The post time is the host time of issuing one pipeline message (gloo's isend /
+    irecv: a few hundred us of the calling thread on a CPU, paid by every pipeline rank for
+    every message).
 
-    Bandwidth and latency come from all-reduces back to back, as the chunks of one overlapped
-    collective run. The sync is what a small all-reduce costs more when it is issued as
-    training issues a collective call, right after every rank has computed on its own (three
-    GEMMs of ``work_size``, about a millisecond on a CPU core, as a layer's operators between
-    two of its collectives; their time alone is subtracted): ranks that drifted apart wait for
-    each other, and on cores the ranks share, the collective's threads wait to be scheduled.
+    Bandwidth and latency come from all-reduces of 64 KB and 16 MB back to back, as the chunks
+    of one overlapped collective run. Only they do: back to back, small all-reduces of 2 gloo
+    ranks on a 2-core machine take either about 0.3 or about 0.8 ms, spell by spell, while the
+    same call after computing costs 1.0-1.3 ms in every spell. The earlier profile took the
+    sync and the curve from differences against the back-to-back times, and they carried that
+    noise into every call site's cost: the link's figures alone moved the predicted step of a
+    tp2 or ep2 layout by up to 10% from one calibration to the next.
 
     Every figure is the mean of a window of calls, not the median call: a training step pays
     the sum of its collectives, and on cores the ranks share a few calls in ten take a
     scheduler's time slice, which makes the mean 1.5-2x the median call on 2 gloo ranks of a
-    2-core machine (the median underestimated the step's communication, and differences of
-    medians moved from run to run with whichever calls were slow). ``rounds`` rounds, each timing
-    every case, so that a slow spell of a shared machine does not fall on one case only; the
-    median round of each."""
+    2-core machine. ``rounds`` rounds, each timing every case (the call sites ``call_rounds``
+    times each, the sizes taking turns), so that a slow spell of a shared machine does not fall
+    on one case only; the median round of each."""
     n = dist.get_world_size(group)
     small, large = 16 * 2 ** 10, 4 * 2 ** 20           # float32 elements: 64 KB and 16 MB
-    between = (2 ** 16, 2 ** 18, 2 ** 20)                # 256 KB, 1 MB, 4 MB
+    sizes = (small, 2 ** 16, 2 ** 18, 2 ** 20, large)   # and 256 KB, 1 MB, 4 MB between
     dev = device or torch.device("cpu")
     a, b = (torch.randn(work_size, work_size, device=dev) for _ in range(2))
 
@@ -344,11 +353,21 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320,
         t = torch.tensor([max(t, 0.0)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return float(t)
-    xs = {numel: torch.ones(numel, device=device) for numel in (small, large, *between)}
+    xs = {numel: torch.ones(numel, device=device) for numel in sizes}
+    waits: dict = {}
 
-    def after_work():
-        work()
-        dist.all_reduce(xs[small], group=group)
+    def settle():                                        # a GPU's queue drained
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def call_sites():
+        for numel in sizes:
+            work()
+            settle()
+            t0 = time.perf_counter()
+            dist.all_reduce(xs[numel], group=group)
+            settle()
+            waits.setdefault(numel, []).append(time.perf_counter() - t0)
     # Posting a pipeline's messages: each rank sends 128 KB to the next and receives from the
     # previous, posted as one batch after computing on its own, as the executor posts them.
     rank = dist.get_rank(group)
@@ -370,25 +389,37 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320,
         posts.clear()
         _timed(exchange, dev, 50, barrier, window=True)
         timed.setdefault("post", []).append(slowest(statistics.fmean(posts)))
-        for key, fn, iters in (
-                (small, lambda: dist.all_reduce(xs[small], group=group), 100),
-                (large, lambda: dist.all_reduce(xs[large], group=group), 4),
-                ("work", work, 50), ("after_work", after_work, 100),
-                *((numel, functools.partial(dist.all_reduce, xs[numel], group=group),
-                   max(20, 2 ** 24 // numel)) for numel in between)):
+        for key, iters in ((small, 100), (large, 4)):
             dist.barrier(group=group)
-            timed.setdefault(key, []).append(slowest(_timed(fn, dev, iters, barrier, window=True)))
-    times = {k: statistics.median(v) for k, v in timed.items()}
-    sync = max(0.0, times["after_work"] - times["work"] - times[small])
+            timed.setdefault(key, []).append(slowest(_timed(
+                functools.partial(dist.all_reduce, xs[key], group=group), dev, iters, barrier,
+                window=True)))
+        # The sizes take turns call by call, so that every size meets the same spells.
+        dist.barrier(group=group)
+        _timed(call_sites, dev, call_rounds, barrier, window=True)
+        for numel in sizes:
+            timed.setdefault(("site", numel), []).append(
+                slowest(statistics.fmean(waits[numel][2:])))
+        waits.clear()
+    # The call sites' mean round, the others' median: calls after computing run 1-2.5 ms in
+    # spells of a second on 2 ranks of a 2-core machine, and a training step, which pays them
+    # all, meets as many spells as it lasts; over rounds the mean repeats closer than the median
+    # (resampled rounds of one such machine: a spread of 15% against 22-25% in ten).
+    times = {k: (statistics.fmean if isinstance(k, tuple) else statistics.median)(v)
+             for k, v in timed.items()}
     steps, share = 2 * (n - 1), 2 * (n - 1) / n
     bw = share * 4 * (large - small) / max(times[large] - times[small], 1e-9)
     latency = max(0.0, (times[small] - share * 4 * small / bw) / steps)
-    curve = tuple((4.0 * numel, times[numel] / (steps * latency + share * 4 * numel / bw))
-                  for numel in sorted((small, *between, large)))
+
+    def ring(numel):
+        return steps * latency + share * 4 * numel / bw
+    sync = max(0.0, times[("site", small)] - ring(small))
+    curve = tuple((4.0 * numel, max(0.0, times[("site", numel)] - sync) / ring(numel))
+                  for numel in sizes)
     return bw, latency, sync, curve, times["post"]
 
 
-def measure(name: str = "calibrated", group=None) -> Hardware:
+def measure(name: str = "calibrated", group=None, rounds: int | None = None) -> Hardware:
     """This rank's profile; links are measured when a process group is initialised.
 
     All ranks measure at once, each with its own thread count, and start every measurement
@@ -397,7 +428,13 @@ def measure(name: str = "calibrated", group=None) -> Hardware:
     CPU's ranks need more cores than it has (cores / threads per rank fewer than the ranks),
     they measure compute in turns of as many as the cores hold, so the rates are a core's; the
     profile's ``concurrent_ranks`` tells the planner how many ranks compute at once at those
-    rates (its simulator shares the cores among the ranks that compute at each moment)."""
+    rates (its simulator shares the cores among the ranks that compute at each moment).
+
+    ``rounds`` (default ``CPU_ROUNDS``, 3, on a CPU, 1 on a GPU): every compute measurement is taken that many
+    times, one round after another, and each figure is the median of its rounds, as the links'
+    are. One round of each moved the predicted step of one layout by 7-16% from one
+    calibration to the next on a quiet 2-core machine: a GEMM shape, the layer's overhead or a
+    link's latency that met a slow spell of the host once went into the profile whole."""
     cuda = torch.cuda.is_available()
     grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -407,10 +444,12 @@ def measure(name: str = "calibrated", group=None) -> Hardware:
                                             // max(1, torch.get_num_threads())))
     turns = _turns(int(concurrent)) if grouped and not cuda and group is None else None
 
+    rounds = rounds or (1 if cuda else CPU_ROUNDS)
+
     def in_turns(fn):
-        return _in_turns(fn, turns, barrier)
-    hw = _profile(name, group, cuda, barrier,
-                  *in_turns(lambda b: _measure_compute(device, dtype, cuda, b)))
+        return _median_rounds([_in_turns(fn, turns, barrier) for _ in range(rounds)])
+    peak, *compute = in_turns(lambda b: _measure_compute(device, dtype, cuda, b))
+    hw = _profile(name, group, cuda, barrier, max(r for _, r in compute[1]), *compute)
     if cuda:
         return hw
     forward, backward = in_turns(lambda b: measure_layer_overhead(
@@ -421,6 +460,18 @@ def measure(name: str = "calibrated", group=None) -> Hardware:
     return dataclasses.replace(hw, kernel_overhead_us=1e6 * max(floor, backward),
                                forward_overhead_us=1e6 * max(floor, forward),
                                split_call_us=1e6 * split, concurrent_ranks=concurrent)
+
+
+def _median_rounds(results: list):
+    """The median of each figure over rounds of the same measurements: numbers, and lists or
+    tuples of them (points (size, rate) keep their size)."""
+    first = results[0]
+    if isinstance(first, (int, float)):
+        return statistics.median(results)
+    if first and isinstance(first, list) and isinstance(first[0], tuple):     # points
+        return [(x, statistics.median(r[i][1] for r in results)) for i, (x, _) in
+                enumerate(first)]
+    return type(first)(_median_rounds(list(parts)) for parts in zip(*results))
 
 
 def _turns(concurrent: int):

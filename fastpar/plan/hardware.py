@@ -77,8 +77,9 @@ class Hardware:
     #                                       backward (one per layer in B, one per deferred module
     #                                       in W, with the forward's capture hooks; measured on a
     #                                       CPU, 0 in the built-in profiles: hidden by the device)
-    link_curve: tuple = ()                # ((bytes of one collective, measured / ring model
-    #                                       time), ...): the link's departure from the ring model
+    link_curve: tuple = ()                # ((bytes of one collective, measured less sync /
+    #                                       ring model time), ...): the link's departure from the
+    #                                       ring model (calibrate.measure_link)
     concurrent_ranks: float = 0.0         # on a CPU: ranks of a node that compute at once at
     #                                       the measured rates (cores / threads per rank); more
     #                                       share the cores. 0: a device per rank, no sharing
