@@ -326,7 +326,8 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320,
     every message).
 
     Bandwidth and latency come from all-reduces of 64 KB and 16 MB back to back, as the chunks
-    of one overlapped collective run. Only they do: back to back, small all-reduces of 2 gloo
+    of one overlapped collective run (the latency from the 64 KB one's fastest round). Only
+    they do: back to back, small all-reduces of 2 gloo
     ranks on a 2-core machine take either about 0.3 or about 0.8 ms, spell by spell, while the
     same call after computing costs 1.0-1.3 ms in every spell. The earlier profile took the
     sync and the curve from differences against the back-to-back times, and they carried that
@@ -336,9 +337,9 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320,
     Every figure is the mean of a window of calls, not the median call: a training step pays
     the sum of its collectives, and on cores the ranks share a few calls in ten take a
     scheduler's time slice, which makes the mean 1.5-2x the median call on 2 gloo ranks of a
-    2-core machine. ``rounds`` rounds, each timing every case (the call sites ``call_rounds``
-    times each, the sizes taking turns), so that a slow spell of a shared machine does not fall
-    on one case only; the median round of each."""
+    2-core machine. ``rounds`` rounds, each timing every case (each call site size in a run of
+    ``call_rounds`` calls), so that a slow spell of a shared machine does not fall
+    on one case only; the median round of each (the call sites' mean round)."""
     n = dist.get_world_size(group)
     small, large = 16 * 2 ** 10, 4 * 2 ** 20           # float32 elements: 64 KB and 16 MB
     sizes = (small, 2 ** 16, 2 ** 18, 2 ** 20, large)   # and 256 KB, 1 MB, 4 MB between
@@ -360,14 +361,13 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320,
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    def call_sites():
-        for numel in sizes:
-            work()
-            settle()
-            t0 = time.perf_counter()
-            dist.all_reduce(xs[numel], group=group)
-            settle()
-            waits.setdefault(numel, []).append(time.perf_counter() - t0)
+    def call_site(numel):
+        work()
+        settle()
+        t0 = time.perf_counter()
+        dist.all_reduce(xs[numel], group=group)
+        settle()
+        waits.setdefault(numel, []).append(time.perf_counter() - t0)
     # Posting a pipeline's messages: each rank sends 128 KB to the next and receives from the
     # previous, posted as one batch after computing on its own, as the executor posts them.
     rank = dist.get_rank(group)
@@ -394,10 +394,11 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320,
             timed.setdefault(key, []).append(slowest(_timed(
                 functools.partial(dist.all_reduce, xs[key], group=group), dev, iters, barrier,
                 window=True)))
-        # The sizes take turns call by call, so that every size meets the same spells.
-        dist.barrier(group=group)
-        _timed(call_sites, dev, call_rounds, barrier, window=True)
+        # Each size in a run of calls, as a layer issues its collectives (a 64 KB call right
+        # after a 16 MB one costs about 0.4 ms more on 2 gloo ranks of a 2-core machine).
         for numel in sizes:
+            dist.barrier(group=group)
+            _timed(functools.partial(call_site, numel), dev, call_rounds, barrier, window=True)
             timed.setdefault(("site", numel), []).append(
                 slowest(statistics.fmean(waits[numel][2:])))
         waits.clear()
@@ -405,8 +406,12 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320,
     # spells of a second on 2 ranks of a 2-core machine, and a training step, which pays them
     # all, meets as many spells as it lasts; over rounds the mean repeats closer than the median
     # (resampled rounds of one such machine: a spread of 15% against 22-25% in ten).
-    times = {k: (statistics.fmean if isinstance(k, tuple) else statistics.median)(v)
-             for k, v in timed.items()}
+    # The back-to-back 64 KB all-reduce's fastest round: the link's own latency, in a spell
+    # when no rank's threads wait for a core (the other spells' extra is the call sites' to
+    # carry, and a latency that took it whole or not at all from one calibration to the next
+    # moved every all-gather's and reduce-scatter's cost with it).
+    times = {k: (statistics.fmean if isinstance(k, tuple) else min if k == small
+                 else statistics.median)(v) for k, v in timed.items()}
     steps, share = 2 * (n - 1), 2 * (n - 1) / n
     bw = share * 4 * (large - small) / max(times[large] - times[small], 1e-9)
     latency = max(0.0, (times[small] - share * 4 * small / bw) / steps)
