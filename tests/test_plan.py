@@ -527,6 +527,9 @@ def test_measure_link_under_gloo():
         assert [x for x, _ in curve] == [2 ** 16, 2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24]
         assert curve[0][1] == pytest.approx(1.0) or sync == 0
         assert all(0 < y < 100 for _, y in curve)
+        # a larger all-reduce is never modelled cheaper than a smaller one
+        modelled = [sync + y * (2 * latency + x / bw) for x, y in curve]
+        assert modelled == sorted(modelled)
 
 
 def test_calibration_takes_the_median_of_its_rounds():
@@ -913,6 +916,38 @@ def test_interleaved_micro_batches_in_the_model():
                            c.recompute != "full" and c.zero != 3 for c in offered)
     assert {dataclasses.replace(c, interleave=1) for c in offered} <= \
         set(planner.candidates(work, cluster))
+
+
+@pytest.mark.parametrize("fb,interleave", [(True, 1), (False, 2)])
+def test_on_a_cpu_only_the_sync_of_an_all_reduce_hides(fb, interleave):
+    """On a CPU whose cores all compute, another micro-batch's compute hides only each TP
+    call's wait for the other ranks (``sync_us``), not the bytes gloo's threads move on the same
+    cores: per layer at most (row linears) x sync forward, (column linears) x sync backward."""
+    work = _work(64)
+    hw = dataclasses.replace(ROUND, kind="cpu", sync_us=300.0, concurrent_ranks=8.0)
+    cluster = Cluster(8, 8, hw)
+    on = ParallelConfig(tp=8, pp=1, dp=1, micro_batch_size=4, fb_overlap=fb,
+                        interleave=interleave)
+    off = dataclasses.replace(on, fb_overlap=False, interleave=1)
+    M = on.num_microbatches(work.global_batch)
+    q = (M - 1) / M if fb else 1.0
+    shape = Shape(GPT, 2048, 4, 8)
+    lc = cost.layer_cost(shape, hw, "none", cluster.link_gbps(8))
+    rows, columns = cost.tp_call_sites(shape)
+    assert (rows, columns) == (2, 2)                # fastpar's fused QKV and gate-up
+    (f_on, b_on, _), (f_off, b_off, _) = (
+        planner._stage_costs(work, cluster, c, cost.FASTPAR, False)[0][0] for c in (on, off))
+    assert lc.tp_comm_f > rows * 300e-6 and lc.b > rows * 300e-6      # the sync is the bound
+    assert f_off - f_on == pytest.approx(GPT.n_layers * q * rows * 300e-6)
+    assert b_off - b_on == pytest.approx(GPT.n_layers * q * columns * 300e-6)
+    # with no sync nothing hides; on a GPU profile the bytes hide too
+    none = Cluster(8, 8, dataclasses.replace(hw, sync_us=0.0))
+    assert planner._stage_costs(work, none, on, cost.FASTPAR, False)[0][0][:2] == \
+        planner._stage_costs(work, none, off, cost.FASTPAR, False)[0][0][:2]
+    gpu = Cluster(8, 8, dataclasses.replace(hw, kind="gpu"))
+    g_on, g_off = (planner._stage_costs(work, gpu, c, cost.FASTPAR, False)[0][0][0]
+                   for c in (on, off))
+    assert g_off - g_on > f_off - f_on
 
 
 def test_forward_inside_backward_in_the_model():

@@ -419,8 +419,10 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320,
     def ring(numel):
         return steps * latency + share * 4 * numel / bw
     sync = max(0.0, times[("site", small)] - ring(small))
-    curve = tuple((4.0 * numel, max(0.0, times[("site", numel)] - sync) / ring(numel))
-                  for numel in sizes)
+    # A larger all-reduce costs no less than a smaller one (a noisy round could say so).
+    site = list(itertools.accumulate((times[("site", numel)] for numel in sizes), max))
+    curve = tuple((4.0 * numel, max(site[i] - sync, ring(small)) / ring(numel))
+                  for i, numel in enumerate(sizes))
     return bw, latency, sync, curve, times["post"]
 
 

@@ -534,7 +534,7 @@ def tp_collectives(shape: Shape, hw: Hardware, link_gbps: float,
     if t == 1:
         return 0.0, 0.0
     n = shape.tokens * shape.model.d_model * hw.bytes_per_element      # (s, b, h)
-    col, row = column_linears(shape.model, feat), 1 if shape.model.n_experts else 2
+    row, col = tp_call_sites(shape, feat)
 
     def ring(kind, pieces=1):
         return collective_time(kind, n, t, link_gbps, hw, pieces)
@@ -548,6 +548,12 @@ def tp_collectives(shape: Shape, hw: Hardware, link_gbps: float,
         return fwd, col * (again + scatter) + row * ring("all_gather")
     pieces = tp_pieces(shape, hw, feat)
     return row * ring("all_reduce", pieces), col * ring("all_reduce", pieces)
+
+
+def tp_call_sites(shape: Shape, feat: Features = FASTPAR) -> tuple[int, int]:
+    """(forward, backward) TP collective call sites of one layer without SP: an all-reduce
+    after each row linear, one of each column linear's input gradient (:func:`tp_collectives`)."""
+    return 1 if shape.model.n_experts else 2, column_linears(shape.model, feat)
 
 
 def tp_pieces(shape: Shape, hw: Hardware, feat: Features = FASTPAR) -> int:
