@@ -20,15 +20,17 @@
   sizes, as a fraction of peak on the FLOPs the cost model counts (``attention_curve``);
 - links, under torchrun (or any initialised process group): all-reduces of 64 KB and 16 MB back to
   back, solved for the per-step latency and the bandwidth of the ring model of
-  :func:`cost.ring_time`, and of the sizes between, as the ratio of each to the model
-  (``link_curve``); how much longer the 64 KB one takes when every rank first computes on its
-  own, as in training (``sync_us``, paid once per collective call site); and the host time of
-  posting one pipeline message (``p2p_post_us``);
+  :func:`cost.ring_time`; all-reduces of 64 KB to 16 MB each issued right after every rank
+  computed on its own, as in training: the 64 KB one's excess over the ring model is
+  ``sync_us`` (paid once per collective call site), and each size's time less the sync, as a
+  ratio to the model, is ``link_curve``; and the host time of posting one pipeline message
+  (``p2p_post_us``);
 - on a CPU, the host time per autograd call of a zero-bubble split backward (``split_call_us``):
   the same layers as one pipeline stage, split B and W against a plain backward.
 
-On a CPU every time is the mean of its calls (the step pays the slow ones too); on a GPU the
-median. With several ranks on one machine every rank measures at the same time, as they will
+On a CPU every time is the mean of its calls (the step pays the slow ones too), and every
+figure the median of ``CPU_ROUNDS`` rounds of them (a slow spell of the host falls on one
+round); on a GPU the median call, one round. With several ranks on one machine every rank measures at the same time, as they will
 train: run it under torchrun with the training run's ``--nproc-per-node`` so that every rate is
 the one a rank gets while the others share the cores (each rank keeps its share of the threads).
 Ranks that need more cores than the machine has measure compute in turns, and the profile's
@@ -307,8 +309,8 @@ def measure_activation(device: torch.device, dtype: torch.dtype, numel: int = 2 
     return statistics.median(nbytes / _timed(lambda: fn(x), device, 20, barrier) for fn in fns)
 
 
-def measure_link(group=None, device=None, barrier=None, work_size: int = 320,
-                 rounds: int = 8, call_rounds: int = 20) -> tuple[float, float, float, tuple, float]:
+def measure_link(group=None, device=None, barrier=None, work_size: int = 320, rounds: int = 8,
+                 call_rounds: int = 20) -> tuple[float, float, float, tuple, float]:
     """(bytes per second, seconds of latency per ring step, seconds of sync per call, curve,
     seconds to post a send or a receive) of all-reduce and point-to-point over ``group``.
 
@@ -327,9 +329,9 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320,
 
     Bandwidth and latency come from all-reduces of 64 KB and 16 MB back to back, as the chunks
     of one overlapped collective run (the latency from the 64 KB one's fastest round). Only
-    they do: back to back, small all-reduces of 2 gloo
-    ranks on a 2-core machine take either about 0.3 or about 0.8 ms, spell by spell, while the
-    same call after computing costs 1.0-1.3 ms in every spell. The earlier profile took the
+    they do: back to back, small all-reduces of 2 gloo ranks on a 2-core machine take either
+    about 0.3 or about 0.8 ms, spell by spell, while the same call after computing costs
+    1.0-1.3 ms in every spell. The earlier profile took the
     sync and the curve from differences against the back-to-back times, and they carried that
     noise into every call site's cost: the link's figures alone moved the predicted step of a
     tp2 or ep2 layout by up to 10% from one calibration to the next.
@@ -338,8 +340,8 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320,
     the sum of its collectives, and on cores the ranks share a few calls in ten take a
     scheduler's time slice, which makes the mean 1.5-2x the median call on 2 gloo ranks of a
     2-core machine. ``rounds`` rounds, each timing every case (each call site size in a run of
-    ``call_rounds`` calls), so that a slow spell of a shared machine does not fall
-    on one case only; the median round of each (the call sites' mean round)."""
+    ``call_rounds`` calls), so that a slow spell of a shared machine does not fall on one case
+    only; the median round of each (the call sites' mean round)."""
     n = dist.get_world_size(group)
     small, large = 16 * 2 ** 10, 4 * 2 ** 20           # float32 elements: 64 KB and 16 MB
     sizes = (small, 2 ** 16, 2 ** 18, 2 ** 20, large)   # and 256 KB, 1 MB, 4 MB between
@@ -437,11 +439,12 @@ def measure(name: str = "calibrated", group=None, rounds: int | None = None) -> 
     profile's ``concurrent_ranks`` tells the planner how many ranks compute at once at those
     rates (its simulator shares the cores among the ranks that compute at each moment).
 
-    ``rounds`` (default ``CPU_ROUNDS``, 3, on a CPU, 1 on a GPU): every compute measurement is taken that many
-    times, one round after another, and each figure is the median of its rounds, as the links'
-    are. One round of each moved the predicted step of one layout by 7-16% from one
-    calibration to the next on a quiet 2-core machine: a GEMM shape, the layer's overhead or a
-    link's latency that met a slow spell of the host once went into the profile whole."""
+    ``rounds`` (default ``CPU_ROUNDS``, 3, on a CPU; 1 on a GPU): every compute measurement is
+    taken that many times, one round after another, and each figure is the median of its
+    rounds, as the links' are. One round of each moved the predicted step of one layout by
+    7-16% from one calibration to the next on a quiet 2-core machine: a GEMM shape, the layer's
+    overhead or a link's latency that met a slow spell of the host once went into the profile
+    whole."""
     cuda = torch.cuda.is_available()
     grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -455,7 +458,8 @@ def measure(name: str = "calibrated", group=None, rounds: int | None = None) -> 
 
     def in_turns(fn):
         return _median_rounds([_in_turns(fn, turns, barrier) for _ in range(rounds)])
-    peak, *compute = in_turns(lambda b: _measure_compute(device, dtype, cuda, b))
+    # The peak: the best of the GEMM shapes' median rates (not the median of the rounds' bests).
+    _, *compute = in_turns(lambda b: _measure_compute(device, dtype, cuda, b))
     hw = _profile(name, group, cuda, barrier, max(r for _, r in compute[1]), *compute)
     if cuda:
         return hw
