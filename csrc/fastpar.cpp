@@ -1,6 +1,6 @@
 // The one binding file of fastpar._C: every Python entry point of the extension is declared here
 // (the multi-tensor ops' kernels are registered per device beside their code).
-#include <torch/extension.h>
+#include <torch/python.h>
 #include <torch/version.h>
 
 #include <string>
@@ -26,7 +26,7 @@ int fastpar_cuda_device_count();
 
 namespace {
 
-std::vector<std::string> split_archs(const std::string& s) {
+[[maybe_unused]] std::vector<std::string> split_archs(const std::string& s) {
   std::vector<std::string> out;
   std::string cur;
   for (char c : s) {

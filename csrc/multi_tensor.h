@@ -6,7 +6,7 @@
 // dst[i] = dst_t(acc_t(src[i]) * scale), acc_t being double if either side is double, else float.
 // All tensors must be contiguous; the sources share one dtype, the destinations share one dtype.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 

@@ -4,6 +4,7 @@
 // current stream, whatever the number of tensors. (Named apart from multi_tensor.cpp, as both
 // compile to an object file named after the source.)
 #include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

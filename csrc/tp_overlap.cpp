@@ -5,6 +5,9 @@
 // device-wide synchronize. On CPU the gloo backend runs them on its worker threads.
 #include "tp_overlap.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 

@@ -2,7 +2,7 @@
 // CPU, NCCL on GPU). Every matrix product is out = x @ w^T with x (rows, K) and w (N, K), the
 // nn.Linear convention. Groups are passed by name (ProcessGroup.group_name) and resolved here.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <string>
 #include <tuple>
