@@ -950,6 +950,29 @@ def test_on_a_cpu_only_the_sync_of_an_all_reduce_hides(fb, interleave):
     assert g_off - g_on > f_off - f_on
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_a_cpu_forward_pays_for_writing_what_it_saves(recompute):
+    """A training forward writes what it saves for the backward to memory none of its later
+    operators reuses (``saved_gbps``, measured on a CPU): each layer's forward costs its saved
+    bytes (``cost.activation_bytes``, the torch reference's on a CPU) at that rate more; a full
+    recompute saves the layer's input only in the forward and records the whole layer again
+    in the backward. Nothing where the rate is not measured (the built-in GPU profiles)."""
+    hw = dataclasses.replace(ROUND, kind="cpu", bytes_per_element=4)
+    rate = dataclasses.replace(hw, saved_gbps=10.0)
+    shape = Shape(GPT, 1024, 2, 2)
+    plain, paid = (cost.layer_cost(shape, h, recompute) for h in (hw, rate))
+    saved = cost.activation_bytes(shape, recompute, cost.FASTPAR, 4, reference=True)
+    assert saved > 0
+    assert paid.f - plain.f == pytest.approx(saved / 10e9)
+    extra_b = 0.0 if recompute != "full" else \
+        cost.activation_bytes(shape, "none", cost.FASTPAR, 4, reference=True) / 10e9
+    assert paid.b - plain.b == pytest.approx(extra_b)
+    assert (paid.w, paid.gemm_f) == (plain.w, plain.gemm_f)
+    assert dataclasses.replace(ROUND, saved_gbps=0.0).saved_time(1e9) == 0.0
+    with pytest.raises(ValueError, match="saved_gbps"):
+        dataclasses.replace(hw, saved_gbps=-1.0)
+
+
 def test_forward_inside_backward_in_the_model():
     """``fb_overlap`` (the default): but the first micro-batch's forward and the last one's
     backward, each forward all-reduce hidden behind the previous micro-batch's backward and

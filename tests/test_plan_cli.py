@@ -1,4 +1,5 @@
 """``fastpar plan``: JSON schema, the table, errors (exit 2, one message), calibration."""
+import dataclasses
 import json
 
 import pytest
@@ -79,7 +80,11 @@ def test_calibrate_writes_a_profile(tmp_path, capsys, monkeypatch):
     assert hw.forward_overhead_us >= 5.0 and hw.concurrent_ranks >= 1
     # a zero-bubble split backward's autograd calls, measured against a plain backward
     assert hw.split_call_us > 0
-    # An existing profile is not replaced unasked; --overwrite replaces it.
+    # a training forward's writes of what it saves, against the same forward unrecorded
+    assert hw.saved_gbps > 0
+    # An existing profile is not replaced unasked; --overwrite replaces it (with a profile
+    # measured as above: the file handling is what is tested here).
+    monkeypatch.setattr(cal, "measure", lambda name: dataclasses.replace(hw, name="again"))
     before = (tmp_path / "cpu.json").read_bytes()
     capsys.readouterr()
     assert main(["plan", "--calibrate", "--out", str(tmp_path / "cpu.json")]) == 2
@@ -87,6 +92,7 @@ def test_calibrate_writes_a_profile(tmp_path, capsys, monkeypatch):
     assert len(err.splitlines()) == 1 and "is an existing file: pass --overwrite" in err
     assert (tmp_path / "cpu.json").read_bytes() == before
     assert main(["plan", "--calibrate", "--out", str(tmp_path / "cpu.json"), "--overwrite"]) == 0
+    assert load_hardware(tmp_path / "cpu.json").name == "again"
 
 
 @pytest.mark.parametrize("gpus,cp", [(8, 1), (16, 1), (8, 2)])

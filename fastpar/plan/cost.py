@@ -442,7 +442,12 @@ def layer_cost(shape: Shape, hw: Hardware, recompute: str = "none", tp_link_gbps
             gemm_b + chunked(hw, [(m, k, n) for m, n, k in cols])
     core, core_at_b = _core_time(shape, hf, feat), _core_time(shape, hw, feat)
     elem_f, elem_b = _elementwise(shape, hf, feat)[0], _elementwise(shape, hw, feat)[1]
-    f = gemm + core + elem_f
+    # What the forward saves for the backward it writes to memory that none of its later
+    # operators reuses (the same forward without recording reuses hot buffers): 10-20% of a
+    # layer's forward on a CPU core at 128-900 tokens (hw.saved_gbps, measured).
+    ref = hw.kind == "cpu"
+    saved = hw.saved_time(activation_bytes(shape, recompute, feat, hw.bytes_per_element, ref))
+    f = gemm + core + elem_f + saved
     back = ATTENTION_BACKWARD_FLASH if feat.flash_attention else ATTENTION_BACKWARD_UNFUSED
     core_b = back * core_at_b                       # flash recomputes q k^T
     if hw.kind == "cpu" and feat.flash_attention:   # its backward's extra ops: overhead only
@@ -451,8 +456,9 @@ def layer_cost(shape: Shape, hw: Hardware, recompute: str = "none", tp_link_gbps
     b = gemm_b + core_b + elem_b
     comm_f, comm_b = tp_collectives(shape, hw, tp_link_gbps, feat,
                                     regather=regathers(recompute, feat))
-    if recompute == "full":
-        b, comm_b = b + f, comm_b + comm_f
+    if recompute == "full":     # the forward again, recording all that a layer saves
+        b, comm_b = b + f - saved + hw.saved_time(activation_bytes(
+            shape, "none", feat, hw.bytes_per_element, ref)), comm_b + comm_f
     elif recompute == "selective":
         b += core
     w = sum(hw.gemm_time(*mnk) for mnk in mats)

@@ -77,6 +77,11 @@ class Hardware:
     #                                       backward (one per layer in B, one per deferred module
     #                                       in W, with the forward's capture hooks; measured on a
     #                                       CPU, 0 in the built-in profiles: hidden by the device)
+    saved_gbps: float = 0.0               # on a CPU: bytes per second at which a training
+    #                                       forward writes what it saves for the backward, beyond
+    #                                       the same forward without recording (no buffer of
+    #                                       the forward reuses that memory; measured on a CPU,
+    #                                       0: not counted, as in the built-in profiles)
     link_curve: tuple = ()                # ((bytes of one collective, measured less sync /
     #                                       ring model time), ...): the link's departure from the
     #                                       ring model (calibrate.measure_link)
@@ -103,7 +108,7 @@ class Hardware:
             zero_ok = f.name in ("collective_latency_us", "kernel_overhead_us",
                                  "memory_reserve_gb", "attention_efficiency", "activation_gbps",
                                  "sync_us", "concurrent_ranks", "forward_overhead_us",
-                                 "p2p_post_us", "split_call_us")
+                                 "p2p_post_us", "split_call_us", "saved_gbps")
             if value < 0 or (value == 0 and not zero_ok):
                 raise ValueError(f"hardware {self.name!r}: {f.name}={value!r} must be "
                                  f"{'>= 0' if zero_ok else '> 0'}")
@@ -153,6 +158,11 @@ class Hardware:
             return kernels * self.kernel_overhead_us * 1e-6
         per = nbytes / max(kernels, 1)
         return nbytes / self.bandwidth(per) + kernels * self.kernel_overhead_us * 1e-6
+
+    def saved_time(self, nbytes: float) -> float:
+        """Seconds a training forward spends writing ``nbytes`` it saves for the backward,
+        beyond what its operators cost without recording (0 where not measured)."""
+        return nbytes / (self.saved_gbps * 1e9) if self.saved_gbps and nbytes > 0 else 0.0
 
     def activation_time(self, nbytes: float) -> float:
         """Seconds a transcendental elementwise kernel takes to read and write ``nbytes``
