@@ -421,15 +421,30 @@ HOLDOUT14 = [
     ("tiny-s192", dict(tp=1, pp=2, dp=1, schedule="1f1b")),
     ("tiny-s192", dict(tp=1, pp=1, dp=2)),
 ]
+# Fifteenth out-of-sample set (--set holdout15): the model as HOLDOUT14 checked it, unchanged.
+# Fixed before any case below ran: the small model at sequence 240 (4 micro-batches of 2) under
+# tp2 with interleaved micro-batches, tp2 SP with selective recompute, dp2 and pp2 ZB-H1, and
+# the 8-expert MoE at 96 (4 of 2) under dp2 ep2, tp2 SP, pp2 1F1B and dp2.
+HOLDOUT15_RUNS = {"small-s240": ("small", 240, 8, 2), "moe8-s96": ("bench-moe8", 96, 8, 2)}
+HOLDOUT15 = [
+    ("small-s240", dict(tp=2, pp=1, dp=1, interleave=2)),
+    ("small-s240", dict(tp=2, pp=1, dp=1, sequence_parallel=True, recompute="selective")),
+    ("small-s240", dict(tp=1, pp=1, dp=2)),
+    ("small-s240", dict(tp=1, pp=2, dp=1, schedule="zb-h1")),
+    ("moe8-s96", dict(tp=1, pp=1, dp=2, ep=2)),
+    ("moe8-s96", dict(tp=2, pp=1, dp=1, sequence_parallel=True)),
+    ("moe8-s96", dict(tp=1, pp=2, dp=1, schedule="1f1b")),
+    ("moe8-s96", dict(tp=1, pp=1, dp=2)),
+]
 RUNS = {**CPU_RUNS, **HOLDOUT_RUNS, **HOLDOUT2_RUNS, **HOLDOUT3_RUNS, **HOLDOUT4_RUNS,
         **HOLDOUT5_RUNS, **HOLDOUT6_RUNS, **HOLDOUT7_RUNS, **HOLDOUT8_RUNS, **HOLDOUT9_RUNS,
         **HOLDOUT10_RUNS, **HOLDOUT11_RUNS, **HOLDOUT12_RUNS,
-        **HOLDOUT13_RUNS, **HOLDOUT14_RUNS}
+        **HOLDOUT13_RUNS, **HOLDOUT14_RUNS, **HOLDOUT15_RUNS}
 HOLDOUTS = {"holdout2": HOLDOUT2, "holdout3": HOLDOUT3, "holdout4": HOLDOUT4,
             "holdout5": HOLDOUT5, "holdout6": HOLDOUT6, "holdout7": HOLDOUT7,
             "holdout8": HOLDOUT8, "holdout9": HOLDOUT9, "holdout10": HOLDOUT10,
             "holdout11": HOLDOUT11, "holdout12": HOLDOUT12,
-            "holdout13": HOLDOUT13, "holdout14": HOLDOUT14}
+            "holdout13": HOLDOUT13, "holdout14": HOLDOUT14, "holdout15": HOLDOUT15}
 
 
 def _rank(rank, world, layout, steps, out, run):
@@ -555,7 +570,8 @@ def main() -> None:
                         "since); holdout10: HOLDOUT10; holdout11: HOLDOUT11 (in sample since "
                         "the call sites ran by size); holdout12: HOLDOUT12 (its tp2 case in "
                         "sample since the CPU rule for hidden all-reduces); holdout13: "
-                        "HOLDOUT13; holdout14: HOLDOUT14, fixed before its first run")
+                        "HOLDOUT13; holdout14: HOLDOUT14; holdout15: HOLDOUT15, fixed "
+                        "before its first run")
     p.add_argument("--sensitivity", action="store_true",
                    help="only print how the published rows' predictions move with "
                         "matmul_efficiency and link bandwidth (arithmetic, no runs)")
