@@ -106,6 +106,140 @@ def test_the_simulator_hides_a_pairs_fillable_waits():
         simulate(s, **back, fillable=0.5)
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_a_pairs_forward_sends_before_its_backward_and_every_channel_keeps_its_order(pp):
+    """Each overlapped pair whose F feeds another rank posts that send right after the F (the
+    next stage starts while this rank runs the pair's B), and the executor's issue order
+    keeps every channel's messages in the schedule's order (NCCL matches them in order)."""
+    for m in (2 * pp, 2 * pp + 1, 4 * pp):
+        s = build_schedule("dualpipe-v", pp, m, 2)
+        for r in range(pp):
+            acts, early = s.actions[r], s.early_sends(r)
+            remote = [i for i, a in enumerate(acts) if a.overlap and
+                      s.neighbour(r, a.chunk, "SEND_F") not in (None,) and
+                      s.neighbour(r, a.chunk, "SEND_F")[0] != r]
+            assert sorted(early) == remote and remote, (pp, m, r)
+            for i, k in early.items():
+                assert acts[k].kind == "SEND_F" and \
+                    (acts[k].microbatch, acts[k].chunk) == (acts[i].microbatch, acts[i].chunk)
+            issued = s.issued(r)
+            assert sorted(map(repr, issued)) == sorted(map(repr, acts))
+            for i in early:                 # F, its send, then the pair's B
+                j = issued.index(acts[i])
+                assert issued[j + 1] == acts[early[i]] and issued[j + 2] == acts[i + 1]
+
+            def channels(order):
+                out = {}
+                for a in order:
+                    if not a.is_compute:
+                        out.setdefault((a.kind[:4], s.peer(r, a)), []).append(s.message(r, a))
+                return out
+            assert channels(issued) == channels(acts)
+    # Without pairs nothing moves.
+    for name in ("zb-v", "1f1b"):
+        s = build_schedule(name, 2, 8, 2 if name == "zb-v" else 1)
+        assert s.early_sends(0) == {} and s.issued(0) == list(s.actions[0])
+
+
+class _SlowBackward(torch.autograd.Function):
+    """The identity, whose backward takes ``seconds`` of the host (a stage's heavy backward)."""
+
+    seconds = 0.06
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        import time
+        time.sleep(_SlowBackward.seconds)
+        return g
+
+
+class _SlowStage(nn.Module):
+    def __init__(self, d, stage, num_stages):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.stage_index, self.num_stages = stage, num_stages
+
+    def forward(self, x):
+        return _SlowBackward.apply(torch.tanh(self.lin(x)))
+
+
+def _early_run(rank, world_size):
+    """One DualPipeV step at pp2 (m = 6) with each stage's backward 60 ms of the host, with the
+    pairs' sends posted after their F and, as the control, after the whole pair: the
+    timelines (absolute clock) and the gradients."""
+    from fastpar.pipeline import PipelineExecutor
+    out = {}
+    for early in (True, False):
+        sched = build_schedule("dualpipe-v", 2, 6, 2)
+        torch.manual_seed(0)
+        stages = [_SlowStage(8, sched.stage_index(rank, c), 4) for c in range(2)]
+        pipe = PipelineExecutor(stages, sched, dist.group.WORLD, record=True,
+                                activation=((2, 8), torch.float32),
+                                loss_fn=lambda y, t: (y - t).square().mean())
+        if not early:
+            pipe._early = {}
+        g = torch.Generator().manual_seed(1)
+        pipe.step(torch.randn(12, 8, generator=g), torch.randn(12, 8, generator=g))
+        out[early] = ([(e.action, e.start + pipe.step_start, e.end + pipe.step_start)
+                       for e in pipe.events],
+                      [p.grad.clone() for st in stages for p in st.parameters()])
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_a_pairs_forward_output_reaches_the_next_stage_while_its_backward_runs():
+    """The mechanism: where a pair's F feeds the other rank, that rank's F on the message
+    starts (its input arrived: events start when their input is in) while the sender is still
+    in the pair's B, tens of ms before it ends; posted after the pair (the control) it never
+    does. Same gradients either way."""
+    from fastpar.testing import run_ranks
+    res = run_ranks(_early_run, 2, timeout=80)
+    s = build_schedule("dualpipe-v", 2, 6, 2)
+    for early in (True, False):
+        ahead = 0
+        for r in (0, 1):
+            events, peer_events = res[r][early][0], res[1 - r][early][0]
+            for i, k in s.early_sends(r).items():
+                f, b = s.actions[r][i], s.actions[r][i + 1]
+                b_end = next(e for a, _, e in events if a == b)
+                target = s.message(r, s.actions[r][k])[2]
+                consumer = next(t for a, t, _ in peer_events if a.kind == "F" and
+                                a.microbatch == f.microbatch and
+                                s.stage_index(1 - r, a.chunk) == target)
+                ahead += consumer < b_end - _SlowBackward.seconds / 2
+        assert (ahead >= 1) if early else ahead == 0, (early, ahead)
+    for r in (0, 1):
+        for a, b in zip(res[r][True][1], res[r][False][1]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.fast
+def test_the_simulator_sends_a_pairs_forward_before_its_backward():
+    """The simulator times the executor's issue order: the message of a pair's F arrives
+    ``comm`` after the F (and its post) ends, in both the plain and the core-sharing model."""
+    s = build_schedule("dualpipe-v", 2, 8, 2)
+    for kw in (dict(), dict(shared=(1, 2))):
+        sim = simulate(s, f=2.0, b=1.0, w=1.0, comm=0.25, post=0.125, **kw)
+        ev = {(e.rank, e.action): e for e in sim.events}
+        checked = 0
+        for r in range(2):
+            for i, k in s.early_sends(r).items():
+                f, b = s.actions[r][i], s.actions[r][i + 1]
+                target = s.message(r, s.actions[r][k])[2]
+                peer, chunk = s.place(target)
+                consumer = ev[(peer, Action("F", f.microbatch, chunk, True))] \
+                    if (peer, Action("F", f.microbatch, chunk, True)) in ev else \
+                    ev[(peer, Action("F", f.microbatch, chunk))]
+                assert consumer.start >= ev[(r, f)].end + 0.25 - 1e-9
+                checked += consumer.start < ev[(r, b)].end - 1e-9
+        assert checked >= 2, kw
+
+
 class _Block(nn.Module):
     def __init__(self, d, ep_group):
         super().__init__()

@@ -149,6 +149,44 @@ class Schedule:
         """``rank``'s F, B and W actions in order, without the communication."""
         return [a for a in self.actions[rank] if a.is_compute]
 
+    def early_sends(self, rank: int) -> dict[int, int]:
+        """Overlapped pairs whose F's output goes to another rank, posted as soon as the F
+        has run instead of after the pair's B (which needs none of it), so the next stage
+        starts a B earlier: {index of the pair's F: index of that ``SEND_F``}. Only a send
+        that is the first to its peer in the run of messages right after the pair, so every
+        channel keeps this order (NCCL matches a pair of ranks' messages in order)."""
+        acts, out = self.actions[rank], {}
+        for i, a in enumerate(acts[:-1]):
+            if not (a.overlap and a.kind == "F"):
+                continue
+            peers = set()
+            for k in range(i + 2, len(acts)):
+                c = acts[k]
+                if c.is_compute:
+                    break
+                if not c.kind.startswith("SEND"):
+                    continue
+                peer = self.peer(rank, c)
+                if c.kind == "SEND_F" and (c.microbatch, c.chunk) == (a.microbatch, a.chunk) \
+                        and peer not in peers:
+                    out[i] = k
+                peers.add(peer)
+        return out
+
+    def issued(self, rank: int) -> list[Action]:
+        """``rank``'s actions in the order the executor issues them when communication runs
+        behind compute: each of :meth:`early_sends` right after its pair's F."""
+        early = self.early_sends(rank)
+        moved = set(early.values())
+        out = []
+        for i, a in enumerate(self.actions[rank]):
+            if i in moved:
+                continue
+            out.append(a)
+            if i in early:
+                out.append(self.actions[rank][early[i]])
+        return out
+
     def __repr__(self) -> str:
         return (f"Schedule({self.name!r}, pp_size={self.pp_size}, "
                 f"num_microbatches={self.num_microbatches}, "

@@ -5,7 +5,9 @@ gradients are those of the mean loss over the batch); ``B`` runs its backward, o
 gradient when the schedule has ``W``; ``W`` the deferred weight gradients (:mod:`.backward`). A
 run of communication actions is one ``batch_isend_irecv`` batch, posted without waiting: the
 schedule places each receive in the round its message is sent, so receives are posted long before
-they are needed, and a compute action waits only for the one message it consumes. On CUDA the
+they are needed, and a compute action waits only for the one message it consumes. An overlapped
+pair's F that feeds another rank posts that send as soon as it has run, before the pair's B
+(:meth:`Schedule.early_sends <fastpar.pipeline.actions.Schedule.early_sends>`). On CUDA the
 batches go out from a dedicated stream; on CPU gloo's threads move the data.
 
 A micro-batch's activations (its stage input, output and autograd graph) are dropped as soon as its
@@ -156,6 +158,7 @@ class PipelineExecutor:
         self._full = {(a.microbatch, a.chunk) for a, b in zip(order, order[1:])
                       if a.kind == "B" and b.kind == "W" and
                       (a.microbatch, a.chunk) == (b.microbatch, b.chunk)}
+        self._early = schedule.early_sends(self.rank)   # pair's F -> its send, posted after F
         self.peak_activations = 0
         self.events: list[Event] = []
         self.step_start = 0.0
@@ -205,13 +208,18 @@ class PipelineExecutor:
         st = _Step(xs, ts, keep=training, docs=docs)
         start = time.perf_counter()
         acts, i = s.actions[self.rank], 0
+        # (sends posted early: only while training with communication behind compute; the
+        # strict model posts every message where the schedule has it)
+        early = set(self._early.values()) if training and self.overlap else set()
         while i < len(acts):
             if not acts[i].is_compute:
                 j = i
                 while j < len(acts) and not acts[j].is_compute:
                     j += 1
-                with span("pipeline", *acts[i:j]):
-                    self._post(st, acts[i:j])
+                batch = [acts[k] for k in range(i, j) if k not in early]
+                if batch:
+                    with span("pipeline", *batch):
+                        self._post(st, batch)
                 i = j
                 continue
             a = acts[i]
@@ -222,7 +230,8 @@ class PipelineExecutor:
             st.arrived, t0 = None, time.perf_counter()
             if pair is not None:        # F and the B of another micro-batch, taking turns
                 with span("pipeline", a, pair):
-                    self._overlapped(st, a, pair)
+                    self._overlapped(st, a, pair, acts[self._early[i]] if i in self._early
+                                     and early else None)
             else:
                 calls = fill.calls
                 with span("pipeline", a):
@@ -304,19 +313,26 @@ class PipelineExecutor:
         nb = self.schedule.neighbour(self.rank, chunk, kind)
         return nb is not None and nb[0] == self.rank
 
-    def _overlapped(self, st: _Step, f, b) -> None:
+    def _overlapped(self, st: _Step, f, b, send=None) -> None:
         """DualPipe's overlapped pair: ``f``'s forward and ``b``'s backward as two coroutines
         taking turns at their transfers' waits (:func:`fastpar.mesh.fill.pair`): each one's
-        all-to-alls travel while the other computes."""
+        all-to-alls travel while the other computes. ``send``: ``f``'s output's send, posted as
+        soon as ``f`` has run (the next stage's F starts while this rank runs ``b``)."""
         if self.schedule.stage_index(self.rank, f.chunk) == 0:
             st.arrived = time.perf_counter()    # F takes no input: the pair starts now
+
+        def forward():
+            self._forward(st, f)
+            if send is not None:
+                with span("pipeline", send):
+                    self._post(st, [send])
         if self._points.get(("F", f.chunk)) == 0 and self._points.get(("B", b.chunk)) == 0:
-            self._forward(st, f)                # no fill point on either side (seen alone):
+            forward()                           # no fill point on either side (seen alone):
             t = time.perf_counter()             # nothing to take turns at
             self._backward(st, b)
             st.filled = time.perf_counter() - t
             return
-        st.filled = fill.pair(lambda: self._forward(st, f), lambda: self._backward(st, b))[1]
+        st.filled = fill.pair(forward, lambda: self._backward(st, b))[1]
 
     def _backward(self, st: _Step, a) -> None:
         fill.drain(self._backward_steps(st, a))

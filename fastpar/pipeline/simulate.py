@@ -79,6 +79,8 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
     ``fillable``: ``(f, b)``, each a number or one per stage: the part of F's and of B's
     waits the pair can hide (the waits with a fill point: the MoE dispatch's); all if None.
     (With ``shared`` the pairs run one after the other: gloo's transfers share the cores.)
+    A pair's F that feeds another rank sends its output as soon as it has run, before the
+    pair's B (:meth:`~fastpar.pipeline.actions.Schedule.early_sends`), as the executor does.
     ``post``: the host time a rank spends issuing each send and each receive (gloo's isend /
     irecv take a few hundred us of the calling thread; a message leaves once its send is posted).
     ``shared``: (processes per pipeline rank, cores) when the ranks' processes share fewer CPU
@@ -112,13 +114,17 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
     pos = [0] * s.pp_size
     arrival: dict = {}                     # message -> time it is at its receiver
     events: list[Event] = []
+    early = [s.early_sends(r) for r in range(s.pp_size)]     # posted right after a pair's F
+    posted = [set(e.values()) for e in early]
     while True:
         moved = False
         for rank in range(s.pp_size):
             acts = s.actions[rank]
             while pos[rank] < len(acts):
                 a = acts[pos[rank]]
-                if not a.is_compute:       # posted; a receive's compute waits for it below
+                if pos[rank] in posted[rank]:
+                    pass                   # went out with its pair's F
+                elif not a.is_compute:     # posted; a receive's compute waits for it below
                     clock[rank] += post
                     if a.kind.startswith("SEND"):
                         arrival[s.message(rank, a)] = clock[rank] + comm
@@ -134,6 +140,10 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
                     hidden = min(fills["F"][i], bc, max(0.0, start + fc + fw - ready))
                     hidden_b = min(fills["B"][j], max(0.0, start + fc - ready))
                     mid = start + fc + fw - hidden
+                    if pos[rank] in early[rank]:    # F's output leaves before B runs
+                        arrival[s.message(rank, acts[early[rank][pos[rank]]])] = \
+                            mid + post + comm
+                        mid += post
                     end = max(mid, ready) + bc + bw - hidden_b
                     events += [Event(rank, a, start, mid), Event(rank, b, mid, end)]
                     clock[rank] = end
@@ -166,6 +176,7 @@ def _simulate_shared(s: Schedule, cost: dict, idle: dict, comm: float, post: flo
     if procs <= 0 or cores <= 0:
         raise ValueError(f"simulate: shared=({procs}, {cores}) must be positive")
     n = s.pp_size
+    orders = [s.issued(r) for r in range(n)]       # pairs one after the other: F, its send, B
     pos, now = [0] * n, 0.0
     arrival: dict = {}
     running: list = [None] * n      # [action, start, work left, wait left] of each rank
@@ -175,7 +186,8 @@ def _simulate_shared(s: Schedule, cost: dict, idle: dict, comm: float, post: flo
         while started:              # start what can start now (a send may free a receiver)
             started = False
             for rank in range(n):
-                started |= _start(s, rank, pos, running, arrival, now, cost, idle, comm, post)
+                started |= _start(s, orders[rank], rank, pos, running, arrival, now, cost,
+                                  idle, comm, post)
         if all(r is None for r in running):
             if all(pos[r] == len(s.actions[r]) for r in range(n)):
                 break
@@ -208,10 +220,11 @@ def _simulate_shared(s: Schedule, cost: dict, idle: dict, comm: float, post: flo
     return Simulation(s, now, busy, bubble, list(s.peak_activations), events)
 
 
-def _start(s: Schedule, rank: int, pos: list, running: list, arrival: dict, now: float,
-           cost: dict, idle: dict, comm: float, post: float) -> bool:
-    """Move ``rank`` through its actions up to one that must run or wait; whether it moved."""
-    acts, moved = s.actions[rank], False
+def _start(s: Schedule, acts: list, rank: int, pos: list, running: list, arrival: dict,
+           now: float, cost: dict, idle: dict, comm: float, post: float) -> bool:
+    """Move ``rank`` through its actions (``acts``, in issue order) up to one that must run or
+    wait; whether it moved."""
+    moved = False
     while running[rank] is None and pos[rank] < len(acts):
         a = acts[pos[rank]]
         if not a.is_compute:
