@@ -6,6 +6,7 @@ transfer waits, each computing while the other's travel (the mechanism, recorded
 is the single process's."""
 import contextlib
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,7 @@ import torch.nn as nn
 
 from fastpar.mesh import fill
 from fastpar.pipeline import Action, build_schedule, simulate
+from fastpar.pipeline import actions as actions_module
 
 
 def _torch_order(pp, m, rank):
@@ -136,6 +138,40 @@ def test_a_pairs_forward_sends_before_its_backward_and_every_channel_keeps_its_o
                         out.setdefault((a.kind[:4], s.peer(r, a)), []).append(s.message(r, a))
                 return out
             assert channels(issued) == channels(acts)
+            # Receives two batches ahead (gloo): each batch index moves up by at most 2, each
+            # receive is posted once, every channel keeps its order.
+            def posted(plan):       # message -> (its batch, compute steps before it)
+                out, batches, computed = {}, 0, 0
+                for kind, x, _ in plan:
+                    if kind == "post":
+                        out.update({k: (batches, computed) for k in x})
+                        batches += 1
+                    else:
+                        computed += 1
+                return out
+            where, moved = posted(s.issue_plan(r)), posted(s.issue_plan(r, recv_ahead=2))
+            computed = sorted({c for _, c in where.values()})   # before each original batch
+            assert moved.keys() == where.keys()
+            for k, (q, c) in where.items():
+                floor = computed[max(0, computed.index(c) - 2)]
+                assert floor <= moved[k][1] <= c and (moved[k][1] == c or
+                                                      acts[k].kind.startswith("RECV"))
+            assert any(moved[k][1] < c for k, (_, c) in where.items())
+            assert channels(s.issued(r, recv_ahead=2)) == channels(acts)
+        # Under NCCL (a send waits for its receive, in order on one stream) the early sends
+        # are used only where the order still finishes in the strictest model: at pp=2 it
+        # does; deeper it deadlocks (a send before the B whose gradient the peer needs before
+        # it posts that send's receive), and the executor posts them with the pair's batch.
+        issued = SimpleNamespace(name=s.name, pp_size=pp, peer=s.peer, message=s.message,
+                                 actions=[s.issued(r) for r in range(pp)])
+        actions_module._check_channels(issued)
+        if pp == 2:
+            actions_module._check_deadlock(issued)
+            assert s.early_sends_block_safely()
+        else:
+            with pytest.raises(actions_module.ScheduleError, match="deadlocks"):
+                actions_module._check_deadlock(issued)
+            assert not s.early_sends_block_safely()
     # Without pairs nothing moves.
     for name in ("zb-v", "1f1b"):
         s = build_schedule(name, 2, 8, 2 if name == "zb-v" else 1)
@@ -182,7 +218,8 @@ def _early_run(rank, world_size):
                                 activation=((2, 8), torch.float32),
                                 loss_fn=lambda y, t: (y - t).square().mean())
         if not early:
-            pipe._early = {}
+            pipe._plans[(sched.name, True)] = sched.issue_plan(rank, early=False,
+                                                               recv_ahead=pipe.recv_ahead)
         g = torch.Generator().manual_seed(1)
         pipe.step(torch.randn(12, 8, generator=g), torch.randn(12, 8, generator=g))
         out[early] = ([(e.action, e.start + pipe.step_start, e.end + pipe.step_start)
@@ -218,6 +255,57 @@ def test_a_pairs_forward_output_reaches_the_next_stage_while_its_backward_runs()
             assert torch.equal(a, b)
 
 
+def _posts_run(rank, world_size):
+    """One DualPipeV step at pp2 (m = 6, each backward 60 ms of the host) with receives posted
+    2 batches ahead (gloo's default) and where the schedule has them: when each message's send
+    and receive were posted (absolute clock)."""
+    from fastpar.pipeline import PipelineExecutor, p2p
+    out, plain = {}, p2p.post
+    for ahead in (2, 0):
+        posted = out[ahead] = {}
+        sched = build_schedule("dualpipe-v", 2, 6, 2)
+
+        def watched(ops, stream=None):
+            now = time.perf_counter()
+            for op in ops:
+                posted[("send" if op.op is dist.isend else "recv", op.tag)] = now
+            return plain(ops, stream)
+        p2p.post = watched
+        try:
+            torch.manual_seed(0)
+            stages = [_SlowStage(8, sched.stage_index(rank, c), 4) for c in range(2)]
+            pipe = PipelineExecutor(stages, sched, dist.group.WORLD, recv_ahead=ahead,
+                                    activation=((2, 8), torch.float32),
+                                    loss_fn=lambda y, t: (y - t).square().mean())
+            g = torch.Generator().manual_seed(1)
+            dist.barrier()
+            pipe.step(torch.randn(12, 8, generator=g), torch.randn(12, 8, generator=g))
+        finally:
+            p2p.post = plain
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_receives_posted_ahead_are_posted_before_their_messages_are_sent():
+    """gloo holds a message whose receive is not posted yet until the receiver posts it and
+    asks for it. With a pair's send leaving right after its F, receives posted where the
+    schedule has them come after their message's send (the peer's F ran a pair earlier than
+    the schedule's batch); posted two batches ahead, every receive is waiting before its
+    message leaves. (Late: posted after the send by over a third of a backward; a receive
+    posted at the step's start may race its sender's first forward by a few ms.)"""
+    from fastpar.testing import run_ranks
+    res = run_ranks(_posts_run, 2, timeout=80)
+    late = {}
+    for ahead in (2, 0):
+        late[ahead] = 0
+        for r in (0, 1):
+            sends = {t: v for (k, t), v in res[r][ahead].items() if k == "send"}
+            recvs = {t: v for (k, t), v in res[1 - r][ahead].items() if k == "recv"}
+            assert sends.keys() == recvs.keys() and len(sends) == 12
+            late[ahead] += sum(recvs[t] > sends[t] + _SlowBackward.seconds / 3 for t in sends)
+    assert late[2] == 0 and late[0] >= 2, late
+
+
 @pytest.mark.fast
 def test_the_simulator_sends_a_pairs_forward_before_its_backward():
     """The simulator times the executor's issue order: the message of a pair's F arrives
@@ -238,6 +326,18 @@ def test_the_simulator_sends_a_pairs_forward_before_its_backward():
                 assert consumer.start >= ev[(r, f)].end + 0.25 - 1e-9
                 checked += consumer.start < ev[(r, b)].end - 1e-9
         assert checked >= 2, kw
+        # With the pair's batch (NCCL where the early order could deadlock): never before B.
+        late = simulate(s, f=2.0, b=1.0, w=1.0, comm=0.25, post=0.125, early=False, **kw)
+        ev = {(e.rank, e.action): e for e in late.events}
+        for r in range(2):
+            for i, k in s.early_sends(r).items():
+                target = s.message(r, s.actions[r][k])[2]
+                peer, chunk = s.place(target)
+                consumer = next(e for (p, a), e in ev.items() if p == peer and a.kind == "F"
+                                and a.microbatch == s.actions[r][i].microbatch
+                                and a.chunk == chunk)
+                assert consumer.start >= ev[(r, s.actions[r][i + 1])].end + 0.25 - 1e-9
+        assert late.step_time >= sim.step_time
 
 
 class _Block(nn.Module):

@@ -81,7 +81,8 @@ def _waits(rank, world):
     x, t = torch.randn(M * ROWS, WIDTH), torch.zeros(M * ROWS, OUT)
     for overlap in (True, False):
         pipe = PipelineExecutor([stage], build_schedule("1f1b", 2, M, 1), dist.group.WORLD,
-                                loss_fn=lambda y, t: (y - t).square().mean(), overlap=overlap)
+                                loss_fn=lambda y, t: (y - t).square().mean(), overlap=overlap,
+                                recv_ahead=0)     # the schedule's own placement of receives
         for _ in range(2):                            # the second step counts
             dist.barrier()
             waited.clear()

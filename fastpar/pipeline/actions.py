@@ -173,18 +173,85 @@ class Schedule:
                 peers.add(peer)
         return out
 
-    def issued(self, rank: int) -> list[Action]:
+    def early_sends_block_safely(self) -> bool:
+        """Whether the order with :meth:`early_sends` (:meth:`issued`) finishes under the
+        strictest model too (every batch blocks its rank until all of it has met its peers:
+        NCCL's, whose sends on one stream wait for their receives in order). At pp=2 it does;
+        deeper, a send posted before its pair's B can wait for a receive the peer posts only
+        after that B's gradient has reached it. Backends whose sends do not wait (gloo) can
+        post them early regardless."""
+        if not any(a.overlap for acts in self.actions for a in acts):
+            return True
+        cached = self.__dict__.get("_early_safe")
+        if cached is not None:
+            return cached
+        from types import SimpleNamespace
+        view = SimpleNamespace(name=self.name, pp_size=self.pp_size, peer=self.peer,
+                               message=self.message,
+                               actions=[self.issued(r) for r in range(self.pp_size)])
+        try:
+            _check_deadlock(view)
+            safe = True
+        except ScheduleError:
+            safe = False
+        object.__setattr__(self, "_early_safe", safe)
+        return safe
+
+    def issue_plan(self, rank: int, pairs: bool = True, early: bool = True,
+                   recv_ahead: int = 0) -> list[tuple]:
+        """How an executor issues ``rank``'s actions, as steps over their indices:
+        ``("post", [k, ...], None)`` one batch of messages, ``("run", i, None)`` a compute action,
+        ``("pair", i, k)`` an overlapped F (``i``) with the B after it (``pairs``; else each
+        runs alone), ``k`` the index of the F's send posted between the two or None.
+
+        ``early``: each of :meth:`early_sends` leaves right after its pair's F. ``recv_ahead``:
+        each batch also posts the receives of the next ``recv_ahead`` batches (in order, so
+        every channel's receives keep theirs): a receive posted before its message is sent
+        takes the data as it comes, where gloo holds a message whose receive is not posted
+        until the receiver posts it and asks the sender for it (a round trip through both
+        ranks' transport threads). Only for a backend whose receives match by tag (gloo):
+        under NCCL a posted receive holds the stream its later sends go out on."""
+        acts = self.actions[rank]
+        sends = self.early_sends(rank) if early and pairs else {}
+        moved = set(sends.values())
+        steps, i = [], 0
+        while i < len(acts):
+            if not acts[i].is_compute:
+                j = i
+                while j < len(acts) and not acts[j].is_compute:
+                    j += 1
+                steps.append(("post", [k for k in range(i, j) if k not in moved], None))
+                i = j
+            elif pairs and acts[i].overlap:
+                steps.append(("pair", i, sends.get(i)))
+                i += 2
+            else:
+                steps.append(("run", i, None))
+                i += 1
+        if recv_ahead > 0:
+            posts = [st[1] for st in steps if st[0] == "post"]
+            taken: set = set()
+            for q, own in enumerate(posts):
+                later = [k for ks in posts[q + 1:q + 1 + recv_ahead] for k in ks
+                         if acts[k].kind.startswith("RECV") and k not in taken]
+                own[:] = [k for k in own if k not in taken] + later
+                taken.update(own)
+        return [st for st in steps if st[0] != "post" or st[1]]
+
+    def issued(self, rank: int, recv_ahead: int = 0) -> list[Action]:
         """``rank``'s actions in the order the executor issues them when communication runs
-        behind compute: each of :meth:`early_sends` right after its pair's F."""
-        early = self.early_sends(rank)
-        moved = set(early.values())
+        behind compute (:meth:`issue_plan`): each of :meth:`early_sends` right after its
+        pair's F."""
         out = []
-        for i, a in enumerate(self.actions[rank]):
-            if i in moved:
-                continue
-            out.append(a)
-            if i in early:
-                out.append(self.actions[rank][early[i]])
+        for kind, x, send in self.issue_plan(rank, recv_ahead=recv_ahead):
+            if kind == "post":
+                out += [self.actions[rank][k] for k in x]
+            else:
+                out.append(self.actions[rank][x])
+                if send is not None:
+                    out.append(self.actions[rank][send])
+                if kind == "pair":
+                    out.append(self.actions[rank][x + 1])
         return out
 
     def __repr__(self) -> str:

@@ -93,7 +93,10 @@ class PipelineExecutor:
     passes between stages (see the module doc). ``stage_loss=True``: the last stage computes
     the loss itself, called as ``stage(x, target)`` (fastpar's GPT does, given targets: it then
     reads the head's output in place, padding columns included, with no masked copy of the
-    logits); ``loss_fn`` is not called.
+    logits); ``loss_fn`` is not called. ``recv_ahead``: each batch of messages also posts the
+    receives of the next that many batches (:meth:`Schedule.issue_plan`); default 2 on gloo,
+    whose receives match by tag and whose sends wait for a posted receive, else 0 (under NCCL
+    a posted receive would hold the stream this rank's later sends go out on).
     """
 
     def __init__(self, stages: list[nn.Module], schedule: Schedule, pp_group=None, *,
@@ -101,7 +104,7 @@ class PipelineExecutor:
                  before_backward: Callable | None = None, grads_set: Callable | None = None,
                  overlap: bool = True,
                  record: bool = False, activation: tuple | None = None,
-                 stage_loss: bool = False):
+                 stage_loss: bool = False, recv_ahead: int | None = None):
         if not isinstance(schedule, Schedule):
             raise ValueError(f"PipelineExecutor: schedule must be a Schedule (build_schedule), "
                              f"got {type(schedule).__name__}")
@@ -158,7 +161,17 @@ class PipelineExecutor:
         self._full = {(a.microbatch, a.chunk) for a, b in zip(order, order[1:])
                       if a.kind == "B" and b.kind == "W" and
                       (a.microbatch, a.chunk) == (b.microbatch, b.chunk)}
-        self._early = schedule.early_sends(self.rank)   # pair's F -> its send, posted after F
+        gloo = size > 1 and dist.get_backend(pp_group) == dist.Backend.GLOO
+        if recv_ahead is None:          # receives matched by tag (gloo) can go out early
+            recv_ahead = 2 if overlap and gloo else 0
+        if not isinstance(recv_ahead, int) or recv_ahead < 0:
+            raise ValueError(f"PipelineExecutor: recv_ahead={recv_ahead!r} must be an int >= 0")
+        self.recv_ahead = recv_ahead
+        # A pair's send right after its F: where sends do not wait for their receives (gloo),
+        # or where the order still finishes if they do (NCCL's comm stream).
+        self._early_ok = overlap and (gloo or size == 1 or
+                                      schedule.early_sends_block_safely())
+        self._plans: dict = {}          # (schedule name, training) -> issue plan
         self.peak_activations = 0
         self.events: list[Event] = []
         self.step_start = 0.0
@@ -207,31 +220,22 @@ class PipelineExecutor:
                              "micro-batches")
         st = _Step(xs, ts, keep=training, docs=docs)
         start = time.perf_counter()
-        acts, i = s.actions[self.rank], 0
-        # (sends posted early: only while training with communication behind compute; the
-        # strict model posts every message where the schedule has it)
-        early = set(self._early.values()) if training and self.overlap else set()
-        while i < len(acts):
-            if not acts[i].is_compute:
-                j = i
-                while j < len(acts) and not acts[j].is_compute:
-                    j += 1
-                batch = [acts[k] for k in range(i, j) if k not in early]
-                if batch:
-                    with span("pipeline", *batch):
-                        self._post(st, batch)
-                i = j
+        acts = s.actions[self.rank]
+        for kind, i, send in self._plan(s, training):
+            if kind == "post":
+                batch = [acts[k] for k in i]
+                with span("pipeline", *batch):
+                    self._post(st, batch)
                 continue
             a = acts[i]
-            pair = acts[i + 1] if a.overlap and training else None
+            pair = acts[i + 1] if kind == "pair" else None
             b = pair or a
             if b.kind != "F" and self.before_backward is not None:
                 self.before_backward(b.chunk, (i + 1 if pair else i) in self._final)
             st.arrived, t0 = None, time.perf_counter()
             if pair is not None:        # F and the B of another micro-batch, taking turns
                 with span("pipeline", a, pair):
-                    self._overlapped(st, a, pair, acts[self._early[i]] if i in self._early
-                                     and early else None)
+                    self._overlapped(st, a, pair, None if send is None else acts[send])
             else:
                 calls = fill.calls
                 with span("pipeline", a):
@@ -248,12 +252,22 @@ class PipelineExecutor:
                 if training and j in self._chunk_done and self.grads_ready is not None:
                     self.grads_ready(acts[j].chunk, self.stages[acts[j].chunk])
             st.sends = [x for x in st.sends if not all(w.is_completed() for w in x[0])]
-            i += 2 if pair is not None else 1
         for works, _, msg in st.sends:
             p2p.wait(works, self._where(msg, "sending"))
         if training:
             self.peak_activations, self.events, self.step_start = st.peak, st.events, start
         return torch.stack(st.losses).mean() if has_last else None
+
+    def _plan(self, s: Schedule, training: bool) -> list[tuple]:
+        """This rank's issue plan for ``s`` (:meth:`Schedule.issue_plan`): with communication
+        behind compute, a pair's send right after its F and receives ``recv_ahead`` batches
+        early; in the strict model (``overlap=False``) every message where the schedule has
+        it."""
+        key = (s.name, training)
+        if key not in self._plans:
+            self._plans[key] = s.issue_plan(self.rank, pairs=training, early=self._early_ok,
+                                            recv_ahead=self.recv_ahead if self.overlap else 0)
+        return self._plans[key]
 
     def _declared(self, s: Schedule, xs) -> dict:
         """The receive buffers' (shape, dtype) from the declared activation: no message."""

@@ -66,7 +66,7 @@ class Simulation:
 
 
 def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
-             shared=None, post=0.0, fillable=None) -> Simulation:
+             shared=None, post=0.0, fillable=None, early: bool = True) -> Simulation:
     """Time ``schedule`` with forward ``f``, input-gradient ``b``, weight-gradient ``w`` and
     per-message ``comm`` costs (see the module doc). Returns a :class:`Simulation`.
 
@@ -80,7 +80,8 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
     waits the pair can hide (the waits with a fill point: the MoE dispatch's); all if None.
     (With ``shared`` the pairs run one after the other: gloo's transfers share the cores.)
     A pair's F that feeds another rank sends its output as soon as it has run, before the
-    pair's B (:meth:`~fastpar.pipeline.actions.Schedule.early_sends`), as the executor does.
+    pair's B (:meth:`~fastpar.pipeline.actions.Schedule.early_sends`), as the executor does
+    on gloo and, under NCCL, where the order allows it; ``early=False``: with the pair's batch.
     ``post``: the host time a rank spends issuing each send and each receive (gloo's isend /
     irecv take a few hundred us of the calling thread; a message leaves once its send is posted).
     ``shared``: (processes per pipeline rank, cores) when the ranks' processes share fewer CPU
@@ -100,7 +101,7 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
         if not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"simulate: {name}={value!r} must be a number >= 0")
     if shared is not None:
-        return _simulate_shared(s, cost, idle, comm, post, *shared)
+        return _simulate_shared(s, cost, idle, comm, post, *shared, early=early)
     compute = cost
     if fillable is not None and (not isinstance(fillable, (tuple, list)) or
                                  len(fillable) != 2):
@@ -114,8 +115,8 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
     pos = [0] * s.pp_size
     arrival: dict = {}                     # message -> time it is at its receiver
     events: list[Event] = []
-    early = [s.early_sends(r) for r in range(s.pp_size)]     # posted right after a pair's F
-    posted = [set(e.values()) for e in early]
+    after_f = [s.early_sends(r) if early else {} for r in range(s.pp_size)]
+    posted = [set(e.values()) for e in after_f]
     while True:
         moved = False
         for rank in range(s.pp_size):
@@ -140,8 +141,8 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
                     hidden = min(fills["F"][i], bc, max(0.0, start + fc + fw - ready))
                     hidden_b = min(fills["B"][j], max(0.0, start + fc - ready))
                     mid = start + fc + fw - hidden
-                    if pos[rank] in early[rank]:    # F's output leaves before B runs
-                        arrival[s.message(rank, acts[early[rank][pos[rank]]])] = \
+                    if pos[rank] in after_f[rank]:  # F's output leaves before B runs
+                        arrival[s.message(rank, acts[after_f[rank][pos[rank]]])] = \
                             mid + post + comm
                         mid += post
                     end = max(mid, ready) + bc + bw - hidden_b
@@ -169,14 +170,15 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm=0.0, waits=None,
 
 
 def _simulate_shared(s: Schedule, cost: dict, idle: dict, comm: float, post: float,
-                     procs: float, cores: float) -> Simulation:
+                     procs: float, cores: float, early: bool = True) -> Simulation:
     """:func:`simulate` with processor sharing: event by event, each computing process at
     ``min(1, cores / busy processes)`` of a core; an action computes, then waits its ``idle``;
     posting a send or a receive computes ``post``."""
     if procs <= 0 or cores <= 0:
         raise ValueError(f"simulate: shared=({procs}, {cores}) must be positive")
     n = s.pp_size
-    orders = [s.issued(r) for r in range(n)]       # pairs one after the other: F, its send, B
+    # In issue order (pairs one after the other: F, its send, B).
+    orders = [s.issued(r) if early else list(s.actions[r]) for r in range(n)]
     pos, now = [0] * n, 0.0
     arrival: dict = {}
     running: list = [None] * n      # [action, start, work left, wait left] of each rank

@@ -539,7 +539,8 @@ def evaluate(work: Workload, cluster: Cluster, cfg: ParallelConfig,
     sim = simulate(sched, *([row[i] - wrow[i] for row, wrow in zip(fbw, waits)]
                             for i in range(3)), comm=p2p,
                    waits=[[wrow[i] for wrow in waits] for i in range(3)], shared=shared,
-                   post=hw.p2p_post_us * 1e-6, fillable=fills)
+                   post=hw.p2p_post_us * 1e-6, fillable=fills,
+                   early=hw.kind == "cpu" or sched.early_sends_block_safely())
     params, tensors = mem["params_per_gpu"], _tensors_per_gpu(m, ranges, cfg)
     dp_exposed = _dp_time(cluster, cfg, feat, params, fbw[-1][1] + fbw[-1][2],
                           max(sum(row) for row in fbw), num_mb,
