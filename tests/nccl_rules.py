@@ -89,6 +89,8 @@ class _Stream:
 class NCCLRulesGroup(dist.ProcessGroup):
     """See the module doc. Built by :func:`nccl_rules_group`."""
 
+    sends_wait_for_receives = True      # what fastpar.pipeline.p2p.sends_wait reads
+
     def __init__(self, ranks: list[int], timeout: float):
         self.ranks, self.timeout = list(ranks), float(timeout)
         me = dist.get_rank()

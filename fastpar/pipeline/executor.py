@@ -161,7 +161,7 @@ class PipelineExecutor:
         self._full = {(a.microbatch, a.chunk) for a, b in zip(order, order[1:])
                       if a.kind == "B" and b.kind == "W" and
                       (a.microbatch, a.chunk) == (b.microbatch, b.chunk)}
-        gloo = size > 1 and dist.get_backend(pp_group) == dist.Backend.GLOO
+        gloo = size > 1 and not p2p.sends_wait(pp_group)
         if recv_ahead is None:          # receives matched by tag (gloo) can go out early
             recv_ahead = 2 if overlap and gloo else 0
         if not isinstance(recv_ahead, int) or recv_ahead < 0:

@@ -33,6 +33,16 @@ def describe(kind: str, microbatch: int, stage: int) -> str:
             else f"the gradient of micro-batch {microbatch} out of stage {stage}")
 
 
+def sends_wait(group) -> bool:
+    """Whether a send on ``group`` waits for its receive, in order with the pair's other
+    messages (NCCL), rather than going out buffered and matched by tag (gloo). A group can say
+    so itself (``sends_wait_for_receives``, as the tests' NCCL-rules group does)."""
+    own = getattr(group, "sends_wait_for_receives", None)
+    if own is not None:
+        return bool(own)
+    return dist.get_backend(group) != dist.Backend.GLOO
+
+
 def post(ops: list[dist.P2POp], stream=None) -> list[list[dist.Work]]:
     """Start a batch; returns, per op, the works to wait on. On CUDA the batch is issued from
     the dedicated comm stream once it has waited for the compute stream (sent tensors ready)."""
