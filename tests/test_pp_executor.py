@@ -103,7 +103,10 @@ def _bad_batches(mesh, m):
                                       loss_fn=loss_fn),
              lambda: PipelineExecutor(build_stages(ToyModel(layers=pp), (rank + 1) % pp, pp),
                                       build_schedule("1f1b", pp, m), mesh.pp_group,
-                                      loss_fn=loss_fn)]
+                                      loss_fn=loss_fn),
+             lambda: PipelineExecutor(build_stages(ToyModel(layers=pp), rank, pp),
+                                      build_schedule("1f1b", pp, m), mesh.pp_group,
+                                      loss_fn=loss_fn, recv_ahead=-1)]
     for case in cases:
         with pytest.raises(ValueError) as e:
             case()
@@ -111,6 +114,7 @@ def _bad_batches(mesh, m):
     assert f"pp_size={pp + 1}, the pipeline group has {pp} ranks" in local[0]
     assert "2 stage module(s)" in local[1] and "virtual_stages=1" in local[1]
     assert f"must be stage {rank} of {pp}" in local[2]
+    assert "recv_ahead=-1 must be an int >= 0" in local[3]
     return carried
 
 
