@@ -514,13 +514,32 @@ def test_gradient_accumulation_per_extra_micro_batch():
 
 
 def _measure_link_rank(rank, world):
+    import collections
+
+    import torch.distributed as dist
+
     from fastpar.plan.calibrate import measure_link
-    return measure_link(rounds=1)         # one round: what is measured, not how steady
+    calls, all_reduce = collections.Counter(), dist.all_reduce
+
+    def counted(t, *args, **kwargs):
+        calls[t.numel() * t.element_size()] += 1
+        return all_reduce(t, *args, **kwargs)
+    dist.all_reduce = counted
+    try:                                  # one round: what is measured, not how steady
+        return measure_link(rounds=1, calls={2 ** 16: 7, 2 ** 24: 3}), calls
+    finally:
+        dist.all_reduce = all_reduce
 
 
 def test_measure_link_under_gloo():
+    from fastpar.plan.calibrate import LINK_CALLS
     from fastpar.testing import run_ranks
-    for bw, latency, sync, curve, post in run_ranks(_measure_link_rank, 2, timeout=120):
+    for (bw, latency, sync, curve, post), calls in run_ranks(_measure_link_rank, 2, timeout=120):
+        # Each call site size as many times as asked, the rest as LINK_CALLS has them (each
+        # timed run after 2 untimed calls); 64 KB and 16 MB also back to back (100 and 4)
+        assert calls[2 ** 16] == 102 + 9 and calls[2 ** 24] == 6 + 5
+        assert {x: calls[x] - 2 for x in (2 ** 18, 2 ** 20, 2 ** 22)} == \
+            {x: LINK_CALLS[x] for x in (2 ** 18, 2 ** 20, 2 ** 22)}
         assert bw > 1e6 and 0 <= latency < 0.1 and 0 <= sync < 0.1 and 0 < post < 0.1
         # 64 KB to 16 MB, called after computing; the sync is what the 64 KB call costs beyond
         # the ring model, so the curve is 1 there (unless the call ran under it: no sync)

@@ -370,8 +370,17 @@ def measure_activation(device: torch.device, dtype: torch.dtype, numel: int = 2 
     return statistics.median(nbytes / _timed(lambda: fn(x), device, 20, barrier) for fn in fns)
 
 
+# Calls per round of ``measure_link``'s call sites, by all-reduce size in bytes: about in
+# proportion to the square of the call-to-call variation of each size on 2 gloo ranks of a
+# 2-core machine (a standard deviation 1.0-1.1 times the mean at 64 and 256 KB, 0.6 at 1 MB,
+# 0.35 at 4 MB, 0.2 at 16 MB: a few calls in each ten wait 1.5-6 ms for a rank's threads), so
+# that every size's mean over the rounds is about as precise (about 3%). Twenty of each size,
+# as before, left the 256 KB mean 13-31% apart over six calibrations in a row.
+LINK_CALLS = {2 ** 16: 250, 2 ** 18: 250, 2 ** 20: 90, 2 ** 22: 30, 2 ** 24: 10}
+
+
 def measure_link(group=None, device=None, barrier=None, work_size: int = 320, rounds: int = 8,
-                 call_rounds: int = 20) -> tuple[float, float, float, tuple, float]:
+                 calls: dict | None = None) -> tuple[float, float, float, tuple, float]:
     """(bytes per second, seconds of latency per ring step, seconds of sync per call, curve,
     seconds to post a send or a receive) of all-reduce and point-to-point over ``group``.
 
@@ -401,12 +410,14 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
     the sum of its collectives, and on cores the ranks share a few calls in ten take a
     scheduler's time slice, which makes the mean 1.5-2x the median call on 2 gloo ranks of a
     2-core machine. ``rounds`` rounds, each timing every case (each call site size in a run of
-    ``call_rounds`` calls), so that a slow spell of a shared machine does not fall on one case
-    only; the median round of each (the call sites' mean round)."""
+    ``calls[bytes]`` calls, :data:`LINK_CALLS` by default), so that a slow spell of a shared
+    machine does not fall on one case only; the median round of each (the call sites' mean
+    round)."""
     n = dist.get_world_size(group)
     small, large = 16 * 2 ** 10, 4 * 2 ** 20           # float32 elements: 64 KB and 16 MB
     sizes = (small, 2 ** 16, 2 ** 18, 2 ** 20, large)   # and 256 KB, 1 MB, 4 MB between
     dev = device or torch.device("cpu")
+    counts = {**LINK_CALLS, **(calls or {})}
     a, b = (torch.randn(work_size, work_size, device=dev) for _ in range(2))
 
     def work():
@@ -461,7 +472,8 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
         # after a 16 MB one costs about 0.4 ms more on 2 gloo ranks of a 2-core machine).
         for numel in sizes:
             dist.barrier(group=group)
-            _timed(functools.partial(call_site, numel), dev, call_rounds, barrier, window=True)
+            _timed(functools.partial(call_site, numel), dev, counts[4 * numel], barrier,
+                   window=True)
             timed.setdefault(("site", numel), []).append(
                 slowest(statistics.fmean(waits[numel][2:])))
         waits.clear()
