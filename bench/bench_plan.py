@@ -551,7 +551,8 @@ def layout_name(layout: dict) -> str:
 
 def cpu(steps: int, cases: list[tuple[str, dict]], repeats: int) -> list[dict]:
     """Per (run, layout) case, the medians over ``repeats`` runs (each calibrated anew), every
-    run's ratio and how far its predictions spread (max / min - 1)."""
+    run's ratio and two predictions, and how far the predictions and the measured steps spread
+    (max / min - 1)."""
     out = []
     for run, layout in cases:
         tries = [cpu_once(run, layout, steps) for _ in range(repeats)]
@@ -562,6 +563,10 @@ def cpu(steps: int, cases: list[tuple[str, dict]], repeats: int) -> list[dict]:
         row["ratios"] = " ".join(f"{t['ratio']:.2f}" for t in tries)
         preds = [t["predicted_ms"] for t in tries]
         row["prediction_spread"] = round(max(preds) / min(preds) - 1, 3)
+        # What the step itself did from run to run, and each run's two calibrations.
+        steps = [t["measured_ms"] for t in tries]
+        row["measured_spread"] = round(max(steps) / min(steps) - 1, 3)
+        row["predictions"] = " ".join(f"{t['before_ms']:.0f}/{t['after_ms']:.0f}" for t in tries)
         row["world"] = layout["tp"] * layout["pp"] * layout["dp"] * layout.get("cp", 1)
         out.append(row)
         print(row, flush=True)
