@@ -564,8 +564,8 @@ def cpu(steps: int, cases: list[tuple[str, dict]], repeats: int) -> list[dict]:
         preds = [t["predicted_ms"] for t in tries]
         row["prediction_spread"] = round(max(preds) / min(preds) - 1, 3)
         # What the step itself did from run to run, and each run's two calibrations.
-        steps = [t["measured_ms"] for t in tries]
-        row["measured_spread"] = round(max(steps) / min(steps) - 1, 3)
+        measured = [t["measured_ms"] for t in tries]
+        row["measured_spread"] = round(max(measured) / min(measured) - 1, 3)
         row["predictions"] = " ".join(f"{t['before_ms']:.0f}/{t['after_ms']:.0f}" for t in tries)
         row["world"] = layout["tp"] * layout["pp"] * layout["dp"] * layout.get("cp", 1)
         out.append(row)
