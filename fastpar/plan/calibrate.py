@@ -372,8 +372,8 @@ def measure_activation(device: torch.device, dtype: torch.dtype, numel: int = 2 
 
 # Calls per round of ``measure_link``'s call sites, by all-reduce size in bytes: about in
 # proportion to the square of the call-to-call variation of each size on 2 gloo ranks of a
-# 2-core machine (a standard deviation 1.0-1.1 times the mean at 64 and 256 KB, 0.6 at 1 MB,
-# 0.35 at 4 MB, 0.2 at 16 MB: a few calls in each ten wait 1.5-6 ms for a rank's threads), so
+# 2-core machine (a standard deviation 1.0-1.2 times the mean at 64 and 256 KB, 0.7-0.8 at
+# 1 MB, 0.4-0.45 at 4 MB, 0.2 at 16 MB: a few calls in each ten wait 1.5-6 ms), so
 # that every size's mean over the rounds is about as precise (about 3%). Twenty of each size,
 # as before, left the 256 KB mean 13-31% apart over six calibrations in a row.
 LINK_CALLS = {2 ** 16: 250, 2 ** 18: 250, 2 ** 20: 90, 2 ** 22: 30, 2 ** 24: 10}
