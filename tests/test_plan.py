@@ -493,6 +493,37 @@ def test_every_collective_call_site_pays_the_sync():
     assert slow > evaluate(work, Cluster(8, 8, ROUND), cfg).dp_exposed_s
 
 
+def test_a_call_after_longer_computing_pays_more_sync():
+    gappy = Hardware(**{**ROUND.to_dict(), "sync_us": 50.0, "sync_per_gap": 0.25,
+                        "sync_gap_us": 1000.0})
+    base = cost.collective_time("all_reduce", 1e6, 4, 100.0, gappy)
+    # up to the compute the sync was measured after, nothing more; beyond it, a quarter of it
+    assert cost.collective_time("all_reduce", 1e6, 4, 100.0, gappy, gap=0.5e-3) == base
+    assert cost.collective_time("all_reduce", 1e6, 4, 100.0, gappy, gap=3e-3) == \
+        pytest.approx(base + 0.25 * 2e-3)
+    # A layer shares its compute between the gaps before its calls: a MoE layer's one forward
+    # all-reduce comes after all of the forward, a dense one's two after half of it each.
+    shape = Shape(GPT, 2048, 1, tp=4)
+    flat = dataclasses.replace(gappy, sync_per_gap=0.0)
+    (f0, b0), (f1, b1) = (cost.tp_collectives(shape, hw, 100.0, compute=(0.01, 0.02))
+                          for hw in (flat, gappy))
+    row, col = cost.tp_call_sites(shape)
+    assert f1 - f0 == pytest.approx(row * 0.25 * (0.01 / row - 1e-3))
+    assert b1 - b0 == pytest.approx(col * 0.25 * (0.02 / col - 1e-3))
+    # layer_cost hands it the layer's own compute: the MoE's one forward call pays for it all
+    # (this profile's layers compute for microseconds: measured after 1 us)
+    short = dataclasses.replace(gappy, sync_gap_us=1.0)
+    for name, calls in (("tiny-moe", 1), ("tiny", 2)):
+        layer = Shape(get_config(name), 512, 1, tp=2)
+        lc0, lc1 = (cost.layer_cost(layer, hw, tp_link_gbps=100.0)
+                    for hw in (dataclasses.replace(short, sync_per_gap=0.0), short))
+        assert lc0.f > 2e-6 * calls
+        assert lc1.tp_comm_f - lc0.tp_comm_f == pytest.approx(
+            calls * 0.25 * (lc0.f / calls - 1e-6))
+    with pytest.raises(ValueError, match="sync_per_gap=-1 must be >= 0"):
+        Hardware(**{**ROUND.to_dict(), "sync_per_gap": -1})
+
+
 def test_gradient_accumulation_per_extra_micro_batch():
     work, cluster = _work(), Cluster(8, 8, ROUND)
     fp32 = cost.trainer_features("fp32")
@@ -526,7 +557,7 @@ def _measure_link_rank(rank, world):
         return all_reduce(t, *args, **kwargs)
     dist.all_reduce = counted
     try:                                  # one round: what is measured, not how steady
-        return measure_link(rounds=1, calls={2 ** 16: 7, 2 ** 24: 3}), calls
+        return measure_link(rounds=1, calls={2 ** 16: 7, 2 ** 24: 3}, gap_calls=5), calls
     finally:
         dist.all_reduce = all_reduce
 
@@ -534,13 +565,18 @@ def _measure_link_rank(rank, world):
 def test_measure_link_under_gloo():
     from fastpar.plan.calibrate import LINK_CALLS
     from fastpar.testing import run_ranks
-    for (bw, latency, sync, curve, post), calls in run_ranks(_measure_link_rank, 2, timeout=120):
+    for (bw, latency, sync, curve, post, per_gap, gap), calls in run_ranks(_measure_link_rank, 2,
+                                                                           timeout=120):
         # Each call site size as many times as asked, the rest as LINK_CALLS has them (each
-        # timed run after 2 untimed calls); 64 KB and 16 MB also back to back (100 and 4)
-        assert calls[2 ** 16] == 102 + 9 and calls[2 ** 24] == 6 + 5
+        # timed run after 2 untimed calls); 64 KB and 16 MB also back to back (100 and 4), and
+        # 64 KB after the longer computing (5)
+        assert calls[2 ** 16] == 102 + 9 + 7 and calls[2 ** 24] == 6 + 5
         assert {x: calls[x] - 2 for x in (2 ** 18, 2 ** 20, 2 ** 22)} == \
             {x: LINK_CALLS[x] for x in (2 ** 18, 2 ** 20, 2 ** 22)}
         assert bw > 1e6 and 0 <= latency < 0.1 and 0 <= sync < 0.1 and 0 < post < 0.1
+        # the call sites' three GEMMs of 320 took their time; the growth per second of it is
+        # a ratio of seconds, never negative
+        assert 1e-5 < gap < 1.0 and 0 <= per_gap < 100
         # 64 KB to 16 MB, called after computing; the sync is what the 64 KB call costs beyond
         # the ring model, so the curve is 1 there (unless the call ran under it: no sync)
         assert [x for x, _ in curve] == [2 ** 16, 2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24]

@@ -23,8 +23,9 @@
   :func:`cost.ring_time`; all-reduces of 64 KB to 16 MB each issued right after every rank
   computed on its own, as in training: the 64 KB one's excess over the ring model is
   ``sync_us`` (paid once per collective call site), and each size's time less the sync, as a
-  ratio to the model, is ``link_curve``; and the host time of posting one pipeline message
-  (``p2p_post_us``);
+  ratio to the model, is ``link_curve``; the 64 KB call site again after three times the
+  computing, whose extra over the computing's is ``sync_per_gap`` (``sync_gap_us``: the call
+  sites' own computing); and the host time of posting one pipeline message (``p2p_post_us``);
 - on a CPU, the host time per autograd call of a zero-bubble split backward (``split_call_us``):
   the same layers as one pipeline stage, split B and W against a plain backward;
 - on a CPU, the rate at which a training forward writes what it saves for the backward
@@ -379,10 +380,17 @@ def measure_activation(device: torch.device, dtype: torch.dtype, numel: int = 2 
 LINK_CALLS = {2 ** 16: 250, 2 ** 18: 250, 2 ** 20: 90, 2 ** 22: 30, 2 ** 24: 10}
 
 
+# The sync's growth with the compute before a call: the 64 KB call site is timed again after
+# GAP_WORK times the call sites' three GEMMs, GAP_CALLS calls a round (its mean is 1.5-2 ms, a
+# standard deviation about its mean: as many as the 64 KB call sites take).
+GAP_WORK, GAP_CALLS = 3, 250
+
+
 def measure_link(group=None, device=None, barrier=None, work_size: int = 320, rounds: int = 8,
-                 calls: dict | None = None) -> tuple[float, float, float, tuple, float]:
+                 calls: dict | None = None, gap_calls: int = GAP_CALLS) -> tuple:
     """(bytes per second, seconds of latency per ring step, seconds of sync per call, curve,
-    seconds to post a send or a receive) of all-reduce and point-to-point over ``group``.
+    seconds to post a send or a receive, sync per second of compute before a call, seconds of
+    compute before the call sites) of all-reduce and point-to-point over ``group``.
 
     ``curve``: ((bytes, measured / modelled time), ...) of all-reduces of 64 KB to 16 MB, each
     issued as training issues a collective call, right after every rank has computed on its own
@@ -412,7 +420,16 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
     2-core machine. ``rounds`` rounds, each timing every case (each call site size in a run of
     ``calls[bytes]`` calls, :data:`LINK_CALLS` by default), so that a slow spell of a shared
     machine does not fall on one case only; the median round of each (the call sites' mean
-    round)."""
+    round).
+
+    The sync grows with how long the ranks computed since their previous call: on 2 gloo ranks
+    of a 2-core machine a 128 KB all-reduce cost 0.9-1.1 ms on average after 0.5-1.2 ms of
+    computing, 1.5-1.7 ms after 3-4 ms and 2.0 ms after 6 ms, the median call the same
+    0.35-0.45 ms throughout: the tail, not the ranks' drift (their wait for each other grew by
+    0.1-0.3 ms of it). So the 64 KB call site is also timed after ``GAP_WORK`` times the work
+    (``gap_calls`` calls a round): the difference over the difference of the two computes is the
+    sync per second of compute beyond the call sites' (the sixth figure, never below 0; the
+    seventh is the call sites' own compute, the mean time of their three GEMMs)."""
     n = dist.get_world_size(group)
     small, large = 16 * 2 ** 10, 4 * 2 ** 20           # float32 elements: 64 KB and 16 MB
     sizes = (small, 2 ** 16, 2 ** 18, 2 ** 20, large)   # and 256 KB, 1 MB, 4 MB between
@@ -420,8 +437,8 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
     counts = {**LINK_CALLS, **(calls or {})}
     a, b = (torch.randn(work_size, work_size, device=dev) for _ in range(2))
 
-    def work():
-        for _ in range(3):
+    def work(reps=3):
+        for _ in range(reps):
             a @ b
 
     def slowest(t):
@@ -435,13 +452,17 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    def call_site(numel):
-        work()
-        settle()
+    computed: dict = {}
+
+    def call_site(numel, reps=3):
         t0 = time.perf_counter()
+        work(reps)
+        settle()
+        t1 = time.perf_counter()
         dist.all_reduce(xs[numel], group=group)
         settle()
-        waits.setdefault(numel, []).append(time.perf_counter() - t0)
+        waits.setdefault((numel, reps), []).append(time.perf_counter() - t1)
+        computed.setdefault(reps, []).append(t1 - t0)
     # Posting a pipeline's messages: each rank sends 128 KB to the next and receives from the
     # previous, posted as one batch after computing on its own, as the executor posts them.
     rank = dist.get_rank(group)
@@ -475,7 +496,13 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
             _timed(functools.partial(call_site, numel), dev, counts[4 * numel], barrier,
                    window=True)
             timed.setdefault(("site", numel), []).append(
-                slowest(statistics.fmean(waits[numel][2:])))
+                slowest(statistics.fmean(waits[numel, 3][2:])))
+        # The 64 KB call site after longer computing (the sync's growth with it).
+        dist.barrier(group=group)
+        _timed(functools.partial(call_site, small, 3 * GAP_WORK), dev, gap_calls, barrier,
+               window=True)
+        timed.setdefault("long", []).append(
+            slowest(statistics.fmean(waits[small, 3 * GAP_WORK][2:])))
         waits.clear()
     # The call sites' mean round, the others' median: calls after computing run 1-2.5 ms in
     # spells of a second on 2 ranks of a 2-core machine, and a training step, which pays them
@@ -498,7 +525,9 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
     site = list(itertools.accumulate((times[("site", numel)] for numel in sizes), max))
     curve = tuple((4.0 * numel, max(site[i] - sync, ring(small)) / ring(numel))
                   for i, numel in enumerate(sizes))
-    return bw, latency, sync, curve, times["post"]
+    short, long = (slowest(statistics.fmean(computed[reps])) for reps in (3, 3 * GAP_WORK))
+    per_gap = max(0.0, (times["long"] - times[("site", small)]) / max(long - short, 1e-9))
+    return bw, latency, sync, curve, times["post"], per_gap, short
 
 
 def measure(name: str = "calibrated", group=None, rounds: int | None = None) -> Hardware:
@@ -611,10 +640,10 @@ def _profile(name, group, cuda, barrier, peak, overhead, gemms, memory, attentio
     else:
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         hbm = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / ranks
-    link, latency, sync, link_curve, post = (mem_bw, 0.0, 0.0, (), 0.0)
+    link, latency, sync, link_curve, post, per_gap, gap = (mem_bw, 0.0, 0.0, (), 0.0, 0.0, 0.0)
     if barrier is not None:
-        link, latency, sync, link_curve, post = measure_link(group, device if cuda else None,
-                                                             barrier)
+        link, latency, sync, link_curve, post, per_gap, gap = measure_link(
+            group, device if cuda else None, barrier)
     return Hardware(name=name, peak_tflops=peak / 1e12,
                     matmul_efficiency=statistics.median(y for _, y in matmul_curve), hbm_gb=hbm,
                     hbm_gbps=mem_bw / 1e9, intra_node_gbps=link / 1e9, inter_node_gbps=link / 1e9,
@@ -627,7 +656,8 @@ def _profile(name, group, cuda, barrier, peak, overhead, gemms, memory, attentio
                     matmul_curve=tuple(matmul_curve),
                     memory_curve=tuple((x, y / 1e9) for x, y in memory),
                     attention_curve=tuple((x, min(1.0, y / peak)) for x, y in attention),
-                    link_curve=link_curve, p2p_post_us=post * 1e6)
+                    link_curve=link_curve, p2p_post_us=post * 1e6, sync_per_gap=per_gap,
+                    sync_gap_us=gap * 1e6)
 
 
 def calibrate(out: str | Path = "hardware.json", name: str | None = None) -> tuple[Hardware, Path]:

@@ -454,14 +454,14 @@ def layer_cost(shape: Shape, hw: Hardware, recompute: str = "none", tp_link_gbps
         core_b += (REFERENCE_OPS["core"][1] - back * REFERENCE_OPS["core"][0]) \
             * hw.kernel_overhead_us * 1e-6
     b = gemm_b + core_b + elem_b
+    w = sum(hw.gemm_time(*mnk) for mnk in mats)
     comm_f, comm_b = tp_collectives(shape, hw, tp_link_gbps, feat,
-                                    regather=regathers(recompute, feat))
+                                    regather=regathers(recompute, feat), compute=(f, b + w))
     if recompute == "full":     # the forward again, recording all that a layer saves
         b, comm_b = b + f - saved + hw.saved_time(activation_bytes(
             shape, "none", feat, hw.bytes_per_element, ref)), comm_b + comm_f
     elif recompute == "selective":
         b += core
-    w = sum(hw.gemm_time(*mnk) for mnk in mats)
     cp_f, cp_b = cp_ring_exposed(shape, hw, cp_link_gbps, core_at_b, core_b)
     if recompute == "full":
         cp_b += cp_f
@@ -509,19 +509,23 @@ def ring_time(kind: str, nbytes: float, n: int, link_gbps: float, latency_us: fl
 
 
 def collective_time(kind: str, nbytes: float, n: int, link_gbps: float, hw: Hardware,
-                    pieces: int = 1) -> float:
+                    pieces: int = 1, gap: float = 0.0) -> float:
     """Seconds of one collective call site over ``n`` ranks, issued as ``pieces`` collectives of
     equal parts (an overlapped linear's chunks): each is a ring (:func:`ring_time`); the first
     also pays the hardware's ``sync_us``, the ranks' drift and wake-up when they meet after
-    computing apart, and paces the chunks after it."""
+    computing apart, and paces the chunks after it. ``gap``: seconds the ranks computed since
+    their previous call; beyond the ``sync_gap_us`` the sync was measured after, each second of
+    it adds ``sync_per_gap`` (on a CPU gloo's wait grows with it)."""
     if n <= 1:
         return 0.0
     return pieces * ring_time(kind, nbytes / pieces, n, link_gbps, hw.collective_latency_us) \
-        * hw.link_factor(nbytes / pieces) + hw.sync_us * 1e-6
+        * hw.link_factor(nbytes / pieces) + hw.sync_us * 1e-6 \
+        + hw.sync_per_gap * max(0.0, gap - hw.sync_gap_us * 1e-6)
 
 
 def tp_collectives(shape: Shape, hw: Hardware, link_gbps: float,
-                   feat: Features = FASTPAR, regather: bool = False) -> tuple[float, float]:
+                   feat: Features = FASTPAR, regather: bool = False,
+                   compute: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
     """Seconds of one layer's TP communication, forward and backward, before any overlap.
 
     With ``c`` column-parallel linears (fastpar: q, k, v, and gate and up or fc1, each with its
@@ -534,26 +538,30 @@ def tp_collectives(shape: Shape, hw: Hardware, link_gbps: float,
     output gradient; with ``regather`` (Megatron's choice, fastpar's under selective recompute)
     it also gathers each column linear's input again for its weight gradient, which fastpar
     otherwise keeps from the forward. On a CPU (gloo) the backward's reduce-scatters cost
-    all-reduces.
+    all-reduces. ``compute``: the layer's forward and backward compute, shared evenly
+    between the gaps before its calls (each call's sync grows with its gap:
+    :func:`collective_time`).
     """
     t = shape.tp
     if t == 1:
         return 0.0, 0.0
     n = shape.tokens * shape.model.d_model * hw.bytes_per_element      # (s, b, h)
     row, col = tp_call_sites(shape, feat)
+    calls = (col + row, col * (2 if regather else 1) + row) if shape.sp else (row, col)
+    gap_f, gap_b = (c / k for c, k in zip(compute, calls))
 
-    def ring(kind, pieces=1):
-        return collective_time(kind, n, t, link_gbps, hw, pieces)
+    def ring(kind, gap, pieces=1):
+        return collective_time(kind, n, t, link_gbps, hw, pieces, gap)
 
     if shape.sp:
-        fwd = col * ring("all_gather") + row * ring("reduce_scatter")
-        again = ring("all_gather") if regather else 0.0
+        fwd = col * ring("all_gather", gap_f) + row * ring("reduce_scatter", gap_f)
+        again = ring("all_gather", gap_b) if regather else 0.0
         # gloo reduce-scatters a tensor through an all-reduce of the whole of it (the column
         # linears' input gradients; the row linears' forward runs its own ring of exchanges)
-        scatter = ring("all_reduce" if hw.kind == "cpu" else "reduce_scatter")
-        return fwd, col * (again + scatter) + row * ring("all_gather")
+        scatter = ring("all_reduce" if hw.kind == "cpu" else "reduce_scatter", gap_b)
+        return fwd, col * (again + scatter) + row * ring("all_gather", gap_b)
     pieces = tp_pieces(shape, hw, feat)
-    return row * ring("all_reduce", pieces), col * ring("all_reduce", pieces)
+    return row * ring("all_reduce", gap_f, pieces), col * ring("all_reduce", gap_b, pieces)
 
 
 def tp_call_sites(shape: Shape, feat: Features = FASTPAR) -> tuple[int, int]:

@@ -59,6 +59,10 @@ class Hardware:
     sync_us: float = 0.0                  # per collective call site, where ranks that computed
     #                                       apart meet: their drift and wake-up (measured; 0 in
     #                                       the built-in profiles: nothing measured to go on)
+    sync_per_gap: float = 0.0             # the sync's growth per second a rank computed since
+    #                                       its previous call beyond sync_gap_us (measured; 0 in
+    #                                       the built-in profiles: a GPU's host does not wait)
+    sync_gap_us: float = 0.0              # the compute before the calls sync_us was measured at
     bytes_per_element: int = 2            # training dtype of activations (bf16 = 2, fp32 = 4)
     memory_reserve_gb: float = 1.0        # runtime context and communication buffers; assumed:
     #                                       a CUDA context and NCCL's buffers take about 1 GB
@@ -108,7 +112,8 @@ class Hardware:
             zero_ok = f.name in ("collective_latency_us", "kernel_overhead_us",
                                  "memory_reserve_gb", "attention_efficiency", "activation_gbps",
                                  "sync_us", "concurrent_ranks", "forward_overhead_us",
-                                 "p2p_post_us", "split_call_us", "saved_gbps")
+                                 "p2p_post_us", "split_call_us", "saved_gbps", "sync_per_gap",
+                                 "sync_gap_us")
             if value < 0 or (value == 0 and not zero_ok):
                 raise ValueError(f"hardware {self.name!r}: {f.name}={value!r} must be "
                                  f"{'>= 0' if zero_ok else '> 0'}")
