@@ -436,8 +436,9 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
     dev = device or torch.device("cpu")
     counts = {**LINK_CALLS, **(calls or {})}
     a, b = (torch.randn(work_size, work_size, device=dev) for _ in range(2))
+    site_gemms = 3                                       # a call site computes three GEMMs
 
-    def work(reps=3):
+    def work(reps=site_gemms):
         for _ in range(reps):
             a @ b
 
@@ -454,7 +455,7 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
 
     computed: dict = {}
 
-    def call_site(numel, reps=3):
+    def call_site(numel, reps=site_gemms):
         t0 = time.perf_counter()
         work(reps)
         settle()
@@ -496,13 +497,13 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
             _timed(functools.partial(call_site, numel), dev, counts[4 * numel], barrier,
                    window=True)
             timed.setdefault(("site", numel), []).append(
-                slowest(statistics.fmean(waits[numel, 3][2:])))
+                slowest(statistics.fmean(waits[numel, site_gemms][2:])))
         # The 64 KB call site after longer computing (the sync's growth with it).
         dist.barrier(group=group)
-        _timed(functools.partial(call_site, small, 3 * GAP_WORK), dev, gap_calls, barrier,
+        _timed(functools.partial(call_site, small, site_gemms * GAP_WORK), dev, gap_calls, barrier,
                window=True)
         timed.setdefault("long", []).append(
-            slowest(statistics.fmean(waits[small, 3 * GAP_WORK][2:])))
+            slowest(statistics.fmean(waits[small, site_gemms * GAP_WORK][2:])))
         waits.clear()
     # The call sites' mean round, the others' median: calls after computing run 1-2.5 ms in
     # spells of a second on 2 ranks of a 2-core machine, and a training step, which pays them
@@ -525,7 +526,8 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
     site = list(itertools.accumulate((times[("site", numel)] for numel in sizes), max))
     curve = tuple((4.0 * numel, max(site[i] - sync, ring(small)) / ring(numel))
                   for i, numel in enumerate(sizes))
-    short, long = (slowest(statistics.fmean(computed[reps])) for reps in (3, 3 * GAP_WORK))
+    short, long = (slowest(statistics.fmean(computed[reps]))
+                   for reps in (site_gemms, site_gemms * GAP_WORK))
     per_gap = max(0.0, (times["long"] - times[("site", small)]) / max(long - short, 1e-9))
     return bw, latency, sync, curve, times["post"], per_gap, short
 
