@@ -2,6 +2,8 @@
 import dataclasses
 import json
 
+import time
+
 import pytest
 
 from fastpar.models import GPTConfig, get_config
@@ -585,6 +587,88 @@ def test_measure_link_under_gloo():
         # a larger all-reduce is never modelled cheaper than a smaller one
         modelled = [sync + y * (2 * latency + x / bw) for x, y in curve]
         assert modelled == sorted(modelled)
+
+
+def _tailed_link_rank(rank, world):
+    import torch.distributed as dist
+
+    from fastpar.plan.calibrate import measure_link
+    all_reduce, count = dist.all_reduce, [0]
+
+    def tailed(t, *args, **kwargs):       # every eighth 64 KB call 16 ms longer, on both ranks
+        out = all_reduce(t, *args, **kwargs)
+        if t.numel() * t.element_size() == 2 ** 16:
+            count[0] += 1
+            end = time.perf_counter() + (16e-3 if count[0] % 8 == 0 else 0.0)
+            while time.perf_counter() < end:
+                pass
+        return out
+    dist.all_reduce = tailed
+    try:
+        return measure_link(rounds=2, calls={x: 8 for x in (2 ** 16, 2 ** 18, 2 ** 20, 2 ** 22)},
+                            gap_calls=4)
+    finally:
+        dist.all_reduce = all_reduce
+
+
+def test_a_slow_tail_goes_into_the_sync_not_the_latency():
+    """The latency is the back-to-back 64 KB all-reduce's median call: a tail of slow calls
+    (one in eight 16 ms longer: at least 2 ms on every round's mean, so that a round's mean
+    would put at least 1 ms a ring step into the latency) is the call sites' sync to carry."""
+    from fastpar.testing import run_ranks
+    for bw, latency, sync, *_ in run_ranks(_tailed_link_rank, 2, timeout=120):
+        assert latency < 0.9e-3
+        assert sync > 1.5e-3 and sync > latency
+
+
+def _interleaved_rank(rank, world):
+    import functools
+
+    import torch.distributed as dist
+
+    from fastpar.plan import calibrate
+    events, rounds = [], iter(range(100))
+    link = calibrate.measure_link
+
+    def compute(*args, **kwargs):      # round k: every rate (k+1) x, the overhead (k+1) us
+        k = next(rounds)
+        events.append(("compute", k))
+        return ((k + 1) * 1e9, (k + 1) * 1e-6, [(1e6, (k + 1) * 5e8), (1e8, (k + 1) * 1e9)],
+                [(2 ** 20, (k + 1) * 1e9), (2 ** 24, (k + 1) * 2e9)], [(1e6, (k + 1) * 3e8)],
+                (k + 1) * 1e9)
+
+    def measured_link(*args, between=None, **kwargs):
+        def logged(i):
+            events.append(("link", i))
+            between(i)
+        return link(*args, between=logged, calls={x: 3 for x in (2 ** 16, 2 ** 18, 2 ** 20,
+                                                                  2 ** 22, 2 ** 24)},
+                    gap_calls=3, **kwargs)
+    calibrate._measure_compute = compute
+    calibrate.measure_link = measured_link
+    calibrate.measure_layer_overhead = lambda hw, d, **kw: (2e-5, 1e-5)
+    calibrate.measure_split_overhead = lambda d, **kw: 1e-4
+    calibrate.measure_saved_rate = functools.partial(lambda d, **kw: 1e10)
+    hw = calibrate.measure("x", rounds=3)
+    assert dist.get_world_size() == world
+    return events, hw
+
+
+def test_compute_rounds_are_spread_among_the_link_rounds():
+    """Under a process group the calibration's compute rounds run between the link's rounds
+    (at rounds 1, 4 and 6 of 8), not three in a row; each figure is the median round's."""
+    from fastpar.plan.calibrate import LINK_ROUNDS
+    from fastpar.testing import run_ranks
+    for events, hw in run_ranks(_interleaved_rank, 2, timeout=180):
+        assert LINK_ROUNDS == 8
+        assert events == [("link", 0), ("link", 1), ("compute", 0), ("link", 2), ("link", 3),
+                          ("link", 4), ("compute", 1), ("link", 5), ("link", 6),
+                          ("compute", 2), ("link", 7)]
+        assert hw.peak_tflops == pytest.approx(2e-3)             # the middle round's 2e9 FLOP/s
+        assert hw.matmul_curve == ((1e6, 0.5), (1e8, 1.0))
+        assert hw.memory_curve == ((2 ** 20, 2.0), (2 ** 24, 4.0))
+        assert (hw.forward_overhead_us, hw.kernel_overhead_us) == pytest.approx((20.0, 10.0))
+        assert hw.intra_node_gbps > 0 and hw.sync_gap_us > 0     # the link was measured too
 
 
 def test_calibration_takes_the_median_of_its_rounds():

@@ -19,8 +19,8 @@
 - attention: forward and backward of torch's causal scaled-dot-product attention at a few
   sizes, as a fraction of peak on the FLOPs the cost model counts (``attention_curve``);
 - links, under torchrun (or any initialised process group): all-reduces of 64 KB and 16 MB back to
-  back, solved for the per-step latency and the bandwidth of the ring model of
-  :func:`cost.ring_time`; all-reduces of 64 KB to 16 MB each issued right after every rank
+  back (the 64 KB one's median call), solved for the per-step latency and the bandwidth of the
+  ring model of :func:`cost.ring_time`; all-reduces of 64 KB to 16 MB each issued right after every rank
   computed on its own, as in training: the 64 KB one's excess over the ring model is
   ``sync_us`` (paid once per collective call site), and each size's time less the sync, as a
   ratio to the model, is ``link_curve``; the 64 KB call site again after three times the
@@ -33,8 +33,8 @@
   without recording, per byte the cost model says they save.
 
 On a CPU every time is the mean of its calls (the step pays the slow ones too), and every
-figure the median of ``CPU_ROUNDS`` rounds of them (a slow spell of the host falls on one
-round); on a GPU the median call, one round. With several ranks on one machine every rank measures at the same time, as they will
+figure the median of ``CPU_ROUNDS`` rounds of them, spread among the link's rounds (a slow spell
+of the host falls on one round); on a GPU the median call, one round. With several ranks on one machine every rank measures at the same time, as they will
 train: run it under torchrun with the training run's ``--nproc-per-node`` so that every rate is
 the one a rank gets while the others share the cores (each rank keeps its share of the threads).
 Ranks that need more cores than the machine has measure compute in turns, and the profile's
@@ -43,6 +43,7 @@ layer of the per-operator overhead.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -384,10 +385,11 @@ LINK_CALLS = {2 ** 16: 250, 2 ** 18: 250, 2 ** 20: 90, 2 ** 22: 30, 2 ** 24: 10}
 # GAP_WORK times the call sites' three GEMMs, GAP_CALLS calls a round (its mean is 1.5-2 ms, a
 # standard deviation about its mean: as many as the 64 KB call sites take).
 GAP_WORK, GAP_CALLS = 3, 250
+LINK_ROUNDS = 8                 # rounds of ``measure_link`` in ``measure``
 
 
 def measure_link(group=None, device=None, barrier=None, work_size: int = 320, rounds: int = 8,
-                 calls: dict | None = None, gap_calls: int = GAP_CALLS) -> tuple:
+                 calls: dict | None = None, gap_calls: int = GAP_CALLS, between=None) -> tuple:
     """(bytes per second, seconds of latency per ring step, seconds of sync per call, curve,
     seconds to post a send or a receive, sync per second of compute before a call, seconds of
     compute before the call sites) of all-reduce and point-to-point over ``group``.
@@ -406,13 +408,19 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
     every message).
 
     Bandwidth and latency come from all-reduces of 64 KB and 16 MB back to back, as the chunks
-    of one overlapped collective run (the latency from the 64 KB one's fastest round). Only
-    they do: back to back, small all-reduces of 2 gloo ranks on a 2-core machine take either
-    about 0.3 or about 0.8 ms, spell by spell, while the same call after computing costs
-    1.0-1.3 ms in every spell. The earlier profile took the
+    of one overlapped collective run (the latency from the 64 KB one's median call over all
+    rounds). Only they do: back to back, small all-reduces of 2 gloo ranks on a 2-core machine
+    take either about 0.3 or about 0.8 ms, spell by spell, while the same call after computing
+    costs 1.0-1.3 ms in every spell. The earlier profile took the
     sync and the curve from differences against the back-to-back times, and they carried that
     noise into every call site's cost: the link's figures alone moved the predicted step of a
-    tp2 or ep2 layout by up to 10% from one calibration to the next.
+    tp2 or ep2 layout by up to 10% from one calibration to the next. The latency was then the
+    fastest round's mean of the 64 KB calls, which still took a spell whole or not at all:
+    0.49-1.70 ms over six measurements in a row on 2 gloo ranks of a 2-core machine, where the
+    median call read 0.46-0.59 ms; the sync, the call site's mean less the ring model, took the
+    rest, so the two moved against each other and every collective whose ring steps differ
+    from the 64 KB all-reduce's (an all-gather, a reduce-scatter, an all-to-all) moved with
+    them (10-16% of a predicted tp2, SP or ep2 step from one calibration to the next).
 
     Every figure is the mean of a window of calls, not the median call: a training step pays
     the sum of its collectives, and on cores the ranks share a few calls in ten take a
@@ -421,6 +429,9 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
     ``calls[bytes]`` calls, :data:`LINK_CALLS` by default), so that a slow spell of a shared
     machine does not fall on one case only; the median round of each (the call sites' mean
     round).
+
+    ``between(i)``, if given, runs before round ``i`` on every rank (``measure`` spreads its
+    compute rounds over the link's this way).
 
     The sync grows with how long the ranks computed since their previous call: on 2 gloo ranks
     of a 2-core machine a 128 KB all-reduce cost 0.9-1.1 ms on average after 0.5-1.2 ms of
@@ -481,15 +492,26 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
         for w in works:
             w.wait()
     timed: dict = {}
-    for _ in range(rounds):
+    back_to_back: list = []                     # every 64 KB call, each timed alone
+    for i in range(rounds):
+        if between is not None:
+            between(i)
         posts.clear()
         _timed(exchange, dev, 50, barrier, window=True)
         timed.setdefault("post", []).append(slowest(statistics.fmean(posts)))
-        for key, iters in ((small, 100), (large, 4)):
-            dist.barrier(group=group)
-            timed.setdefault(key, []).append(slowest(_timed(
-                functools.partial(dist.all_reduce, xs[key], group=group), dev, iters, barrier,
-                window=True)))
+        for j in range(2 + 100):                # after 2 untimed calls, as ``_timed``
+            if j == 2:
+                settle()
+                dist.barrier(group=group)
+            t0 = time.perf_counter()
+            dist.all_reduce(xs[small], group=group)
+            settle()
+            if j >= 2:
+                back_to_back.append(time.perf_counter() - t0)
+        dist.barrier(group=group)
+        timed.setdefault(large, []).append(slowest(_timed(
+            functools.partial(dist.all_reduce, xs[large], group=group), dev, 4, barrier,
+            window=True)))
         # Each size in a run of calls, as a layer issues its collectives (a 64 KB call right
         # after a 16 MB one costs about 0.4 ms more on 2 gloo ranks of a 2-core machine).
         for numel in sizes:
@@ -509,12 +531,13 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
     # spells of a second on 2 ranks of a 2-core machine, and a training step, which pays them
     # all, meets as many spells as it lasts; over rounds the mean repeats closer than the median
     # (resampled rounds of one such machine: a spread of 15% against 22-25% in ten).
-    # The back-to-back 64 KB all-reduce's fastest round: the link's own latency, in a spell
-    # when no rank's threads wait for a core (the other spells' extra is the call sites' to
-    # carry, and a latency that took it whole or not at all from one calibration to the next
-    # moved every all-gather's and reduce-scatter's cost with it).
-    times = {k: (statistics.fmean if isinstance(k, tuple) else min if k == small
-                 else statistics.median)(v) for k, v in timed.items()}
+    # The back-to-back 64 KB all-reduce's median call (the slower rank's): the link's own
+    # latency, in a spell when no rank's threads wait for a core (the other spells' extra is
+    # the call sites' to carry, and a latency that took it whole or not at all from one
+    # calibration to the next moved every all-gather's and reduce-scatter's cost with it).
+    times = {k: (statistics.fmean if isinstance(k, tuple) else statistics.median)(v)
+             for k, v in timed.items()}
+    times[small] = slowest(statistics.median(back_to_back))
     steps, share = 2 * (n - 1), 2 * (n - 1) / n
     bw = share * 4 * (large - small) / max(times[large] - times[small], 1e-9)
     latency = max(0.0, (times[small] - share * 4 * small / bw) / steps)
@@ -544,11 +567,14 @@ def measure(name: str = "calibrated", group=None, rounds: int | None = None) -> 
     rates (its simulator shares the cores among the ranks that compute at each moment).
 
     ``rounds`` (default ``CPU_ROUNDS``, 3, on a CPU; 1 on a GPU): every compute measurement is
-    taken that many times, one round after another, and each figure is the median of its
-    rounds, as the links' are. One round of each moved the predicted step of one layout by
-    7-16% from one calibration to the next on a quiet 2-core machine: a GEMM shape, the layer's
-    overhead or a link's latency that met a slow spell of the host once went into the profile
-    whole."""
+    taken that many times, and each figure is the median of its rounds, as the links' are. One
+    round of each moved the predicted step of one layout by 7-16% from one calibration to the
+    next on a quiet 2-core machine: a GEMM shape, the layer's overhead or a link's latency that
+    met a slow spell of the host once went into the profile whole. Under a process group the
+    rounds are spread among the link's (``measure_link``'s ``between``), a whole compute round
+    (every figure once) at a time: three rounds in a row took 20-25 s of a 2-core machine and
+    could all meet one slow spell (every GEMM shape 5-20% slower in one calibration of six
+    back to back; the host's own rate holds within 4% over two-second windows otherwise)."""
     cuda = torch.cuda.is_available()
     grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -559,20 +585,40 @@ def measure(name: str = "calibrated", group=None, rounds: int | None = None) -> 
     turns = _turns(int(concurrent)) if grouped and not cuda and group is None else None
 
     rounds = rounds or (1 if cuda else CPU_ROUNDS)
+    kw = (lambda b: {"barrier": b} if b is not None else {})   # one rank: the plain calls
+    done: list = []
 
-    def in_turns(fn):
-        return _median_rounds([_in_turns(fn, turns, barrier) for _ in range(rounds)])
+    def compute_round():
+        """Every compute figure once: the GEMMs, bytes and attention, then (on a CPU) the
+        per-operator overheads on fastpar's layer, the split backward and the saved bytes."""
+        compute = _in_turns(lambda b: _measure_compute(device, dtype, cuda, b), turns, barrier)
+        if cuda:
+            done.append((compute,))
+            return
+        # The layer's overhead: its time less what this round's rates model for its arithmetic.
+        hw = _profile(name, cuda, max(r for _, r in compute[2]), *compute[1:])
+        done.append((compute,
+                     _in_turns(lambda b: measure_layer_overhead(hw, device, **kw(b)), turns,
+                               barrier),
+                     _in_turns(lambda b: measure_split_overhead(device, **kw(b)), turns, barrier),
+                     _in_turns(lambda b: measure_saved_rate(device, **kw(b)), turns, barrier)))
+    link = ()
+    if grouped:
+        # The compute rounds spread over the link's rounds (a slow spell of a shared host lasts
+        # seconds to tens of seconds: three rounds in a row met the same one).
+        spots = collections.Counter(min(LINK_ROUNDS - 1, (2 * i + 1) * LINK_ROUNDS // (2 * rounds))
+                                    for i in range(rounds))
+        link = measure_link(group, device if cuda else None, barrier, rounds=LINK_ROUNDS,
+                            between=lambda i: [compute_round() for _ in range(spots[i])])
+    else:
+        for _ in range(rounds):
+            compute_round()
+    compute, *host = _median_rounds(done)
     # The peak: the best of the GEMM shapes' median rates (not the median of the rounds' bests).
-    _, *compute = in_turns(lambda b: _measure_compute(device, dtype, cuda, b))
-    hw = _profile(name, group, cuda, barrier, max(r for _, r in compute[1]), *compute)
+    hw = _profile(name, cuda, max(r for _, r in compute[2]), *compute[1:], link=link)
     if cuda:
         return hw
-    forward, backward = in_turns(lambda b: measure_layer_overhead(
-        hw, device, **({"barrier": b} if b is not None else {})))
-    split = in_turns(lambda b: measure_split_overhead(
-        device, **({"barrier": b} if b is not None else {})))
-    saved = in_turns(lambda b: measure_saved_rate(
-        device, **({"barrier": b} if b is not None else {})))
+    (forward, backward), split, saved = host
     floor = hw.kernel_overhead_us * 1e-6
     return dataclasses.replace(hw, kernel_overhead_us=1e6 * max(floor, backward),
                                forward_overhead_us=1e6 * max(floor, forward),
@@ -633,7 +679,8 @@ def _measure_compute(device, dtype, cuda, barrier):
     return peak, overhead, gemms, memory, attention, measure_activation(device, dtype, **kw)
 
 
-def _profile(name, group, cuda, barrier, peak, overhead, gemms, memory, attention, activation):
+def _profile(name, cuda, peak, overhead, gemms, memory, attention, activation, link=()):
+    """The profile from the compute figures and, if measured, ``measure_link``'s."""
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     mem_bw = memory[-1][1]
     matmul_curve = _curve(gemms, peak)
@@ -642,10 +689,8 @@ def _profile(name, group, cuda, barrier, peak, overhead, gemms, memory, attentio
     else:
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         hbm = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / ranks
-    link, latency, sync, link_curve, post, per_gap, gap = (mem_bw, 0.0, 0.0, (), 0.0, 0.0, 0.0)
-    if barrier is not None:
-        link, latency, sync, link_curve, post, per_gap, gap = measure_link(
-            group, device if cuda else None, barrier)
+    link, latency, sync, link_curve, post, per_gap, gap = link or (
+        mem_bw, 0.0, 0.0, (), 0.0, 0.0, 0.0)
     return Hardware(name=name, peak_tflops=peak / 1e12,
                     matmul_efficiency=statistics.median(y for _, y in matmul_curve), hbm_gb=hbm,
                     hbm_gbps=mem_bw / 1e9, intra_node_gbps=link / 1e9, inter_node_gbps=link / 1e9,
