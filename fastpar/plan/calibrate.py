@@ -20,8 +20,8 @@
   sizes, as a fraction of peak on the FLOPs the cost model counts (``attention_curve``);
 - links, under torchrun (or any initialised process group): all-reduces of 64 KB and 16 MB back to
   back (the 64 KB one's median call), solved for the per-step latency and the bandwidth of the
-  ring model of :func:`cost.ring_time`; all-reduces of 64 KB to 16 MB each issued right after every rank
-  computed on its own, as in training: the 64 KB one's excess over the ring model is
+  ring model of :func:`cost.ring_time`; all-reduces of 64 KB to 16 MB each issued right after
+  every rank computed on its own, as in training: the 64 KB one's excess over the ring model is
   ``sync_us`` (paid once per collective call site), and each size's time less the sync, as a
   ratio to the model, is ``link_curve``; the 64 KB call site again after three times the
   computing, whose extra over the computing's is ``sync_per_gap`` (``sync_gap_us``: the call
@@ -34,9 +34,10 @@
 
 On a CPU every time is the mean of its calls (the step pays the slow ones too), and every
 figure the median of ``CPU_ROUNDS`` rounds of them, spread among the link's rounds (a slow spell
-of the host falls on one round); on a GPU the median call, one round. With several ranks on one machine every rank measures at the same time, as they will
-train: run it under torchrun with the training run's ``--nproc-per-node`` so that every rate is
-the one a rank gets while the others share the cores (each rank keeps its share of the threads).
+of the host falls on one round); on a GPU the median call, one round. With several ranks on
+one machine every rank measures at the same time, as they will train: run it under torchrun
+with the training run's ``--nproc-per-node`` so that every rate is the one a rank gets while
+the others share the cores (each rank keeps its share of the threads).
 Ranks that need more cores than the machine has measure compute in turns, and the profile's
 ``concurrent_ranks`` lets the planner share the cores itself. The only model code it runs is the
 layer of the per-operator overhead.
