@@ -495,6 +495,46 @@ def test_every_collective_call_site_pays_the_sync():
     assert slow > evaluate(work, Cluster(8, 8, ROUND), cfg).dp_exposed_s
 
 
+def test_a_call_pays_the_sync_of_its_kind(tmp_path):
+    from fastpar.plan.hardware import load_hardware, save_hardware
+    kinds = Hardware(**{**ROUND.to_dict(), "sync_us": 50.0,
+                        "sync_by_kind": [["all_to_all", 10.0], ["all_gather", 30.0]]})
+    assert kinds.sync_by_kind == (("all_gather", 30.0), ("all_to_all", 10.0))
+    assert load_hardware(save_hardware(kinds, tmp_path / "hw.json")) == kinds
+    assert [kinds.call_sync(k) * 1e6 for k in ("all_reduce", "reduce_scatter", "all_gather",
+                                               "all_to_all")] == pytest.approx([50, 50, 30, 10])
+    plain = dataclasses.replace(kinds, sync_by_kind=())
+    for kind, less in (("all_to_all", 40e-6), ("all_gather", 20e-6), ("all_reduce", 0.0)):
+        assert cost.collective_time(kind, 1e6, 4, 100.0, plain) - \
+            cost.collective_time(kind, 1e6, 4, 100.0, kinds) == pytest.approx(less)
+    # ``sync_as``: the bytes of one kind, the sync of another
+    assert cost.collective_time("all_gather", 1e6, 4, 100.0, kinds, sync_as="all_to_all") == \
+        pytest.approx(cost.collective_time("all_gather", 1e6, 4, 100.0, plain) - 40e-6)
+    # Under SP the overlapped path's column and row forwards and row backward are the C++
+    # extension's rings of exchanges (the all-to-all's sync), the column backward's
+    # reduce-scatter (on a CPU an all-reduce) and its regather the backend's own.
+    shape = Shape(GPT, 2048, 1, tp=4, sp=True)
+    row, col = cost.tp_call_sites(shape)
+    cpu_kinds, cpu_plain = (dataclasses.replace(h, kind="cpu") for h in (kinds, plain))
+    (f0, b0), (f1, b1) = (cost.tp_collectives(shape, hw, 100.0, regather=True)
+                          for hw in (cpu_plain, cpu_kinds))
+    assert f0 - f1 == pytest.approx((row + col) * 40e-6)
+    assert b0 - b1 == pytest.approx(row * 40e-6 + col * 20e-6)
+    unfused = dataclasses.replace(cost.FASTPAR, tp_overlap=False)
+    (f0, b0), (f1, b1) = (cost.tp_collectives(shape, hw, 100.0, unfused, regather=True)
+                          for hw in (cpu_plain, cpu_kinds))
+    assert f0 - f1 == pytest.approx(col * 20e-6)      # the reduce-scatters pay sync_us
+    assert b0 - b1 == pytest.approx((row + col) * 20e-6)
+    # An expert-parallel layer's all-to-alls (the counts', two of the rows' each way) too.
+    moe = Shape(get_config("tiny-moe"), 512, 1)
+    (ef0, eb0), (ef1, eb1) = (cost.ep_alltoall(moe, hw, 2, 1, 100.0) for hw in (plain, kinds))
+    assert (ef0 - ef1, eb0 - eb1) == pytest.approx((3 * 40e-6, 2 * 40e-6))
+    for bad, match in (([["all_reduce", 1.0]], "all_reduce"), ([["all_to_all", -1.0]], "-1.0"),
+                       ([["all_gather", 1.0], ["all_gather", 2.0]], "twice"), (5, "pairs")):
+        with pytest.raises(ValueError, match=match):
+            Hardware(**{**ROUND.to_dict(), "sync_by_kind": bad})
+
+
 def test_a_call_after_longer_computing_pays_more_sync():
     gappy = Hardware(**{**ROUND.to_dict(), "sync_us": 50.0, "sync_per_gap": 0.25,
                         "sync_gap_us": 1000.0})
@@ -552,23 +592,30 @@ def _measure_link_rank(rank, world):
     import torch.distributed as dist
 
     from fastpar.plan.calibrate import measure_link
-    calls, all_reduce = collections.Counter(), dist.all_reduce
+    calls, plain = collections.Counter(), {k: getattr(dist, k) for k in (
+        "all_reduce", "all_gather_into_tensor", "all_to_all_single")}
 
-    def counted(t, *args, **kwargs):
-        calls[t.numel() * t.element_size()] += 1
-        return all_reduce(t, *args, **kwargs)
-    dist.all_reduce = counted
+    def counted(name):
+        def call(*args, **kwargs):
+            t = args[0] if name == "all_reduce" else args[1]
+            calls[name if name != "all_reduce" else t.numel() * t.element_size()] += 1
+            return plain[name](*args, **kwargs)
+        return call
+    for name in plain:
+        setattr(dist, name, counted(name))
     try:                                  # one round: what is measured, not how steady
-        return measure_link(rounds=1, calls={2 ** 16: 7, 2 ** 24: 3}, gap_calls=5), calls
+        return measure_link(rounds=1, calls={2 ** 16: 7, 2 ** 24: 3}, gap_calls=5,
+                            kind_calls=4), calls
     finally:
-        dist.all_reduce = all_reduce
+        for name, fn in plain.items():
+            setattr(dist, name, fn)
 
 
 def test_measure_link_under_gloo():
     from fastpar.plan.calibrate import LINK_CALLS
     from fastpar.testing import run_ranks
-    for (bw, latency, sync, curve, post, per_gap, gap), calls in run_ranks(_measure_link_rank, 2,
-                                                                           timeout=120):
+    for (bw, latency, sync, curve, post, per_gap, gap, kinds), calls in run_ranks(
+            _measure_link_rank, 2, timeout=120):
         # Each call site size as many times as asked, the rest as LINK_CALLS has them (each
         # timed run after 2 untimed calls); 64 KB and 16 MB also back to back (100 and 4), and
         # 64 KB after the longer computing (5)
@@ -579,6 +626,10 @@ def test_measure_link_under_gloo():
         # the call sites' three GEMMs of 320 took their time; the growth per second of it is
         # a ratio of seconds, never negative
         assert 1e-5 < gap < 1.0 and 0 <= per_gap < 100
+        # the all-gather's and the all-to-all's call sites, 4 calls after 2 untimed ones
+        assert calls["all_gather_into_tensor"] == calls["all_to_all_single"] == 6
+        assert sorted(kinds) == ["all_gather", "all_to_all"]
+        assert all(0 <= v < 0.1 for v in kinds.values())
         # 64 KB to 16 MB, called after computing; the sync is what the 64 KB call costs beyond
         # the ring model, so the curve is 1 there (unless the call ran under it: no sync)
         assert [x for x, _ in curve] == [2 ** 16, 2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24]
@@ -589,26 +640,44 @@ def test_measure_link_under_gloo():
         assert modelled == sorted(modelled)
 
 
-def _tailed_link_rank(rank, world):
+def _slowed_link_rank(rank, world, name, extra, calls, kind_calls):
+    """``measure_link`` with each call of ``torch.distributed.<name>`` busy ``extra(t)``
+    seconds longer on both ranks (``t``: the call's first argument)."""
     import torch.distributed as dist
 
     from fastpar.plan.calibrate import measure_link
-    all_reduce, count = dist.all_reduce, [0]
+    plain = getattr(dist, name)
 
-    def tailed(t, *args, **kwargs):       # every eighth 64 KB call 16 ms longer, on both ranks
-        out = all_reduce(t, *args, **kwargs)
-        if t.numel() * t.element_size() == 2 ** 16:
-            count[0] += 1
-            end = time.perf_counter() + (16e-3 if count[0] % 8 == 0 else 0.0)
-            while time.perf_counter() < end:
-                pass
+    def slowed(*args, **kwargs):
+        out = plain(*args, **kwargs)
+        end = time.perf_counter() + extra(args[0])
+        while time.perf_counter() < end:
+            pass
         return out
-    dist.all_reduce = tailed
+    setattr(dist, name, slowed)
     try:
-        return measure_link(rounds=2, calls={x: 8 for x in (2 ** 16, 2 ** 18, 2 ** 20, 2 ** 22)},
-                            gap_calls=4)
+        return measure_link(rounds=2, calls={x: calls for x in (2 ** 16, 2 ** 18, 2 ** 20,
+                                                                2 ** 22)},
+                            gap_calls=4, kind_calls=kind_calls)
     finally:
-        dist.all_reduce = all_reduce
+        setattr(dist, name, plain)
+
+
+class _EveryEighth:
+    """Every eighth 64 KB call 16 ms longer (a picklable ``extra`` for the ranks)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, t):
+        if t.numel() * t.element_size() != 2 ** 16:
+            return 0.0
+        self.count += 1
+        return 16e-3 if self.count % 8 == 0 else 0.0
+
+
+def _five_ms(t):
+    return 5e-3
 
 
 def test_a_slow_tail_goes_into_the_sync_not_the_latency():
@@ -616,9 +685,21 @@ def test_a_slow_tail_goes_into_the_sync_not_the_latency():
     (one in eight 16 ms longer: at least 2 ms on every round's mean, so that a round's mean
     would put at least 1 ms a ring step into the latency) is the call sites' sync to carry."""
     from fastpar.testing import run_ranks
-    for bw, latency, sync, *_ in run_ranks(_tailed_link_rank, 2, timeout=120):
+    for bw, latency, sync, *_ in run_ranks(_slowed_link_rank, 2, "all_reduce", _EveryEighth(),
+                                           8, 4, timeout=120):
         assert latency < 0.9e-3
         assert sync > 1.5e-3 and sync > latency
+
+
+def test_each_kind_of_call_site_has_its_own_sync():
+    """The all-to-all's sync is its own call site's: 5 ms slower all-to-alls show in it, not in
+    the all-reduce's or the all-gather's (which stay what the host gives them)."""
+    from fastpar.testing import run_ranks
+    for bw, latency, sync, *_, kinds in run_ranks(_slowed_link_rank, 2, "all_to_all_single",
+                                                  _five_ms, 4, 6, timeout=120):
+        assert kinds["all_to_all"] > 4.5e-3
+        assert kinds["all_to_all"] > kinds["all_gather"] + 2e-3
+        assert kinds["all_to_all"] > sync + 2e-3
 
 
 def _interleaved_rank(rank, world):
@@ -643,7 +724,7 @@ def _interleaved_rank(rank, world):
             between(i)
         return link(*args, between=logged, calls={x: 3 for x in (2 ** 16, 2 ** 18, 2 ** 20,
                                                                   2 ** 22, 2 ** 24)},
-                    gap_calls=3, **kwargs)
+                    gap_calls=3, kind_calls=3, **kwargs)
     calibrate._measure_compute = compute
     calibrate.measure_link = measured_link
     calibrate.measure_layer_overhead = lambda hw, d, **kw: (2e-5, 1e-5)
@@ -1176,6 +1257,36 @@ def test_the_chunked_dispatch_pipeline():
     # No compute: both transfers; one chunk, nothing around: as blocking.
     assert cost._ep_pass(1.0, 2, 0.0, 0.0, 0.0) == pytest.approx(2.0)
     assert cost._ep_pass(1.0, 1, 0.0, 5.0, 0.0) == pytest.approx(2.0)
+
+
+def test_a_cpu_dispatch_hides_only_its_waits():
+    """On a CPU (``overlap=False``) every transfer's bytes and ring steps show, and of each
+    one's sync only what the host computes between issuing and waiting for it is hidden
+    (`cost._ep_waits`, worked by hand); the counts' exchange pays its sync whole."""
+    # sync 1; chunk 0's dispatch waited after 0.3, chunk 1's after 0.3 + 0.4; chunk 0's return
+    # after chunk 1's compute and 0.2, chunk 1's after 0.2
+    assert cost._ep_waits(1.0, 2, 0.3, 0.4, 0.2) == pytest.approx(0.7 + 0.3 + 0.4 + 0.8)
+    assert cost._ep_waits(1.0, 2, 5.0, 1.0, 5.0) == 0.0
+    assert cost._ep_waits(1.0, 3, 0.0, 0.0, 0.0) == pytest.approx(6.0)
+    m = get_config("tiny-moe")
+    shape, link = Shape(m, 512, 2), 1.0
+    synced = dataclasses.replace(ROUND, kind="cpu", sync_us=400.0,
+                                 sync_by_kind=(("all_to_all", 300.0),))
+    rows = 512 * 2 * m.moe_top_k * m.d_model * synced.bytes_per_element
+    bytes_ = 2 * cost.collective_time("all_to_all", rows / 2, 2, link, ROUND)
+    counts = cost.collective_time("all_to_all", 8 * m.n_experts * 2, 2, link, synced)
+    for hw, hidden in ((synced, False), (dataclasses.replace(synced, peak_tflops=1e-6), True)):
+        f, b = cost.ep_alltoall(shape, hw, 2, 2, link, overlap=False)
+        if hidden:      # experts computing for seconds: every wait but the counts' hidden
+            assert (f, b) == pytest.approx((2 * bytes_ + counts, 2 * bytes_))
+        else:           # this profile's experts compute for microseconds: nearly all shows
+            assert f > 2 * bytes_ + counts + 4 * 250e-6 and b > 2 * bytes_ + 4 * 250e-6
+            assert f <= 2 * bytes_ + counts + 4 * 300e-6 + 1e-12
+    # one chunk: blocking, every sync whole
+    one = cost.collective_time("all_to_all", rows, 2, link, synced)
+    counts1 = cost.collective_time("all_to_all", 8 * m.n_experts, 2, link, synced)
+    assert cost.ep_alltoall(shape, synced, 2, 1, link, overlap=False) == \
+        pytest.approx((2 * one + counts1, 2 * one))
 
 
 def test_moe_under_sequence_parallelism_in_the_model():

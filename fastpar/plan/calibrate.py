@@ -25,7 +25,8 @@
   ``sync_us`` (paid once per collective call site), and each size's time less the sync, as a
   ratio to the model, is ``link_curve``; the 64 KB call site again after three times the
   computing, whose extra over the computing's is ``sync_per_gap`` (``sync_gap_us``: the call
-  sites' own computing); and the host time of posting one pipeline message (``p2p_post_us``);
+  sites' own computing); 64 KB all-gather and all-to-all call sites, each one's own sync
+  (``sync_by_kind``); and the host time of posting one pipeline message (``p2p_post_us``);
 - on a CPU, the host time per autograd call of a zero-bubble split backward (``split_call_us``):
   the same layers as one pipeline stage, split B and W against a plain backward;
 - on a CPU, the rate at which a training forward writes what it saves for the backward
@@ -386,14 +387,18 @@ LINK_CALLS = {2 ** 16: 250, 2 ** 18: 250, 2 ** 20: 90, 2 ** 22: 30, 2 ** 24: 10}
 # GAP_WORK times the call sites' three GEMMs, GAP_CALLS calls a round (its mean is 1.5-2 ms, a
 # standard deviation about its mean: as many as the 64 KB call sites take).
 GAP_WORK, GAP_CALLS = 3, 250
+# The other kinds of call whose 64 KB call site is timed, KIND_CALLS calls a round each.
+KIND_SITES, KIND_CALLS = ("all_gather", "all_to_all"), 100
 LINK_ROUNDS = 8                 # rounds of ``measure_link`` in ``measure``
 
 
 def measure_link(group=None, device=None, barrier=None, work_size: int = 320, rounds: int = 8,
-                 calls: dict | None = None, gap_calls: int = GAP_CALLS, between=None) -> tuple:
+                 calls: dict | None = None, gap_calls: int = GAP_CALLS, between=None,
+                 kind_calls: int = KIND_CALLS) -> tuple:
     """(bytes per second, seconds of latency per ring step, seconds of sync per call, curve,
     seconds to post a send or a receive, sync per second of compute before a call, seconds of
-    compute before the call sites) of all-reduce and point-to-point over ``group``.
+    compute before the call sites, {kind: seconds of sync per call}) of all-reduce, the other
+    kinds of collective and point-to-point over ``group``.
 
     ``curve``: ((bytes, measured / modelled time), ...) of all-reduces of 64 KB to 16 MB, each
     issued as training issues a collective call, right after every rank has computed on its own
@@ -441,7 +446,17 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
     0.1-0.3 ms of it). So the 64 KB call site is also timed after ``GAP_WORK`` times the work
     (``gap_calls`` calls a round): the difference over the difference of the two computes is the
     sync per second of compute beyond the call sites' (the sixth figure, never below 0; the
-    seventh is the call sites' own compute, the mean time of their three GEMMs)."""
+    seventh is the call sites' own compute, the mean time of their three GEMMs).
+
+    The sync depends on the kind of call: on 2 gloo ranks of a 2-core machine, each after the
+    same three GEMMs, runs of 120 calls of a 64 KB all-reduce cost 1.8-2.1 ms a call on
+    average, of a 64 KB all-gather 1.0-2.0 and of a 64 KB all-to-all 0.4-1.8 (the all-reduce
+    runs more message rounds, each a wait for a thread to wake). In the trainer an
+    expert-parallel layer's all-to-alls cost 0.1-0.2 ms and the C++ extension's ring exchanges
+    of a sequence-parallel layer about 1.1 ms, where the all-reduce's sync charged each of them
+    1.3 ms and more. So the 64 KB all-gather and all-to-all call sites are timed too
+    (``kind_calls`` calls a round, in every round); each one's mean round less its ring model
+    is that kind's sync (the eighth figure)."""
     n = dist.get_world_size(group)
     small, large = 16 * 2 ** 10, 4 * 2 ** 20           # float32 elements: 64 KB and 16 MB
     sizes = (small, 2 ** 16, 2 ** 18, 2 ** 20, large)   # and 256 KB, 1 MB, 4 MB between
@@ -466,15 +481,21 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
             torch.cuda.synchronize(dev)
 
     computed: dict = {}
+    # The 64 KB call site of the other kinds (64 KB gathered; 64 KB a rank all-to-all).
+    gathered, exchanged = torch.empty(n * (small // n), device=device), torch.empty_like(xs[small])
+    issue = {"all_reduce": lambda x: dist.all_reduce(x, group=group),
+             "all_gather": lambda x: dist.all_gather_into_tensor(gathered, x[:small // n],
+                                                                 group=group),
+             "all_to_all": lambda x: dist.all_to_all_single(exchanged, x, group=group)}
 
-    def call_site(numel, reps=site_gemms):
+    def call_site(numel, reps=site_gemms, kind="all_reduce"):
         t0 = time.perf_counter()
         work(reps)
         settle()
         t1 = time.perf_counter()
-        dist.all_reduce(xs[numel], group=group)
+        issue[kind](xs[numel])
         settle()
-        waits.setdefault((numel, reps), []).append(time.perf_counter() - t1)
+        waits.setdefault((numel, reps, kind), []).append(time.perf_counter() - t1)
         computed.setdefault(reps, []).append(t1 - t0)
     # Posting a pipeline's messages: each rank sends 128 KB to the next and receives from the
     # previous, posted as one batch after computing on its own, as the executor posts them.
@@ -520,13 +541,19 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
             _timed(functools.partial(call_site, numel), dev, counts[4 * numel], barrier,
                    window=True)
             timed.setdefault(("site", numel), []).append(
-                slowest(statistics.fmean(waits[numel, site_gemms][2:])))
+                slowest(statistics.fmean(waits[numel, site_gemms, "all_reduce"][2:])))
         # The 64 KB call site after longer computing (the sync's growth with it).
         dist.barrier(group=group)
         _timed(functools.partial(call_site, small, site_gemms * GAP_WORK), dev, gap_calls, barrier,
                window=True)
         timed.setdefault("long", []).append(
-            slowest(statistics.fmean(waits[small, site_gemms * GAP_WORK][2:])))
+            slowest(statistics.fmean(waits[small, site_gemms * GAP_WORK, "all_reduce"][2:])))
+        for kind in KIND_SITES:                 # the other kinds' 64 KB call sites
+            dist.barrier(group=group)
+            _timed(functools.partial(call_site, small, kind=kind), dev, kind_calls, barrier,
+                   window=True)
+            timed.setdefault(("site", kind), []).append(
+                slowest(statistics.fmean(waits[small, site_gemms, kind][2:])))
         waits.clear()
     # The call sites' mean round, the others' median: calls after computing run 1-2.5 ms in
     # spells of a second on 2 ranks of a 2-core machine, and a training step, which pays them
@@ -553,7 +580,11 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
     short, long = (slowest(statistics.fmean(computed[reps]))
                    for reps in (site_gemms, site_gemms * GAP_WORK))
     per_gap = max(0.0, (times["long"] - times[("site", small)]) / max(long - short, 1e-9))
-    return bw, latency, sync, curve, times["post"], per_gap, short
+    # An all-gather of 64 KB and an all-to-all of 64 KB a rank take n - 1 ring steps of
+    # (n - 1) / n of it: beyond that, each kind's call site is its sync.
+    kinds = {kind: max(0.0, times[("site", kind)] - (n - 1) * (latency + 4 * small / n / bw))
+             for kind in KIND_SITES}
+    return bw, latency, sync, curve, times["post"], per_gap, short, kinds
 
 
 def measure(name: str = "calibrated", group=None, rounds: int | None = None) -> Hardware:
@@ -690,8 +721,8 @@ def _profile(name, cuda, peak, overhead, gemms, memory, attention, activation, l
     else:
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         hbm = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / ranks
-    link, latency, sync, link_curve, post, per_gap, gap = link or (
-        mem_bw, 0.0, 0.0, (), 0.0, 0.0, 0.0)
+    link, latency, sync, link_curve, post, per_gap, gap, kinds = link or (
+        mem_bw, 0.0, 0.0, (), 0.0, 0.0, 0.0, {})
     return Hardware(name=name, peak_tflops=peak / 1e12,
                     matmul_efficiency=statistics.median(y for _, y in matmul_curve), hbm_gb=hbm,
                     hbm_gbps=mem_bw / 1e9, intra_node_gbps=link / 1e9, inter_node_gbps=link / 1e9,
@@ -705,7 +736,8 @@ def _profile(name, cuda, peak, overhead, gemms, memory, attention, activation, l
                     memory_curve=tuple((x, y / 1e9) for x, y in memory),
                     attention_curve=tuple((x, min(1.0, y / peak)) for x, y in attention),
                     link_curve=link_curve, p2p_post_us=post * 1e6, sync_per_gap=per_gap,
-                    sync_gap_us=gap * 1e6)
+                    sync_gap_us=gap * 1e6,
+                    sync_by_kind=tuple((k, v * 1e6) for k, v in sorted(kinds.items())))
 
 
 def calibrate(out: str | Path = "hardware.json", name: str | None = None) -> tuple[Hardware, Path]:

@@ -191,8 +191,18 @@ def ep_alltoall(shape: Shape, hw: Hardware, ep: int, chunks: int, link_gbps: flo
     the last chunk's return does; in the backward their input gradients compute first, and
     every weight gradient (and the shared experts' backward) after the last chunk's, under
     the returns. The forward also exchanges the per-expert counts (a small all-to-all the
-    host waits for). One chunk, or ``overlap=False`` (a CPU, where gloo shares the cores):
-    nothing hidden."""
+    host waits for). One chunk: nothing hidden (each transfer waited as soon as issued).
+
+    ``overlap=False`` (a CPU, where gloo's threads move the bytes on the cores that compute):
+    every transfer's bytes and ring steps show, but its wait for the other ranks (its sync)
+    is hidden by what the host computes between issuing it and waiting for it, as far as
+    that goes (:func:`_ep_waits`): each chunk's dispatch is waited after the shared experts,
+    half the own rows and the chunks before it, each return after the chunks after it and
+    the other half; in the backward each dispatch after the own rows' input gradients and
+    the chunks before it, each return after the chunks after it, every weight gradient and
+    the shared experts' backward. The counts' exchange, waited at once, pays its sync whole
+    (on 2 gloo ranks of a 2-core machine the counts' all-to-alls took 0.6-1.0 ms a call,
+    the rows' 0.3 from issue to the end of the wait, both after milliseconds of computing)."""
     if ep <= 1 or not shape.model.n_experts:
         return 0.0, 0.0
     m = shape.model
@@ -202,15 +212,31 @@ def ep_alltoall(shape: Shape, hw: Hardware, ep: int, chunks: int, link_gbps: flo
     gemms = expert_gemms(shape)
     f = sum(hw.for_forward().gemm_time(*g) for g in gemms)
     b = sum(hw.gemm_time(*g) for g in gemms)        # the input gradients' (the weights' after)
-    if not overlap or chunks == 1:
+    if chunks == 1:
         return 2 * one + counts, 2 * one
     T, h, S = shape.moe_tokens, m.d_model, m.moe_shared_experts * m.expert_ffn
     shared = [(T, S, h), (T, S, h), (T, h, S)] if S else []
     sf = sum(hw.for_forward().gemm_time(*g) for g in shared)
     sb = 2 * sum(hw.gemm_time(*g) for g in shared)
     own_f, own_b = f / ep, b / ep
-    return _ep_pass(one, chunks, sf + own_f / 2, (f - own_f) / chunks, own_f / 2) + counts, \
-        _ep_pass(one, chunks, own_b, (b - own_b) / chunks, b + sb)
+    per_f, per_b = (f - own_f) / chunks, (b - own_b) / chunks
+    if not overlap:
+        sync = hw.call_sync("all_to_all")
+        shown = 2 * (one - chunks * sync)           # the bytes and ring steps of both ways
+        return shown + counts + _ep_waits(sync, chunks, sf + own_f / 2, per_f, own_f / 2), \
+            shown + _ep_waits(sync, chunks, own_b, per_b, b + sb)
+    return _ep_pass(one, chunks, sf + own_f / 2, per_f, own_f / 2) + counts, \
+        _ep_pass(one, chunks, own_b, per_b, b + sb)
+
+
+def _ep_waits(sync: float, chunks: int, before: float, per_chunk: float, after: float) -> float:
+    """Seconds of the ranks' waits for each other left showing in one pass of the chunked
+    dispatch on a CPU (:func:`ep_alltoall`): each transfer's ``sync`` less what the host
+    computes between issuing it and waiting for it. Chunk c's dispatch, issued with the
+    others at the start, is waited after ``before`` and c chunks' compute (``per_chunk``);
+    its return, issued after its own chunk's compute, after the later chunks' and ``after``."""
+    return sum(max(0.0, sync - (before + c * per_chunk)) +
+               max(0.0, sync - ((chunks - 1 - c) * per_chunk + after)) for c in range(chunks))
 
 
 def _core_time(shape: Shape, hw: Hardware, feat: Features) -> float:
@@ -509,17 +535,20 @@ def ring_time(kind: str, nbytes: float, n: int, link_gbps: float, latency_us: fl
 
 
 def collective_time(kind: str, nbytes: float, n: int, link_gbps: float, hw: Hardware,
-                    pieces: int = 1, gap: float = 0.0) -> float:
+                    pieces: int = 1, gap: float = 0.0, sync_as: str | None = None) -> float:
     """Seconds of one collective call site over ``n`` ranks, issued as ``pieces`` collectives of
     equal parts (an overlapped linear's chunks): each is a ring (:func:`ring_time`); the first
-    also pays the hardware's ``sync_us``, the ranks' drift and wake-up when they meet after
-    computing apart, and paces the chunks after it. ``gap``: seconds the ranks computed since
-    their previous call; beyond the ``sync_gap_us`` the sync was measured after, each second of
-    it adds ``sync_per_gap`` (on a CPU gloo's wait grows with it)."""
+    also pays the sync of a call site of its kind (``Hardware.call_sync``: the ranks' drift and
+    wake-up when they meet after computing apart) and paces the chunks after it. ``sync_as``:
+    the kind of call that carries it, where it differs from ``kind`` (the C++ extension's ring
+    all-gathers and reduce-scatters run as pairwise exchanges: an all-to-all's). ``gap``:
+    seconds the ranks computed since their previous call; beyond the ``sync_gap_us`` the sync
+    was measured after, each second of it adds ``sync_per_gap`` (on a CPU gloo's wait grows
+    with it)."""
     if n <= 1:
         return 0.0
     return pieces * ring_time(kind, nbytes / pieces, n, link_gbps, hw.collective_latency_us) \
-        * hw.link_factor(nbytes / pieces) + hw.sync_us * 1e-6 \
+        * hw.link_factor(nbytes / pieces) + hw.call_sync(sync_as or kind) \
         + hw.sync_per_gap * max(0.0, gap - hw.sync_gap_us * 1e-6)
 
 
@@ -550,16 +579,21 @@ def tp_collectives(shape: Shape, hw: Hardware, link_gbps: float,
     calls = (col + row, col * (2 if regather else 1) + row) if shape.sp else (row, col)
     gap_f, gap_b = (c / k for c, k in zip(compute, calls))
 
-    def ring(kind, gap, pieces=1):
-        return collective_time(kind, n, t, link_gbps, hw, pieces, gap)
+    def ring(kind, gap, pieces=1, sync_as=None):
+        return collective_time(kind, n, t, link_gbps, hw, pieces, gap, sync_as)
 
     if shape.sp:
-        fwd = col * ring("all_gather", gap_f) + row * ring("reduce_scatter", gap_f)
+        # The overlapped path's column forward and row forward and backward are the C++
+        # extension's rings of pairwise exchanges (allgather_matmul, matmul_reducescatter);
+        # the column backward's gathers and reduce-scatters are the backend's own.
+        ex = "all_to_all" if feat.tp_overlap else None
+        fwd = col * ring("all_gather", gap_f, sync_as=ex) \
+            + row * ring("reduce_scatter", gap_f, sync_as=ex)
         again = ring("all_gather", gap_b) if regather else 0.0
         # gloo reduce-scatters a tensor through an all-reduce of the whole of it (the column
         # linears' input gradients; the row linears' forward runs its own ring of exchanges)
         scatter = ring("all_reduce" if hw.kind == "cpu" else "reduce_scatter", gap_b)
-        return fwd, col * (again + scatter) + row * ring("all_gather", gap_b)
+        return fwd, col * (again + scatter) + row * ring("all_gather", gap_b, sync_as=ex)
     pieces = tp_pieces(shape, hw, feat)
     return row * ring("all_reduce", gap_f, pieces), col * ring("all_reduce", gap_b, pieces)
 

@@ -63,6 +63,10 @@ class Hardware:
     #                                       its previous call beyond sync_gap_us (measured; 0 in
     #                                       the built-in profiles: a GPU's host does not wait)
     sync_gap_us: float = 0.0              # the compute before the calls sync_us was measured at
+    sync_by_kind: tuple = ()              # ((collective kind, us), ...): the sync of a call site
+    #                                       of another kind than the all-reduce (measured: on a
+    #                                       CPU gloo's all-reduce runs more message rounds than
+    #                                       a pairwise exchange); a kind not listed pays sync_us
     bytes_per_element: int = 2            # training dtype of activations (bf16 = 2, fp32 = 4)
     memory_reserve_gb: float = 1.0        # runtime context and communication buffers; assumed:
     #                                       a CUDA context and NCCL's buffers take about 1 GB
@@ -104,6 +108,9 @@ class Hardware:
                                                               getattr(self, f.name)))
                 continue
             if f.name in ("name", "kind"):
+                continue
+            if f.name == "sync_by_kind":
+                object.__setattr__(self, f.name, _check_syncs(self.name, self.sync_by_kind))
                 continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
@@ -187,6 +194,11 @@ class Hardware:
         """Measured / modelled time of a collective of ``nbytes`` (1 without a link curve)."""
         return _interp(self.link_curve, nbytes) if self.link_curve else 1.0
 
+    def call_sync(self, kind: str) -> float:
+        """Seconds of sync a call site of collective ``kind`` pays (``sync_by_kind``, else
+        ``sync_us``)."""
+        return dict(self.sync_by_kind).get(kind, self.sync_us) * 1e-6
+
     def to_dict(self) -> dict:
         out = asdict(self)
         for k in [k for k in out if k.endswith("_curve")]:
@@ -269,6 +281,25 @@ def _check_curve(hw: str, name: str, curve) -> tuple:
         if not (math.isfinite(x) and math.isfinite(y) and x > 0 and y > 0):
             raise ValueError(f"hardware {hw!r}: {name} point ({x}, {y}) must be positive")
     return points
+
+
+SYNC_KINDS = ("all_gather", "reduce_scatter", "all_to_all")   # kinds ``sync_by_kind`` may list
+
+
+def _check_syncs(hw: str, pairs) -> tuple:
+    """``sync_by_kind`` as a tuple of (kind, us) pairs, one per kind of :data:`SYNC_KINDS`."""
+    try:
+        out = tuple(sorted((k, float(v)) for k, v in pairs))
+    except (TypeError, ValueError):
+        raise ValueError(f"hardware {hw!r}: sync_by_kind must be a list of (kind, us) pairs, "
+                         f"got {pairs!r}") from None
+    for k, v in out:
+        if k not in SYNC_KINDS or not math.isfinite(v) or v < 0:
+            raise ValueError(f"hardware {hw!r}: sync_by_kind entry ({k!r}, {v}) needs a kind "
+                             f"of {SYNC_KINDS} and a sync >= 0")
+    if len({k for k, _ in out}) < len(out):
+        raise ValueError(f"hardware {hw!r}: sync_by_kind lists a kind twice: {out}")
+    return out
 
 
 def _interp(curve: tuple, x: float) -> float:
