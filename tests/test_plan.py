@@ -512,17 +512,17 @@ def test_a_call_pays_the_sync_of_its_kind(tmp_path):
         pytest.approx(cost.collective_time("all_gather", 1e6, 4, 100.0, plain) - 40e-6)
     # Under SP the overlapped path's column and row forwards and row backward are the C++
     # extension's rings of exchanges (the all-to-all's sync), the column backward's
-    # reduce-scatter (on a CPU an all-reduce) and its regather the backend's own.
+    # reduce-scatter and its regather the backend's own (a GPU's profile: a CPU hides some of
+    # each, test_a_cpu_hides_an_sp_call_s_sync_behind_its_gemm).
     shape = Shape(GPT, 2048, 1, tp=4, sp=True)
     row, col = cost.tp_call_sites(shape)
-    cpu_kinds, cpu_plain = (dataclasses.replace(h, kind="cpu") for h in (kinds, plain))
     (f0, b0), (f1, b1) = (cost.tp_collectives(shape, hw, 100.0, regather=True)
-                          for hw in (cpu_plain, cpu_kinds))
+                          for hw in (plain, kinds))
     assert f0 - f1 == pytest.approx((row + col) * 40e-6)
     assert b0 - b1 == pytest.approx(row * 40e-6 + col * 20e-6)
     unfused = dataclasses.replace(cost.FASTPAR, tp_overlap=False)
     (f0, b0), (f1, b1) = (cost.tp_collectives(shape, hw, 100.0, unfused, regather=True)
-                          for hw in (cpu_plain, cpu_kinds))
+                          for hw in (plain, kinds))
     assert f0 - f1 == pytest.approx(col * 20e-6)      # the reduce-scatters pay sync_us
     assert b0 - b1 == pytest.approx((row + col) * 20e-6)
     # An expert-parallel layer's all-to-alls (the counts', two of the rows' each way) too.
@@ -533,6 +533,43 @@ def test_a_call_pays_the_sync_of_its_kind(tmp_path):
                        ([["all_gather", 1.0], ["all_gather", 2.0]], "twice"), (5, "pairs")):
         with pytest.raises(ValueError, match=match):
             Hardware(**{**ROUND.to_dict(), "sync_by_kind": bad})
+
+
+def test_a_cpu_hides_an_sp_call_s_sync_behind_its_gemm():
+    """On a CPU the overlapped path's SP calls are each issued before a GEMM and waited after
+    it: of each call's sync, that GEMM's time is hidden (a block of the gathered rows in the
+    rings, the weight gradient under the column backward's reduce-scatter, the input gradient
+    under its regather); the bytes still show."""
+    shape = Shape(get_config("tiny"), 240, 4, tp=2, sp=True)
+    cols, rows = cost.tp_linears(shape)
+    assert cols == [(960, 192, 128), (960, 384, 128)]             # fused QKV, fused gate-up
+    assert rows == [(960, 128, 64), (960, 128, 192)]              # o, down
+    assert (len(rows), len(cols)) == cost.tp_call_sites(shape)
+    cpu = dataclasses.replace(ROUND, kind="cpu", sync_us=2000.0, peak_tflops=0.05,
+                              sync_by_kind=(("all_gather", 1500.0), ("all_to_all", 1000.0)))
+    bare = dataclasses.replace(cpu, sync_us=0.0, sync_by_kind=())
+    f, ex = cpu.for_forward(), 1e-3
+    hid_f = sum(min(ex, f.gemm_time(480, n, k)) for m, n, k in cols + rows)
+    hid_b = sum(min(ex, cpu.gemm_time(480, k, n)) for m, n, k in rows) + \
+        sum(min(2e-3, cpu.gemm_time(n, k, 960)) + min(1.5e-3, cpu.gemm_time(960, k, n))
+            for m, n, k in cols)
+    assert 0 < hid_f < 4 * ex and 0 < hid_b < 2 * ex + 2 * 3.5e-3     # partly hidden
+    (f0, b0), (f1, b1) = (cost.tp_collectives(shape, hw, 1.0, regather=True)
+                          for hw in (bare, cpu))
+    assert f1 - f0 == pytest.approx(4 * ex - hid_f)
+    assert b1 - b0 == pytest.approx(2 * ex + 2 * 3.5e-3 - hid_b)
+    # GEMMs of seconds hide every sync; a GPU's (its overlap is the planner's) or the plain
+    # path's (no GEMM between issue and wait) none
+    slow = dataclasses.replace(cpu, peak_tflops=1e-9)
+    assert cost.tp_collectives(shape, slow, 1.0, regather=True) == pytest.approx(
+        cost.tp_collectives(shape, dataclasses.replace(slow, sync_us=0.0, sync_by_kind=()),
+                            1.0, regather=True))
+    gpu, gpu_bare = (dataclasses.replace(h, kind="gpu") for h in (cpu, bare))
+    (g0, _), (g1, _) = (cost.tp_collectives(shape, h, 1.0) for h in (gpu_bare, gpu))
+    assert g1 - g0 == pytest.approx(4 * ex)
+    unfused = dataclasses.replace(cost.FASTPAR, tp_overlap=False)
+    (u0, _), (u1, _) = (cost.tp_collectives(shape, h, 1.0, unfused) for h in (bare, cpu))
+    assert u1 - u0 == pytest.approx(2 * 1.5e-3 + 2 * 2e-3)
 
 
 def test_a_call_after_longer_computing_pays_more_sync():
