@@ -451,12 +451,12 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
     The sync depends on the kind of call: on 2 gloo ranks of a 2-core machine, each after the
     same three GEMMs, runs of 120 calls of a 64 KB all-reduce cost 1.8-2.1 ms a call on
     average, of a 64 KB all-gather 1.0-2.0 and of a 64 KB all-to-all 0.4-1.8 (the all-reduce
-    runs more message rounds, each a wait for a thread to wake). In the trainer an
-    expert-parallel layer's all-to-alls cost 0.1-0.2 ms and the C++ extension's ring exchanges
-    of a sequence-parallel layer about 1.1 ms, where the all-reduce's sync charged each of them
-    1.3 ms and more. So the 64 KB all-gather and all-to-all call sites are timed too
-    (``kind_calls`` calls a round, in every round); each one's mean round less its ring model
-    is that kind's sync (the eighth figure)."""
+    runs more message rounds, each a wait for a thread to wake). In the trainer the C++
+    extension's ring exchanges of a sequence-parallel layer cost about 1.1 ms beyond their
+    GEMMs, where the all-reduce's sync charged each of them 1.3 ms and more. So the 64 KB
+    all-gather and all-to-all call sites are timed too (``kind_calls`` calls a round, in every
+    round); each one's mean round less its ring model is that kind's sync (the eighth
+    figure)."""
     n = dist.get_world_size(group)
     small, large = 16 * 2 ** 10, 4 * 2 ** 20           # float32 elements: 64 KB and 16 MB
     sizes = (small, 2 ** 16, 2 ** 18, 2 ** 20, large)   # and 256 KB, 1 MB, 4 MB between
