@@ -629,13 +629,16 @@ def _measure_link_rank(rank, world):
     import torch.distributed as dist
 
     from fastpar.plan.calibrate import measure_link
+    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else \
+        "all_gather_into_tensor"                                  # torch 2.13's name, or before
     calls, plain = collections.Counter(), {k: getattr(dist, k) for k in (
-        "all_reduce", "all_gather_into_tensor", "all_to_all_single")}
+        "all_reduce", gather, "all_to_all_single")}
 
     def counted(name):
         def call(*args, **kwargs):
             t = args[0] if name == "all_reduce" else args[1]
-            calls[name if name != "all_reduce" else t.numel() * t.element_size()] += 1
+            calls[name.replace(gather, "gather") if name != "all_reduce"
+                  else t.numel() * t.element_size()] += 1
             return plain[name](*args, **kwargs)
         return call
     for name in plain:
@@ -664,7 +667,7 @@ def test_measure_link_under_gloo():
         # a ratio of seconds, never negative
         assert 1e-5 < gap < 1.0 and 0 <= per_gap < 100
         # the all-gather's and the all-to-all's call sites, 4 calls after 2 untimed ones
-        assert calls["all_gather_into_tensor"] == calls["all_to_all_single"] == 6
+        assert calls["gather"] == calls["all_to_all_single"] == 6
         assert sorted(kinds) == ["all_gather", "all_to_all"]
         assert all(0 <= v < 0.1 for v in kinds.values())
         # 64 KB to 16 MB, called after computing; the sync is what the 64 KB call costs beyond

@@ -483,9 +483,9 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
     computed: dict = {}
     # The 64 KB call site of the other kinds (64 KB gathered; 64 KB a rank all-to-all).
     gathered, exchanged = torch.empty(n * (small // n), device=device), torch.empty_like(xs[small])
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13
     issue = {"all_reduce": lambda x: dist.all_reduce(x, group=group),
-             "all_gather": lambda x: dist.all_gather_into_tensor(gathered, x[:small // n],
-                                                                 group=group),
+             "all_gather": lambda x: gather(gathered, x[:small // n], group=group),
              "all_to_all": lambda x: dist.all_to_all_single(exchanged, x, group=group)}
 
     def call_site(numel, reps=site_gemms, kind="all_reduce"):
