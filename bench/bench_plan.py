@@ -598,7 +598,8 @@ def cpu_once(run: str, layout: dict, steps: int) -> dict:
                for k in ("all_gather", "all_to_all")},
             "saved_gbps": mean("saved_gbps"), "before_ms": preds[0] * 1e3,
             "after_ms": preds[1] * 1e3, "predicted_ms": predicted * 1e3,
-            "measured_ms": measured * 1e3, "ratio": predicted / measured}
+            "measured_ms": measured * 1e3, "ratio": predicted / measured,
+            "profiles": [hw.to_dict() for hw in results[0][0]]}
 
 
 def layout_name(layout: dict) -> str:
@@ -628,7 +629,7 @@ def cpu(steps: int, cases: list[tuple[str, dict]], repeats: int) -> list[dict]:
     for run, layout in cases:
         tries = [cpu_once(run, layout, steps) for _ in range(repeats)]
         row = {"model": run, "layout": layout_name(layout)}
-        for key in tries[0]:
+        for key in [k for k in tries[0] if k != "profiles"]:
             row[key] = round(statistics.median(t[key] for t in tries), 3 if key == "ratio"
                              else 1 if key != "link_gbps" else 2)
         row["ratios"] = " ".join(f"{t['ratio']:.2f}" for t in tries)
@@ -639,9 +640,17 @@ def cpu(steps: int, cases: list[tuple[str, dict]], repeats: int) -> list[dict]:
         row["measured_spread"] = round(max(measured) / min(measured) - 1, 3)
         row["predictions"] = " ".join(f"{t['before_ms']:.0f}/{t['after_ms']:.0f}" for t in tries)
         row["world"] = layout["tp"] * layout["pp"] * layout["dp"] * layout.get("cp", 1)
-        out.append(row)
+        row["measured_runs"] = " ".join(f"{t:.0f}" for t in measured)
         print(row, flush=True)
+        # Each run's two profiles, for the JSON only: what moved a prediction between runs.
+        row["profiles"] = [t["profiles"] for t in tries]
+        out.append(row)
     return out
+
+
+def _columns(rows: list[dict]) -> list[str]:
+    """The table's columns: every key but the profiles (kept in the JSON)."""
+    return [k for k in rows[0] if k != "profiles"]
 
 
 def fastest(rows: list[dict]) -> list[dict]:
@@ -696,11 +705,11 @@ def main() -> None:
         return
     if args.set == "holdout":
         rows = cpu(args.steps, HOLDOUT, args.repeats)
-        common.report("plan_holdout", rows, list(rows[0]))
+        common.report("plan_holdout", rows, _columns(rows))
         return
     if args.set in HOLDOUTS:
         rows = cpu(args.steps, HOLDOUTS[args.set], args.repeats)
-        common.report(f"plan_{args.set}", rows, list(rows[0]))
+        common.report(f"plan_{args.set}", rows, _columns(rows))
         picks = fastest(rows)
         common.report(f"plan_{args.set}_fastest", picks, list(picks[0]))
         return
@@ -710,7 +719,7 @@ def main() -> None:
     if not args.skip_cpu:
         cases = [(run, layout) for run in args.models.split(",") for layout in LAYOUTS]
         rows = cpu(args.steps, cases, args.repeats)
-        common.report("plan_cpu", rows, list(rows[0]))
+        common.report("plan_cpu", rows, _columns(rows))
 
 
 if __name__ == "__main__":
