@@ -745,8 +745,6 @@ def test_each_kind_of_call_site_has_its_own_sync():
 def _interleaved_rank(rank, world):
     import functools
 
-    import torch.distributed as dist
-
     from fastpar.plan import calibrate
     events, rounds = [], iter(range(100))
     link = calibrate.measure_link
@@ -771,7 +769,6 @@ def _interleaved_rank(rank, world):
     calibrate.measure_split_overhead = lambda d, **kw: 1e-4
     calibrate.measure_saved_rate = functools.partial(lambda d, **kw: 1e10)
     hw = calibrate.measure("x", rounds=3)
-    assert dist.get_world_size() == world
     return events, hw
 
 

@@ -611,7 +611,9 @@ def tp_linears(shape: Shape, feat: Features = FASTPAR) -> tuple[list, list]:
     rows = [mats[3]] + ([] if shape.model.n_experts else [mats[-1]])
     if not feat.fused_qkv:
         return mats[:3] + mlp, rows
-    fuse = lambda gs: [(gs[0][0], sum(g[1] for g in gs), gs[0][2])] if gs else []   # noqa: E731
+
+    def fuse(gemms):                    # one GEMM of all their outputs
+        return [(gemms[0][0], sum(g[1] for g in gemms), gemms[0][2])] if gemms else []
     return fuse(mats[:3]) + fuse(mlp), rows
 
 
