@@ -800,6 +800,38 @@ def test_calibration_takes_the_median_of_its_rounds():
     assert _median_rounds([(1.0, 2.0), (3.0, 1.0), (2.0, 9.0)]) == (2.0, 2.0)   # forward, backward
 
 
+def _clocked_parts(monkeypatch, part_times):
+    """``_timed_parts`` on a step whose n-th call's two parts take ``part_times(n)`` seconds of
+    a fake clock (warm-up calls are n = -2, -1)."""
+    import types
+
+    from fastpar.plan import calibrate
+    clock = [0.0]
+    monkeypatch.setattr(calibrate, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    calls = iter(range(-2, 10 ** 6))
+
+    def step(mark):
+        first, second = part_times(next(calls))
+        clock[0] += first
+        mark()
+        clock[0] += second
+    return calibrate._timed_parts(step, calibrate.torch.device("cpu"), iters=40, windows=5)
+
+
+def test_host_work_parts_leave_out_a_stall_and_share_a_slow_spell(monkeypatch):
+    """The host-work figures (a backward less its forward, a split step less a plain one) time
+    both parts in each call, and take the median of five windows' means: one call stalled by
+    30 ms, or a slow spell over one window, moves neither part; a stall every few calls (a
+    shared core's time slice) stays in every window and is paid."""
+    f, b = 2e-3, 4e-3
+    assert _clocked_parts(monkeypatch, lambda n: (f, b + 0.03 * (n == 13))) == \
+        pytest.approx([f, b])
+    spell = _clocked_parts(monkeypatch, lambda n: (f * (1 + (n < 8)), b * (1 + (n < 8))))
+    assert spell == pytest.approx([f, b])                    # both parts, the same calls
+    sliced = _clocked_parts(monkeypatch, lambda n: (f, b + 3e-3 * (n % 4 == 0)))
+    assert sliced == pytest.approx([f, b + 3e-3 / 4])        # two in each window of eight
+
+
 def test_dp_across_nodes_uses_every_nic_of_its_ranks():
     cluster = Cluster(32, 8, ROUND)                 # NVLink 100 GB/s, one 10 GB/s NIC per GPU
     assert cluster.link_gbps(8) == 100.0 and cluster.link_gbps(16) == 10.0

@@ -33,7 +33,9 @@
   (``saved_gbps``): fastpar's layers forward with the graph kept against the same forward
   without recording, per byte the cost model says they save.
 
-On a CPU every time is the mean of its calls (the step pays the slow ones too), and every
+On a CPU every time is the mean of its calls (the step pays the slow ones too; the host-work
+figures, small differences of two times, take both in each call and the median of five
+windows' means), and every
 figure the median of ``CPU_ROUNDS`` rounds of them, spread among the link's rounds (a slow spell
 of the host falls on one round); on a GPU the median call, one round. With several ranks on
 one machine every rank measures at the same time, as they will train: run it under torchrun
@@ -96,6 +98,43 @@ def _timed(fn, device, iters: int, barrier=None, window: bool = False) -> float:
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) if device.type == "cuda" else statistics.fmean(times)
+
+
+def _timed_parts(step, device, iters: int = 40, barrier=None, windows: int = 5) -> list[float]:
+    """Seconds of each part of ``step(mark)`` (the parts between its calls of ``mark()``),
+    for the host-work figures of a CPU, which are small differences of two times: each part's
+    median over ``windows`` windows of ``iters`` calls back to back of its mean in the window.
+
+    Both parts of a difference are timed in the same call, so a slow spell of the host falls on
+    both: timed apart, a spell that met only the forward's 20 calls read as a backward 30-50%
+    cheaper. And the host now and then stalls one call for 2-7 ms (not Python's collector: no
+    collection ran in those calls): one such call in twenty moved a 3.6 ms backward's mean by
+    6-19%, and the backward's per-operator overhead by 15-45%; the median of the windows
+    leaves it out, while each window of several calls still pays every time slice a shared
+    core takes from it."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    marks: list[float] = []
+
+    def mark():
+        sync()
+        marks.append(time.perf_counter())
+    for _ in range(2):
+        step(mark)
+    if barrier is not None:
+        barrier()
+    calls = []
+    for _ in range(iters):
+        marks.clear()
+        mark()
+        step(mark)
+        mark()
+        calls.append([b - a for a, b in itertools.pairwise(marks)])
+    size = max(1, iters // windows)
+    spans = range(0, size * (iters // size), size)
+    return [statistics.median(statistics.fmean(c[part] for c in calls[i:i + size])
+                              for i in spans) for part in range(len(calls[0]))]
 
 
 def gemm_shapes(sizes=(64, 128, 256, 512, 1024)) -> list[tuple[int, int, int]]:
@@ -214,12 +253,12 @@ def measure_layer_overhead(hw: Hardware, device: torch.device, barrier=None,
             h = block(h, rope, False)
         outs.append(h)
 
-    def backward():
+    def step(mark):
         forward()
+        mark()
         h = outs.pop()
         h.backward(torch.ones_like(h))
-    t_f = _timed(lambda: (forward(), outs.clear()), device, iters=20, barrier=barrier) / layers
-    t_b = _timed(backward, device, iters=20, barrier=barrier) / layers - t_f
+    t_f, t_b = (t / layers for t in _timed_parts(step, device, barrier=barrier))
     shape = Shape(config, seq_len, 1, 1, False, 1)
     zero, one = (layer_cost(shape, dataclasses.replace(hw, kernel_overhead_us=us,
                                                        forward_overhead_us=us))
@@ -256,8 +295,9 @@ def measure_split_overhead(device: torch.device, barrier=None, layers: int = 4,
         _, pending = backward_input(y, torch.ones_like(y), x, cap, eager)
         backward_weight(pending)
         calls.append(len(pending) + len(cap.inputs))
-    extra = _timed(split, device, iters=20, barrier=barrier) - \
-        _timed(plain, device, iters=20, barrier=barrier)
+    t_plain, t_split = _timed_parts(lambda mark: (plain(), mark(), split()), device,
+                                    barrier=barrier)
+    extra = t_split - t_plain
     return max(0.0, extra) / max(1, calls[-1])
 
 
