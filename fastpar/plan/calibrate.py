@@ -35,12 +35,12 @@
 
 On a CPU every time is the mean of its calls (the step pays the slow ones too; the host-work
 figures, small differences of two times, take both in each call and the median of five
-windows' means), and every
-figure the median of ``CPU_ROUNDS`` rounds of them, spread among the link's rounds (a slow spell
-of the host falls on one round); on a GPU the median call, one round. With several ranks on
-one machine every rank measures at the same time, as they will train: run it under torchrun
-with the training run's ``--nproc-per-node`` so that every rate is the one a rank gets while
-the others share the cores (each rank keeps its share of the threads).
+windows' means), and every figure the median of ``CPU_ROUNDS`` rounds of them, spread among
+the link's rounds (a slow spell of the host falls on one round); on a GPU the median call,
+one round. With several ranks on one machine every rank measures at the same time, as they
+will train: run it under torchrun with the training run's ``--nproc-per-node`` so that every
+rate is the one a rank gets while the others share the cores (each rank keeps its share of
+the threads).
 Ranks that need more cores than the machine has measure compute in turns, and the profile's
 ``concurrent_ranks`` lets the planner share the cores itself. The only model code it runs is the
 layer of the per-operator overhead.
@@ -102,8 +102,9 @@ def _timed(fn, device, iters: int, barrier=None, window: bool = False) -> float:
 
 def _timed_parts(step, device, iters: int = 40, barrier=None, windows: int = 5) -> list[float]:
     """Seconds of each part of ``step(mark)`` (the parts between its calls of ``mark()``),
-    for the host-work figures of a CPU, which are small differences of two times: each part's
-    median over ``windows`` windows of ``iters`` calls back to back of its mean in the window.
+    for the host-work figures of a CPU, which are small differences of two times: ``iters``
+    calls back to back in ``windows`` windows, each part's mean in each window, the median
+    of those means.
 
     Both parts of a difference are timed in the same call, so a slow spell of the host falls on
     both: timed apart, a spell that met only the forward's 20 calls read as a backward 30-50%
