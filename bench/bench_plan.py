@@ -551,12 +551,30 @@ HOLDOUT22 = [
     ("moe8-s168", dict(tp=1, pp=1, dp=2)),
     ("moe8-s168", dict(tp=1, pp=2, dp=1, schedule="1f1b")),
 ]
+# Twenty-third out-of-sample set (--set holdout23 --calibrate-repeats 4): after the calibration
+# could run every round N times (``--calibrate-repeats``; HOLDOUT22's per-run predictions moved
+# 10-17% for two layouts when the host's slow spells met a minute's calibration). Each workload's
+# four layouts run, in an order rotated each repeat, between two calibrations of four times the
+# rounds. Fixed before any case below ran: the tiny model at sequence 248 (4 micro-batches of
+# 4) under tp2, tp2 SP, cp2 and pp2 1F1B, and the 8-expert MoE at 184 (4 of 2) under dp2 ep2,
+# tp2 SP, dp2 and pp2 ZB-H1.
+HOLDOUT23_RUNS = {"tiny-s248": ("tiny", 248, 16, 4), "moe8-s184": ("bench-moe8", 184, 8, 2)}
+HOLDOUT23 = [
+    ("tiny-s248", dict(tp=2, pp=1, dp=1)),
+    ("tiny-s248", dict(tp=2, pp=1, dp=1, sequence_parallel=True)),
+    ("tiny-s248", dict(tp=1, pp=1, dp=1, cp=2)),
+    ("tiny-s248", dict(tp=1, pp=2, dp=1, schedule="1f1b")),
+    ("moe8-s184", dict(tp=1, pp=1, dp=2, ep=2)),
+    ("moe8-s184", dict(tp=2, pp=1, dp=1, sequence_parallel=True)),
+    ("moe8-s184", dict(tp=1, pp=1, dp=2)),
+    ("moe8-s184", dict(tp=1, pp=2, dp=1, schedule="zb-h1")),
+]
 RUNS = {**CPU_RUNS, **HOLDOUT_RUNS, **HOLDOUT2_RUNS, **HOLDOUT3_RUNS, **HOLDOUT4_RUNS,
         **HOLDOUT5_RUNS, **HOLDOUT6_RUNS, **HOLDOUT7_RUNS, **HOLDOUT8_RUNS, **HOLDOUT9_RUNS,
         **HOLDOUT10_RUNS, **HOLDOUT11_RUNS, **HOLDOUT12_RUNS,
         **HOLDOUT13_RUNS, **HOLDOUT14_RUNS, **HOLDOUT15_RUNS, **HOLDOUT16_RUNS,
         **HOLDOUT17_RUNS, **HOLDOUT18_RUNS, **HOLDOUT19_RUNS, **HOLDOUT20_RUNS,
-        **HOLDOUT21_RUNS, **HOLDOUT22_RUNS}
+        **HOLDOUT21_RUNS, **HOLDOUT22_RUNS, **HOLDOUT23_RUNS}
 HOLDOUTS = {"holdout2": HOLDOUT2, "holdout3": HOLDOUT3, "holdout4": HOLDOUT4,
             "holdout5": HOLDOUT5, "holdout6": HOLDOUT6, "holdout7": HOLDOUT7,
             "holdout8": HOLDOUT8, "holdout9": HOLDOUT9, "holdout10": HOLDOUT10,
@@ -564,7 +582,7 @@ HOLDOUTS = {"holdout2": HOLDOUT2, "holdout3": HOLDOUT3, "holdout4": HOLDOUT4,
             "holdout13": HOLDOUT13, "holdout14": HOLDOUT14, "holdout15": HOLDOUT15,
             "holdout16": HOLDOUT16, "holdout17": HOLDOUT17,
             "holdout18": HOLDOUT18, "holdout19": HOLDOUT19, "holdout20": HOLDOUT20,
-            "holdout21": HOLDOUT21, "holdout22": HOLDOUT22}
+            "holdout21": HOLDOUT21, "holdout22": HOLDOUT22, "holdout23": HOLDOUT23}
 
 
 def _rank(rank, world, layout, steps, out, run):
@@ -586,37 +604,88 @@ def _rank(rank, world, layout, steps, out, run):
     return (before, measure("cpu-gloo")), [r["step_time_s"] for r in rows]
 
 
+def _rank_shared(rank, world, cases, steps, out, repeats):
+    """One rank of a workload's runs: calibrate (``repeats`` times the rounds), train each of
+    ``cases`` ([(run, layout)]) in turn in the same process group, calibrate again."""
+    import torch
+    import torch.distributed as dist
+
+    from fastpar.plan.calibrate import measure
+    from fastpar.train import TrainConfig, train
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    before = measure("cpu-gloo", repeats=repeats)
+    times = []
+    for i, (run, layout) in enumerate(cases):
+        preset, seq, batch, mbs = RUNS[run]
+        cfg = TrainConfig(model=preset, seq_len=seq, global_batch_size=batch,
+                          micro_batch_size=mbs, steps=steps, warmup_steps=1, log_every=1000,
+                          out=os.path.join(out, str(i)), save_every=10 ** 6,
+                          **{"schedule": "1f1b", **layout})
+        times.append([r["step_time_s"] for r in train(cfg)])
+    return (before, measure("cpu-gloo", repeats=repeats)), times
+
+
+def world_of(layout: dict) -> int:
+    return layout["tp"] * layout["pp"] * layout["dp"] * layout.get("cp", 1)
+
+
 def cpu_once(run: str, layout: dict, steps: int) -> dict:
     """One run: calibrate on every rank, train, calibrate again; the prediction is the
     geometric mean of those from rank 0's two profiles, which bracket the training in time
     (on a shared machine the rates drift by tens of percent within seconds)."""
     from fastpar.testing import run_ranks
 
-    world = layout["tp"] * layout["pp"] * layout["dp"] * layout.get("cp", 1)
     with tempfile.TemporaryDirectory() as tmp:
-        results = run_ranks(_rank, world, layout, steps, tmp, run, timeout=900, init_pg=False)
-    measured = statistics.median(max(r[1][i] for r in results) for i in range(2, steps))
+        results = run_ranks(_rank, world_of(layout), layout, steps, tmp, run, timeout=900,
+                            init_pg=False)
+    return _judged(run, layout, results[0][0], [r[1] for r in results], steps)
+
+
+def cpu_shared(run: str, layouts: list[dict], steps: int, repeats: int) -> list[dict]:
+    """One run of a workload's layouts (one world size): calibrate on every rank with
+    ``repeats`` times the rounds, train every layout in the order given, calibrate again; each
+    layout judged as :func:`cpu_once` judges its own run, on the same two profiles."""
+    from fastpar.testing import run_ranks
+
+    world = world_of(layouts[0])
+    if any(world_of(x) != world for x in layouts):
+        raise ValueError(f"{run}: the layouts' world sizes differ "
+                         f"({[world_of(x) for x in layouts]})")
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ranks(_rank_shared, world, [(run, x) for x in layouts], steps, tmp,
+                            repeats, timeout=900 + 600 * repeats, init_pg=False)
+    return [_judged(run, layout, results[0][0], [r[1][i] for r in results], steps)
+            for i, layout in enumerate(layouts)]
+
+
+def _judged(run: str, layout: dict, profiles, rank_times: list, steps: int) -> dict:
+    """One run's row: the median step after the first two (slowest rank) against the geometric
+    mean of the predictions from rank 0's two profiles."""
+    world = world_of(layout)
+    measured = statistics.median(max(t[i] for t in rank_times) for i in range(2, steps))
     preset, seq, batch, mbs = RUNS[run]
     model = get_config(preset, max_seq_len=max(seq, get_config(preset).max_seq_len))
     # The CPU trainer's precision ("auto"): fp32 weights, gradients and reductions.
     preds = [evaluate(Workload(model, seq, batch), Cluster(world, world, hw),
                       ParallelConfig(micro_batch_size=mbs, **layout),
                       trainer_features("fp32")).step_time_s
-             for hw in results[0][0]]
+             for hw in profiles]
     predicted = math.sqrt(preds[0] * preds[1])
 
     def mean(field):
-        return statistics.fmean(getattr(hw, field) for hw in results[0][0])
+        return statistics.fmean(getattr(hw, field) for hw in profiles)
     return {"gflops": mean("peak_tflops") * 1e3, "op_us": mean("kernel_overhead_us"),
             "act_gbps": mean("activation_gbps"), "link_gbps": mean("intra_node_gbps"),
             "latency_us": mean("collective_latency_us"), "sync_us": mean("sync_us"),
             "sync_per_gap": mean("sync_per_gap"), "post_us": mean("p2p_post_us"),
-            **{f"{k}_sync_us": statistics.fmean(hw.call_sync(k) * 1e6 for hw in results[0][0])
+            **{f"{k}_sync_us": statistics.fmean(hw.call_sync(k) * 1e6 for hw in profiles)
                for k in ("all_gather", "all_to_all")},
             "saved_gbps": mean("saved_gbps"), "before_ms": preds[0] * 1e3,
             "after_ms": preds[1] * 1e3, "predicted_ms": predicted * 1e3,
             "measured_ms": measured * 1e3, "ratio": predicted / measured,
-            "profiles": [hw.to_dict() for hw in results[0][0]]}
+            "profiles": [hw.to_dict() for hw in profiles]}
 
 
 def layout_name(layout: dict) -> str:
@@ -638,13 +707,27 @@ def layout_name(layout: dict) -> str:
     return name + (f" v{layout['virtual_stages']}" if layout.get("virtual_stages", 1) > 1 else "")
 
 
-def cpu(steps: int, cases: list[tuple[str, dict]], repeats: int) -> list[dict]:
+def cpu(steps: int, cases: list[tuple[str, dict]], repeats: int,
+        calibrate_repeats: int | None = None) -> list[dict]:
     """Per (run, layout) case, the medians over ``repeats`` runs (each calibrated anew), every
     run's ratio and two predictions, and how far the predictions and the measured steps spread
-    (max / min - 1)."""
+    (max / min - 1). ``calibrate_repeats``: each workload's layouts share their runs
+    (:func:`cpu_shared`, in an order rotated by one each repeat) and calibrations of that many
+    times the rounds; else every case runs between its own two calibrations."""
+    if calibrate_repeats is None:
+        every = [[cpu_once(run, layout, steps) for _ in range(repeats)] for run, layout in cases]
+    else:
+        got: dict = {}
+        for r in range(repeats):
+            for run in dict.fromkeys(c[0] for c in cases):
+                mine = [i for i, c in enumerate(cases) if c[0] == run]
+                order = mine[r % len(mine):] + mine[:r % len(mine)]
+                for i, row in zip(order, cpu_shared(run, [cases[i][1] for i in order], steps,
+                                                    calibrate_repeats)):
+                    got.setdefault(i, []).append(row)
+        every = [got[i] for i in range(len(cases))]
     out = []
-    for run, layout in cases:
-        tries = [cpu_once(run, layout, steps) for _ in range(repeats)]
+    for (run, layout), tries in zip(cases, every):
         row = {"model": run, "layout": layout_name(layout)}
         for key in [k for k in tries[0] if k != "profiles"]:
             row[key] = round(statistics.median(t[key] for t in tries), 3 if key == "ratio"
@@ -656,7 +739,7 @@ def cpu(steps: int, cases: list[tuple[str, dict]], repeats: int) -> list[dict]:
         measured = [t["measured_ms"] for t in tries]
         row["measured_spread"] = round(max(measured) / min(measured) - 1, 3)
         row["predictions"] = " ".join(f"{t['before_ms']:.0f}/{t['after_ms']:.0f}" for t in tries)
-        row["world"] = layout["tp"] * layout["pp"] * layout["dp"] * layout.get("cp", 1)
+        row["world"] = world_of(layout)
         row["measured_runs"] = " ".join(f"{t:.0f}" for t in measured)
         print(row, flush=True)
         # Each run's two profiles, for the JSON only: what moved a prediction between runs.
@@ -710,11 +793,18 @@ def main() -> None:
                         "HOLDOUT13; holdout14: HOLDOUT14; holdout15: HOLDOUT15; holdout16: "
                         "HOLDOUT16; holdout17: HOLDOUT17; holdout18: HOLDOUT18; holdout19: "
                         "HOLDOUT19; holdout20: HOLDOUT20; holdout21: HOLDOUT21; holdout22: "
-                        "HOLDOUT22, fixed before its first run")
+                        "HOLDOUT22; holdout23: HOLDOUT23 (with --calibrate-repeats 4), fixed "
+                        "before its first run")
+    p.add_argument("--calibrate-repeats", type=int, default=None, metavar="N",
+                   help="a workload's layouts run in turn between two calibrations of N times "
+                        "the rounds (fastpar plan --calibrate-repeats N); unset: each run "
+                        "between its own two calibrations of the default length")
     p.add_argument("--sensitivity", action="store_true",
                    help="only print how the published rows' predictions move with "
                         "matmul_efficiency and link bandwidth (arithmetic, no runs)")
     args = p.parse_args()
+    if args.calibrate_repeats is not None and args.calibrate_repeats < 1:
+        p.error(f"--calibrate-repeats={args.calibrate_repeats} must be >= 1")
     if args.sensitivity:
         rows, summary = published_sensitivity()
         common.report("plan_sensitivity", rows, list(rows[0]))
@@ -725,7 +815,7 @@ def main() -> None:
         common.report("plan_holdout", rows, _columns(rows))
         return
     if args.set in HOLDOUTS:
-        rows = cpu(args.steps, HOLDOUTS[args.set], args.repeats)
+        rows = cpu(args.steps, HOLDOUTS[args.set], args.repeats, args.calibrate_repeats)
         common.report(f"plan_{args.set}", rows, _columns(rows))
         picks = fastest(rows)
         common.report(f"plan_{args.set}_fastest", picks, list(picks[0]))

@@ -742,7 +742,7 @@ def test_each_kind_of_call_site_has_its_own_sync():
         assert kinds["all_to_all"] > sync + 2e-3
 
 
-def _interleaved_rank(rank, world):
+def _interleaved_rank(rank, world, repeats=1):
     import functools
 
     from fastpar.plan import calibrate
@@ -768,7 +768,7 @@ def _interleaved_rank(rank, world):
     calibrate.measure_layer_overhead = lambda hw, d, **kw: (2e-5, 1e-5)
     calibrate.measure_split_overhead = lambda d, **kw: 1e-4
     calibrate.measure_saved_rate = functools.partial(lambda d, **kw: 1e10)
-    hw = calibrate.measure("x", rounds=3)
+    hw = calibrate.measure("x", rounds=3, repeats=repeats)
     return events, hw
 
 
@@ -787,6 +787,24 @@ def test_compute_rounds_are_spread_among_the_link_rounds():
         assert hw.memory_curve == ((2 ** 20, 2.0), (2 ** 24, 4.0))
         assert (hw.forward_overhead_us, hw.kernel_overhead_us) == pytest.approx((20.0, 10.0))
         assert hw.intra_node_gbps > 0 and hw.sync_gap_us > 0     # the link was measured too
+
+
+def test_repeats_run_every_round_that_many_times_spread_alike():
+    """``repeats=2`` (``--calibrate-repeats 2``): 16 link rounds and 6 compute rounds, spread
+    among them as the 3 among 8 are; each figure the median round's; 0 is refused before any
+    measurement."""
+    from fastpar.plan import calibrate
+    from fastpar.testing import run_ranks
+    for events, hw in run_ranks(_interleaved_rank, 2, 2, timeout=180):
+        spots = [i for i, (kind, _) in enumerate(events) if kind == "compute"]
+        links = [k for kind, k in events if kind == "link"]
+        assert links == list(range(16))
+        # compute round k runs before link round 1, 4, 6, 9, 12, 14 (after its "link" event)
+        assert [spots[k] - k - 1 for k in range(6)] == [1, 4, 6, 9, 12, 14]
+        assert hw.peak_tflops == pytest.approx(3.5e-3)   # the median of six rounds: 3.5e9
+        assert hw.matmul_curve == ((1e6, 0.5), (1e8, 1.0))
+    with pytest.raises(ValueError, match="repeats=0 must be >= 1"):
+        calibrate.measure("x", repeats=0)
 
 
 def test_calibration_takes_the_median_of_its_rounds():

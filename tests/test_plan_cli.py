@@ -84,7 +84,8 @@ def test_calibrate_writes_a_profile(tmp_path, capsys, monkeypatch):
     assert hw.saved_gbps > 0
     # An existing profile is not replaced unasked; --overwrite replaces it (with a profile
     # measured as above: the file handling is what is tested here).
-    monkeypatch.setattr(cal, "measure", lambda name: dataclasses.replace(hw, name="again"))
+    monkeypatch.setattr(cal, "measure",
+                        lambda name, repeats: dataclasses.replace(hw, name=f"again{repeats}"))
     before = (tmp_path / "cpu.json").read_bytes()
     capsys.readouterr()
     assert main(["plan", "--calibrate", "--out", str(tmp_path / "cpu.json")]) == 2
@@ -92,7 +93,17 @@ def test_calibrate_writes_a_profile(tmp_path, capsys, monkeypatch):
     assert len(err.splitlines()) == 1 and "is an existing file: pass --overwrite" in err
     assert (tmp_path / "cpu.json").read_bytes() == before
     assert main(["plan", "--calibrate", "--out", str(tmp_path / "cpu.json"), "--overwrite"]) == 0
-    assert load_hardware(tmp_path / "cpu.json").name == "again"
+    assert load_hardware(tmp_path / "cpu.json").name == "again1"
+    # --calibrate-repeats reaches the measurement; below 1 it is refused, the file kept
+    assert main(["plan", "--calibrate", "--out", str(tmp_path / "cpu.json"), "--overwrite",
+                 "--calibrate-repeats", "4"]) == 0
+    assert load_hardware(tmp_path / "cpu.json").name == "again4"
+    capsys.readouterr()
+    assert main(["plan", "--calibrate", "--out", str(tmp_path / "cpu.json"), "--overwrite",
+                 "--calibrate-repeats", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == "fastpar plan: error: --calibrate-repeats=0 must be >= 1\n"
+    assert load_hardware(tmp_path / "cpu.json").name == "again4"
 
 
 @pytest.mark.parametrize("gpus,cp", [(8, 1), (16, 1), (8, 2)])

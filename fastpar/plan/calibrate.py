@@ -60,6 +60,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..mesh.layout import require_positive
 from .hardware import Hardware, save_hardware
 
 
@@ -628,7 +629,8 @@ def measure_link(group=None, device=None, barrier=None, work_size: int = 320, ro
     return bw, latency, sync, curve, times["post"], per_gap, short, kinds
 
 
-def measure(name: str = "calibrated", group=None, rounds: int | None = None) -> Hardware:
+def measure(name: str = "calibrated", group=None, rounds: int | None = None,
+            repeats: int = 1) -> Hardware:
     """This rank's profile; links are measured when a process group is initialised.
 
     All ranks measure at once, each with its own thread count, and start every measurement
@@ -647,7 +649,15 @@ def measure(name: str = "calibrated", group=None, rounds: int | None = None) -> 
     rounds are spread among the link's (``measure_link``'s ``between``), a whole compute round
     (every figure once) at a time: three rounds in a row took 20-25 s of a 2-core machine and
     could all meet one slow spell (every GEMM shape 5-20% slower in one calibration of six
-    back to back; the host's own rate holds within 4% over two-second windows otherwise)."""
+    back to back; the host's own rate holds within 4% over two-second windows otherwise).
+
+    ``repeats``: every round, the link's and the compute's, that many times over, spread the
+    same way (``fastpar plan --calibrate-repeats``). A host shared with other machines' work
+    can run 20-30% slower for spells of 10-20 s: a calibration of about a minute meets a few of
+    them, and the same layout's prediction then moved 10-17% from one calibration to the next
+    on a 2-core machine; four times the rounds (about 4.5 minutes on its 2 ranks) meet four
+    times as many spells, so their median moves about half as far."""
+    require_positive({"repeats": repeats})
     cuda = torch.cuda.is_available()
     grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -657,7 +667,8 @@ def measure(name: str = "calibrated", group=None, rounds: int | None = None) -> 
                                             // max(1, torch.get_num_threads())))
     turns = _turns(int(concurrent)) if grouped and not cuda and group is None else None
 
-    rounds = rounds or (1 if cuda else CPU_ROUNDS)
+    rounds = (rounds or (1 if cuda else CPU_ROUNDS)) * repeats
+    link_rounds = LINK_ROUNDS * repeats
     kw = (lambda b: {"barrier": b} if b is not None else {})   # one rank: the plain calls
     done: list = []
 
@@ -679,9 +690,9 @@ def measure(name: str = "calibrated", group=None, rounds: int | None = None) -> 
     if grouped:
         # The compute rounds spread over the link's rounds (a slow spell of a shared host lasts
         # seconds to tens of seconds: three rounds in a row met the same one).
-        spots = collections.Counter(min(LINK_ROUNDS - 1, (2 * i + 1) * LINK_ROUNDS // (2 * rounds))
+        spots = collections.Counter(min(link_rounds - 1, (2 * i + 1) * link_rounds // (2 * rounds))
                                     for i in range(rounds))
-        link = measure_link(group, device if cuda else None, barrier, rounds=LINK_ROUNDS,
+        link = measure_link(group, device if cuda else None, barrier, rounds=link_rounds,
                             between=lambda i: [compute_round() for _ in range(spots[i])])
     else:
         for _ in range(rounds):
@@ -781,14 +792,16 @@ def _profile(name, cuda, peak, overhead, gemms, memory, attention, activation, l
                     sync_by_kind=tuple((k, v * 1e6) for k, v in sorted(kinds.items())))
 
 
-def calibrate(out: str | Path = "hardware.json", name: str | None = None) -> tuple[Hardware, Path]:
-    """Measure (joining torchrun's process group if there is one) and write the profile from
-    the first rank; returns it and the path."""
+def calibrate(out: str | Path = "hardware.json", name: str | None = None,
+              repeats: int = 1) -> tuple[Hardware, Path]:
+    """Measure (joining torchrun's process group if there is one; ``repeats`` as
+    :func:`measure`'s) and write the profile from the first rank; returns it and the path."""
+    require_positive({"repeats": repeats})            # before any process group
     started = False
     if "RANK" in os.environ and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         started = True
-    hw = measure(name or Path(out).stem)
+    hw = measure(name or Path(out).stem, repeats=repeats)
     path = Path(out)
     if not dist.is_initialized() or dist.get_rank() == 0:
         save_hardware(hw, path)
