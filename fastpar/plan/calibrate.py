@@ -655,8 +655,9 @@ def measure(name: str = "calibrated", group=None, rounds: int | None = None,
     same way (``fastpar plan --calibrate-repeats``). A host shared with other machines' work
     can run 20-30% slower for spells of 10-20 s: a calibration of about a minute meets a few of
     them, and the same layout's prediction then moved 10-17% from one calibration to the next
-    on a 2-core machine; four times the rounds (about 4.5 minutes on its 2 ranks) meet four
-    times as many spells, so their median moves about half as far."""
+    on a 2-core machine. Four times the rounds (about 5 minutes on its 2 ranks) meet four times
+    as many spells: two such calibrations 20 minutes apart predicted eight layouts within
+    2.5-6.3% of each other; a host that changes speed for longer than that moves them all."""
     require_positive({"repeats": repeats})
     cuda = torch.cuda.is_available()
     grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1

@@ -55,7 +55,7 @@ def add_plan(sub) -> None:
                    help="let --calibrate replace an existing --out file")
     p.add_argument("--calibrate-repeats", type=int, default=1, metavar="N",
                    help="--calibrate runs every measurement round N times: a steadier profile "
-                        "on a shared host (N=4: about 4.5 minutes on 2 CPU ranks)")
+                        "on a shared host (N=4: about 5 minutes on 2 CPU ranks)")
 
 
 def _model(args) -> GPTConfig:
