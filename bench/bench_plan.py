@@ -585,28 +585,9 @@ HOLDOUTS = {"holdout2": HOLDOUT2, "holdout3": HOLDOUT3, "holdout4": HOLDOUT4,
             "holdout21": HOLDOUT21, "holdout22": HOLDOUT22, "holdout23": HOLDOUT23}
 
 
-def _rank(rank, world, layout, steps, out, run):
-    """One rank of a CPU run: calibrate, train ``RUNS[run]`` under ``layout``, calibrate."""
-    import torch
-    import torch.distributed as dist
-
-    from fastpar.plan.calibrate import measure
-    from fastpar.train import TrainConfig, train
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    before = measure("cpu-gloo")
-    preset, seq, batch, mbs = RUNS[run]
-    cfg = TrainConfig(model=preset, seq_len=seq, global_batch_size=batch, micro_batch_size=mbs,
-                      steps=steps, warmup_steps=1, log_every=1000, out=out,
-                      save_every=10 ** 6, **{"schedule": "1f1b", **layout})
-    rows = train(cfg)
-    return (before, measure("cpu-gloo")), [r["step_time_s"] for r in rows]
-
-
 def _rank_shared(rank, world, cases, steps, out, repeats):
-    """One rank of a workload's runs: calibrate (``repeats`` times the rounds), train each of
-    ``cases`` ([(run, layout)]) in turn in the same process group, calibrate again."""
+    """One rank of a CPU run: calibrate (``repeats`` times the rounds), train each of ``cases``
+    ([(run, layout)]) in turn in the same process group, calibrate again."""
     import torch
     import torch.distributed as dist
 
@@ -635,12 +616,7 @@ def cpu_once(run: str, layout: dict, steps: int) -> dict:
     """One run: calibrate on every rank, train, calibrate again; the prediction is the
     geometric mean of those from rank 0's two profiles, which bracket the training in time
     (on a shared machine the rates drift by tens of percent within seconds)."""
-    from fastpar.testing import run_ranks
-
-    with tempfile.TemporaryDirectory() as tmp:
-        results = run_ranks(_rank, world_of(layout), layout, steps, tmp, run, timeout=900,
-                            init_pg=False)
-    return _judged(run, layout, results[0][0], [r[1] for r in results], steps)
+    return cpu_shared(run, [layout], steps, 1)[0]
 
 
 def cpu_shared(run: str, layouts: list[dict], steps: int, repeats: int) -> list[dict]:
